@@ -1,0 +1,44 @@
+"""Per-step attention metadata, and the scope that makes it visible to the attention layers deep
+inside the model (set for one forward pass, always reset, even on an exception)."""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    is_prefill: bool
+    # slot = block_table[pos // block_size] * block_size + pos % block_size; -1 = padding, not stored
+    slot_mapping: torch.Tensor  # [num_tokens]
+    seqlens_k: torch.Tensor  # [num_seqs] int32: context length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32, prefill only
+    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32, prefill only
+    max_seqlen_q: int = 1
+    max_seqlen_k: int = 0
+    # True when some sequence reads KV it did not compute in this step (prefix cache or an earlier
+    # chunk); without it, prefill attends to the step's own k/v and never reads the cache.
+    has_prefix: bool = False
+    # Host copies for backends that loop over sequences in Python (the torch reference backend).
+    cu_seqlens_q_host: list[int] | None = None
+    seqlens_k_host: list[int] | None = None
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata):
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield meta
+    finally:
+        _current = previous
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    assert _current is not None, "attention ran outside forward_context()"
+    return _current

@@ -1,0 +1,81 @@
+"""Engine configuration: one validated `Config` built from the options `LLM(...)` accepts.
+Unknown options raise TypeError, out-of-range values raise ValueError, and a path that holds no
+model says how to get one."""
+
+import os
+from dataclasses import dataclass, field, fields
+
+from transformers import AutoConfig, PretrainedConfig
+
+DOWNLOAD_HINT = (
+    "download a model first, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
+    "--local-dir ~/huggingface/Qwen3-0.6B/`, and pass that folder"
+)
+VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
+VALID_DEVICES = ("auto", "cpu", "cuda")
+VALID_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn", "fa3")
+
+
+@dataclass(slots=True)
+class Config:
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int | None = None
+    # KV-cache budget when running on CPU, where there is no free-memory probe to size it from.
+    cpu_kvcache_space_gib: float = 4.0
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    attention_backend: str = "auto"
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    eos_token_ids: tuple[int, ...] = field(init=False, default=())
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "Config":
+        valid = sorted(f.name for f in fields(cls) if f.init and f.name != "model")
+        unknown = sorted(options.keys() - set(valid))
+        if unknown:
+            raise TypeError(f"unknown LLM options {unknown}; valid options are {valid}")
+        return cls(model, **options)
+
+    def __post_init__(self) -> None:
+        self.model = os.path.expanduser(str(self.model))
+        self._check_ranges()
+        if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):
+            what = "does not exist" if not os.path.exists(self.model) else "has no config.json"
+            raise ValueError(f"model path {self.model!r} {what}; {DOWNLOAD_HINT}")
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+
+    def _check_ranges(self) -> None:
+        positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
+                    "kvcache_block_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
+            raise ValueError(f"num_kvcache_blocks must be >= 1 or None (size from memory), "
+                             f"got {self.num_kvcache_blocks}")
+        if self.cpu_kvcache_space_gib <= 0:
+            raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
+        choices = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
+                   "attention_backend": VALID_ATTENTION_BACKENDS}
+        for name, valid in choices.items():
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")

@@ -1,0 +1,154 @@
+"""The engine loop: validates and tokenizes requests, schedules steps, runs them on the model
+runner and turns finished sequences into outputs. `add_request`, `step`, `is_finished` and
+`generate` are the public loop."""
+
+import time
+from collections.abc import Sequence as SequenceLike
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, GenerationConfig
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, model: str, **options) -> None:
+        self.config = config = Config.from_options(model, **options)
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.model_runner = ModelRunner(config)
+        config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
+        self.scheduler = Scheduler(config, StopChecker(self._eos_token_ids(), config.max_model_len,
+                                                       self.tokenizer))
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.config.eos_token_ids)
+        try:  # generation_config.json often lists extra end tokens (e.g. a chat model's end-of-turn)
+            eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        except OSError:
+            pass
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # ---- requests ----
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer, but skip_tokenizer_init=True; "
+                                 "pass token ids instead")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, SequenceLike) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return token_ids
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        config = self.config
+        total = len(token_ids) + params.max_tokens
+        if total > config.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
+                             f"{total} exceeds max_model_len {config.max_model_len}; shorten the prompt, "
+                             "lower max_tokens or raise max_model_len")
+        blocks = -(-total // config.kvcache_block_size)
+        if blocks > config.num_kvcache_blocks:
+            raise ValueError(f"the request needs up to {blocks} KV blocks but the whole cache has "
+                             f"{config.num_kvcache_blocks}; lower max_tokens, or give the cache more memory "
+                             "(gpu_memory_utilization, num_kvcache_blocks, cpu_kvcache_space_gib)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; use stop_token_ids")
+
+    def _make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self._tokenize(prompt)
+        self._check_fits(token_ids, params)
+        return Sequence(token_ids, params, self.config.kvcache_block_size)
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Bad input raises here and leaves the engine untouched."""
+        seq = self._make_sequence(prompt, sampling_params)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    # ---- the loop ----
+    def step(self) -> tuple[list[tuple[int, dict]], int]:
+        """Run one step. Returns the (request id, output) of requests that finished, and the number
+        of tokens computed: positive for a prefill step, negative for a decode step."""
+        seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        token_ids = self.model_runner.run(seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        return [(seq.seq_id, self._output(seq)) for seq in finished], num_tokens if is_prefill else -num_tokens
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def _output(self, seq: Sequence) -> dict:
+        text = seq.stop_text
+        if text is None:
+            text = "" if self.tokenizer is None else self.tokenizer.decode(seq.completion_token_ids,
+                                                                          skip_special_tokens=True)
+        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
+                "prompt_token_ids": seq.token_ids[:seq.num_prompt_tokens],
+                "num_cached_tokens": seq.num_cached_tokens}
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        """Generate for each prompt; returns one output dict per prompt, in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise TypeError("prompts must be a string, a list of token ids, or a non-empty list of them")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; "
+                                 "pass one for all or one per prompt")
+        else:
+            sampling_params = [sampling_params] * len(prompts)
+        # Validate everything before queueing anything, so a bad prompt leaves no half-added batch.
+        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        outputs = self._run_until_done({seq.seq_id for seq in seqs}, use_tqdm)
+        return [outputs[seq.seq_id] for seq in seqs]
+
+    def _run_until_done(self, wanted: set[int], use_tqdm: bool) -> dict[int, dict]:
+        outputs: dict[int, dict] = {}
+        bar = tqdm(total=len(wanted), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_rate = decode_rate = 0.0
+        while not self.is_finished() and len(outputs) < len(wanted):
+            start = time.perf_counter()
+            finished, num_tokens = self.step()
+            elapsed = time.perf_counter() - start
+            if num_tokens > 0:
+                prefill_rate = num_tokens / elapsed
+            else:
+                decode_rate = -num_tokens / elapsed
+            bar.set_postfix({"Prefill": f"{prefill_rate:.0f}tok/s", "Decode": f"{decode_rate:.0f}tok/s"})
+            for seq_id, output in finished:
+                if seq_id in wanted:
+                    outputs[seq_id] = output
+                    bar.update(1)
+        bar.close()
+        return outputs

@@ -1,0 +1,263 @@
+"""Decode attention over the paged KV cache with split-KV (flash-decoding), in Triton.
+
+Each sequence has one query, at its last position, attending to all seqlens_k[b] keys. One program per
+(sequence, KV head) would leave most SMs idle at small batch and long context, so each context is cut
+into num_splits chunks, and two kernels run:
+
+    stage 1, grid (B, num_kv_heads, num_splits): one program reads one chunk of one sequence's K/V for
+        the whole GQA group of query heads sharing that KV head (each K/V tile is loaded once), and
+        writes a float32 partial per head: its output normalised by its own softmax sum, and its
+        log-sum-exp (base 2);
+    stage 2, grid (B, num_heads): out = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse).
+
+num_splits depends only on static shapes (batch size, KV heads, block_tables width, SM count); each
+sequence's chunk length, cdiv(seqlens_k[b], num_splits) rounded up to whole tiles, is computed on the GPU.
+So there is no host sync and no data-dependent size: the call is CUDA-graph capturable. Chunks past a
+sequence's end write neutral partials (lse = -inf), so seqlens_k[b] == 0 (graph batch padding) gives
+zeros without reading the block table or the cache.
+"""
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.kv_cache import check_paged_attention_args, dot_precision, paged_kv_offsets
+
+# Key positions per tile; at head_dim 256 the tile halves so K, V and their pipeline stages fit in
+# shared memory.
+BLOCK_N = 64
+BLOCK_N_HEAD_DIM_256 = 32
+NUM_WARPS = 4
+NUM_STAGES = 2
+# The reduce kernel handles one head's [head_dim] vector at a time: a single warp covers it.
+REDUCE_NUM_WARPS = 1
+# tl.dot needs at least 16 rows, so a GQA group (often 1-8 query heads) is padded to 16 masked rows.
+# The padding costs tensor-core FLOPs, not memory traffic, and decode is bound by reading K/V.
+MIN_GROUP_ROWS = 16
+# Enough resident programs per SM to hide memory latency in this bandwidth-bound kernel.
+PROGRAMS_PER_SM = 4
+# Caps the partials one head's reduce has to combine (and the scratch they take).
+MAX_NUM_SPLITS = 64
+# SM count assumed off-GPU (the Triton interpreter): an H100/H200 has 132.
+DEFAULT_NUM_SMS = 132
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    partial_out_ptr,  # [B, num_heads, num_splits, HEAD_DIM] float32
+    partial_lse_ptr,  # [B, num_heads, num_splits] float32
+    seqlens_k_ptr,
+    block_tables_ptr,
+    q_stride_b,
+    q_stride_h,
+    block_tables_stride,
+    num_splits,
+    scale_log2,  # softmax_scale * log2(e): the kernel works in base 2 (exp2 is the fast instruction)
+    NUM_HEADS_PER_KV: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(seqlens_k_ptr + seq)
+    # Chunks are whole tiles, so each starts on a tile boundary as paged_kv_offsets requires.
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    split_start = split * split_len
+    split_end = tl.minimum(split_start + split_len, kv_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < NUM_HEADS_PER_KV
+    heads = kv_head * NUM_HEADS_PER_KV + offs_g
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :],
+        mask=g_mask[:, None],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    # An empty chunk (split_start >= split_end) skips the loop and reads nothing.
+    for tile_start in range(split_start, split_end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < split_end
+        kv_offs = paged_kv_offsets(
+            block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N
+        )
+        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        # Position tile_start is always valid, so m_new is finite and exp2 never sees -inf - -inf.
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # A non-empty chunk has l_i >= 1 (its max term is 2^0); an empty one has l_i == 0 and becomes
+    # the neutral partial (out 0, lse -inf) that stage 2 weights by 2^-inf = 0.
+    has_keys = l_i > 0
+    safe_l = tl.where(has_keys, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf"))
+    partial_rows = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + heads) * num_splits + split
+    tl.store(partial_lse_ptr + partial_rows, lse, mask=g_mask)
+    tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    out_stride_b,
+    out_stride_h,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    first_row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(partial_lse_ptr + first_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    # Every chunk empty (seqlens_k == 0): shift by 0 rather than -inf so weights are 2^-inf = 0, not NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.sum(tl.exp2(lse - lse_max), 0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for split in range(num_splits):
+        weight = tl.exp2(tl.load(partial_lse_ptr + first_row + split) - lse_max)
+        acc += weight * tl.load(partial_out_ptr + (first_row + split) * HEAD_DIM + offs_d)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * out_stride_b + head * out_stride_h + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+    )
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_num_splits(
+    batch_size: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int
+) -> int:
+    """Chunks per sequence for split-KV decode, from static shapes only: enough programs to give every
+    SM PROGRAMS_PER_SM of them, but no more chunks than tiles in the longest possible context."""
+    wanted = triton.cdiv(num_sms * PROGRAMS_PER_SM, batch_size * num_kv_heads)
+    useful = triton.cdiv(max_context_len, block_n)
+    return max(1, min(wanted, useful, MAX_NUM_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    seqlens_k: torch.Tensor,  # [B] int32, context length including the token being decoded; 0 = padding
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    softmax_scale: float,
+    *,
+    num_splits: int | None = None,  # default: decode_num_splits(...) from static shapes
+    out: torch.Tensor | None = None,  # [B, num_heads, head_dim], q's dtype
+    workspace: torch.Tensor | None = None,  # float32, >= B * num_heads * num_splits * (head_dim + 1)
+) -> torch.Tensor:
+    """Attention of each sequence's single query over its whole paged context; returns
+    [B, num_heads, head_dim] in q's dtype (zeros where seqlens_k is 0). CUDA-graph capturable."""
+    num_heads, num_kv_heads, head_dim, block_size = check_paged_attention_args(
+        q, k_cache, v_cache, block_tables
+    )
+    batch_size = q.shape[0]
+    if seqlens_k.shape != (batch_size,) or block_tables.shape[0] != batch_size:
+        raise ValueError(
+            f"seqlens_k {tuple(seqlens_k.shape)} and block_tables {tuple(block_tables.shape)} "
+            f"must have one row per query ({batch_size})"
+        )
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    if batch_size == 0:
+        return out
+    block_n = BLOCK_N_HEAD_DIM_256 if head_dim > 128 else BLOCK_N
+    if num_splits is None:
+        max_context_len = block_tables.shape[1] * block_size
+        num_splits = decode_num_splits(batch_size, num_kv_heads, max_context_len, block_n, _num_sms(q.device))
+    elif num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1; got {num_splits}")
+
+    # Scratch: per (sequence, head, split) a [head_dim] partial output, then one log-sum-exp each.
+    num_partials = batch_size * num_heads * num_splits
+    workspace_numel = num_partials * (head_dim + 1)
+    if workspace is None:
+        workspace = torch.empty(workspace_numel, dtype=torch.float32, device=q.device)
+    elif not (
+        workspace.dtype == torch.float32
+        and workspace.is_contiguous()
+        and workspace.numel() >= workspace_numel
+    ):
+        raise ValueError(
+            f"workspace must be a contiguous float32 tensor of at least {workspace_numel} elements "
+            f"(B * num_heads * num_splits * (head_dim + 1)); got {workspace.dtype} x {workspace.numel()}"
+        )
+    partial_out = workspace[: num_partials * head_dim]
+    partial_lse = workspace[num_partials * head_dim : workspace_numel]
+
+    num_heads_per_kv = num_heads // num_kv_heads
+    _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        partial_out,
+        partial_lse,
+        seqlens_k,
+        block_tables,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        num_splits,
+        softmax_scale * math.log2(math.e),
+        NUM_HEADS_PER_KV=num_heads_per_kv,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(num_heads_per_kv)),
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    _decode_reduce_kernel[(batch_size, num_heads)](
+        partial_out,
+        partial_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=REDUCE_NUM_WARPS,
+    )
+    return out

@@ -1,0 +1,169 @@
+"""Causal prefill attention over the paged KV cache (varlen batch, cached prefixes, GQA) in Triton.
+
+Sequence b brings q_len_b new query tokens (rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q); they are the
+LAST q_len_b of its seqlens_k[b] context tokens, and all of its keys/values (the cached prefix and the
+new tokens, already written by `store_kvcache`) are read from the cache through block_tables[b]:
+
+    |------ num_cached = seqlens_k[b] - q_len_b ------|------ q_len_b new tokens ------|
+    query i sits at position p = num_cached + i and attends to keys 0..p
+
+Query head h reads KV head h // (num_heads // num_kv_heads). Softmax is online, accumulated in float32.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.kv_cache import check_paged_attention_args, dot_precision, paged_kv_offsets
+
+# Query rows and key positions per tile. 64x64 keeps short prompts in a mixed batch from wasting a big
+# tile; at head_dim 256 the key tile halves so K, V and their pipeline stages fit in shared memory.
+BLOCK_M = 64
+BLOCK_N = 64
+BLOCK_N_HEAD_DIM_256 = 32
+NUM_WARPS = 4
+NUM_WARPS_HEAD_DIM_256 = 8
+NUM_STAGES = 2
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    seqlens_k_ptr,
+    block_tables_ptr,
+    q_stride_n,
+    q_stride_h,
+    out_stride_n,
+    out_stride_h,
+    block_tables_stride,
+    scale_log2,  # softmax_scale * log2(e): the kernel works in base 2 (exp2 is the fast instruction)
+    NUM_HEADS_PER_KV: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Grid: (query tile, sequence, query head).
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    # The grid is sized for the longest sequence; tiles past this one's queries have nothing to do.
+    if pid_m * BLOCK_M >= q_len:
+        return
+    kv_len = tl.load(seqlens_k_ptr + seq)
+    num_cached = kv_len - q_len
+    kv_head = head // NUM_HEADS_PER_KV
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < q_len
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * q_stride_n + head * q_stride_h + offs_d[None, :],
+        mask=m_mask[:, None],
+        other=0.0,
+    )
+    q_pos = num_cached + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    # Keys past the tile's last query position are masked for every row: stop the loop there.
+    kv_end = tl.minimum(kv_len, num_cached + (pid_m + 1) * BLOCK_M)
+    for tile_start in range(0, kv_end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        kv_offs = paged_kv_offsets(
+            block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N
+        )
+        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        # Every row (padding rows too: their position is >= kv_len > 0) keeps key 0 unmasked in the first
+        # tile, so m_i is finite after it and exp2(m_i - m_new) never sees -inf - -inf.
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * out_stride_n + head * out_stride_h + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None],
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_q_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    seqlens_k: torch.Tensor,  # [B] int32, context length including the new tokens
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    softmax_scale: float,
+    max_seqlen_q: int,
+    *,
+    out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, head_dim], q's dtype
+) -> torch.Tensor:
+    """Causal attention of each sequence's new query tokens over its whole paged context; returns
+    [num_q_tokens, num_heads, head_dim] in q's dtype. max_seqlen_q is the host-side max of q_len_b
+    (sizes the grid, so it must not be smaller than the real maximum)."""
+    num_heads, num_kv_heads, head_dim, block_size = check_paged_attention_args(
+        q, k_cache, v_cache, block_tables
+    )
+    batch_size = seqlens_k.shape[0]
+    if cu_seqlens_q.shape != (batch_size + 1,) or block_tables.shape[0] < batch_size:
+        raise ValueError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} must be [B + 1] and block_tables "
+            f"{tuple(block_tables.shape)} must have B rows, for B = {batch_size} (len(seqlens_k))"
+        )
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    if q.shape[0] == 0 or batch_size == 0 or max_seqlen_q <= 0:
+        return out
+    wide_head = head_dim > 128
+    block_n = BLOCK_N_HEAD_DIM_256 if wide_head else BLOCK_N
+    grid = (triton.cdiv(max_seqlen_q, BLOCK_M), batch_size, num_heads)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        seqlens_k,
+        block_tables,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        softmax_scale * math.log2(math.e),
+        NUM_HEADS_PER_KV=num_heads // num_kv_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=NUM_WARPS_HEAD_DIM_256 if wide_head else NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    return out

@@ -1,0 +1,39 @@
+"""Vocab-parallel token embedding and LM head: each rank holds a contiguous slice of the vocabulary
+(the last slice padded when the vocabulary does not divide evenly)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.distributed import all_reduce, gather_to_rank0, get_tp_rank, get_tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.num_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.num_per_partition * self.tp_rank
+        self.weight = nn.Parameter(torch.empty(self.num_per_partition, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = loaded[self.vocab_start:self.vocab_start + self.num_per_partition]
+        param.data[:shard.shape[0]].copy_(shard)
+        param.data[shard.shape[0]:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_per_partition)
+        y = F.embedding(local.clamp(0, self.num_per_partition - 1), self.weight) * mine.unsqueeze(-1)
+        return all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[num_tokens, hidden] -> [num_tokens, vocab] on rank 0 (None on other ranks)."""
+        logits = gather_to_rank0(F.linear(hidden_states, self.weight), dim=-1)
+        return None if logits is None else logits[:, :self.num_embeddings]

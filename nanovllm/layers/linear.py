@@ -1,0 +1,104 @@
+"""Tensor-parallel linear layers. Each parameter carries a `weight_loader(param, loaded[, shard_id])`
+that copies this rank's shard of a checkpoint tensor into it.
+
+Column-parallel layers split the output features across ranks (no communication); row-parallel
+layers split the input features and all-reduce the partial outputs."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None) -> None:
+        super().__init__()
+        self.tp_dim = tp_dim
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.tp_dim is not None and param.dim() > self.tp_dim:
+            size = param.shape[self.tp_dim]
+            loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, _divide(output_size, get_tp_size(), "output size"), bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one matmul (e.g. gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        param.data.narrow(0, offset, size).copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. Query heads are split across ranks; K/V heads too, or replicated when
+    there are fewer K/V heads than ranks (each rank then keeps the one its query heads use)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False) -> None:
+        tp_size = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(total_num_heads, tp_size, "number of attention heads")
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "number of key/value heads")
+            self.kv_head_index = get_tp_rank() * self.num_kv_heads
+        else:
+            _divide(tp_size, total_num_kv_heads, "tensor_parallel_size over key/value heads")
+            self.num_kv_heads = 1
+            self.kv_head_index = get_tp_rank() // (tp_size // total_num_kv_heads)
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        # ColumnParallelLinear divides by tp_size; hand it the total so the per-rank size comes out.
+        LinearBase.__init__(self, hidden_size, output_size, bias, tp_dim=0)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, start = 0, q_size, self.tp_rank * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start = kv_size, self.kv_head_index * self.head_dim
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the partial sums are reduced.
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,65 @@
+"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p and per-request seeds.
+
+Greedy and plain-temperature batches never sort the vocabulary; top-k uses torch.topk over the
+largest k in the batch, and only top-p sorts. Sampling is an exponential race (argmax of p / E with
+E ~ Exp(1)), which draws from p exactly and lets seeded rows use their own generator."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row parameters for one batch; the optional ones are None when no row uses them."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    all_greedy: bool
+    top_ks: torch.Tensor | None = None  # [B] int64, vocab size = disabled
+    max_top_k: int = 0  # largest top_k in the batch, known on the host (no device sync)
+    top_ps: torch.Tensor | None = None  # [B] float32
+    min_ps: torch.Tensor | None = None  # [B] float32
+    # (row, seed) for rows with a per-request seed: the seed already mixes in the token's index so
+    # that each step draws fresh, reproducible noise.
+    seeded_rows: list[tuple[int, int]] | None = None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        logits = logits.float()
+        greedy = logits.argmax(-1)
+        if params.all_greedy:
+            return greedy
+        temps = params.temperatures
+        logits = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
+        if params.top_ks is not None:
+            logits = _apply_top_k(logits, params.top_ks, params.max_top_k)
+        if params.top_ps is not None:
+            logits = _apply_top_p(logits, params.top_ps)
+        probs = logits.softmax(-1)
+        if params.min_ps is not None:
+            floor = probs.amax(-1, keepdim=True) * params.min_ps.unsqueeze(1)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        for row, seed in params.seeded_rows or ():
+            gen = torch.Generator(device=probs.device).manual_seed(seed)
+            noise[row].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(-1)
+        return torch.where(temps > 0, sampled, greedy)
+
+
+def _apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor, max_k: int) -> torch.Tensor:
+    max_k = min(max_k, logits.shape[-1])
+    top_ks = top_ks.clamp(max=max_k)
+    values = logits.topk(max_k, dim=-1).values  # [B, max_k], descending
+    threshold = values.gather(1, (top_ks - 1).unsqueeze(1))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    # drop a token when the tokens strictly before it already reach top_p (the top one always stays)
+    drop = (probs.cumsum(-1) - probs) >= top_ps.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,74 @@
+"""Weight loading: safetensors checkpoints (one file or many shards, with or without the index
+file) mapped onto the model's fused tensor-parallel parameters, or random "dummy" weights for
+benchmarks where only config.json exists."""
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, name) for name in names]
+    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape "
+                         f"{tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_model(model: nn.Module, path: str) -> None:
+    files = safetensors_files(path)
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path!r}; download the full model, or pass "
+                         "load_format='dummy' to run on random weights")
+    packed = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters(remove_duplicate=False))
+    skip = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in skip:
+                    continue
+                target, shard_id = name, None
+                for ckpt_name, (fused_name, fused_shard) in packed.items():
+                    if f".{ckpt_name}." in name:
+                        target, shard_id = name.replace(ckpt_name, fused_name), fused_shard
+                        break
+                param = params.get(target)
+                if param is None:
+                    continue  # e.g. rotary inv_freq buffers saved by old checkpoints
+                tensor = f.get_tensor(name)
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+                loaded.add(target)
+    missing = sorted(set(dict(model.named_parameters()).keys()) - loaded - skip)
+    if missing:
+        raise ValueError(f"checkpoint in {path!r} lacks {len(missing)} weights the model needs, "
+                         f"e.g. {missing[:5]}; is it the model its config.json describes?")
+
+
+def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Random weights (norm scales stay 1) for throughput runs where no checkpoint exists."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.copy_(torch.randn(param.shape, generator=gen) * std)

@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny random models saved the way Hugging Face saves them, with a byte-level BPE
+tokenizer trained locally, so tests need no network and no downloaded weights."""
+
+import os
+
+import pytest
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+    "A paged KV cache splits memory into fixed-size blocks shared between sequences.",
+    "Continuous batching admits new requests while others are still decoding.",
+    "0123456789 !?,.;:'\"()[]{}<>+-*/=_ hello world user assistant system",
+] * 20
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Larger than transformers' default init (0.02), so that random logits are peaked and greedy
+# decoding has clear winners instead of float-noise ties.
+INIT_RANGE = 0.25
+
+
+def make_tokenizer(path: str):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=400, min_frequency=1,
+                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                  pad_token="<|endoftext|>")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return tok
+
+
+def make_model_dir(path: str, arch: str = "qwen3", tie: bool = False, shard: bool = False, **overrides):
+    """Save a tiny random model + tokenizer in `path`; returns the transformers model (float32)."""
+    import transformers
+
+    tok = make_tokenizer(path)
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, tie_word_embeddings=tie, initializer_range=INIT_RANGE,
+                  eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    common.update(overrides)
+    config_cls, model_cls = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    torch.manual_seed(1234)
+    model = model_cls(config_cls(**common)).float().eval()
+    model.save_pretrained(path, max_shard_size="100KB" if shard else "2GB")
+    return model
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen3"))
+    make_model_dir(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3(qwen3_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(qwen3_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(qwen3_dir)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt (stops after EOS, like the engine)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+# Keep tests on the CPU and small, whatever the machine has.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")

@@ -1,0 +1,258 @@
+"""Triton kernels against plain PyTorch references, on CPU tensors through the Triton interpreter.
+
+Cache slots that no sequence owns are filled with NaN (and block-table padding points at such a block),
+so a kernel that reads a position it should have masked produces NaN and fails the comparison.
+"""
+
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels.decode_attention import MAX_NUM_SPLITS, decode_num_splits  # noqa: E402
+from nanovllm.kernels.paged_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_prefill_attention,
+    store_kvcache,
+)
+
+if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+
+# The interpreter computes in float32 numpy, so float32 kernels match the reference to rounding.
+ATOL = RTOL = 1e-4
+HEAD_DIM = 32
+# 1 and 12 exercise per-token block lookup (12 is not a power of two); 16 is the usual page;
+# 256 is a multiple of the key tile, so it takes the one-lookup-per-tile path.
+BLOCK_SIZES = [1, 12, 16, 256]
+HEAD_LAYOUTS = [(4, 2), (2, 2)]  # (num_heads, num_kv_heads): GQA and plain multi-head
+
+
+def make_paged_cache(
+    kv_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k_cache, v_cache and block_tables for sequences of kv_lens tokens, blocks scattered at random.
+    Unowned slots hold NaN; block 0 is never owned and pads every block-table row."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in kv_lens]
+    num_blocks = 1 + sum(blocks_per_seq) + 2  # poison block 0, owned blocks, two spare
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_tables = torch.zeros(len(kv_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    for b, (kv_len, num_seq_blocks) in enumerate(zip(kv_lens, blocks_per_seq, strict=True)):
+        block_tables[b, :num_seq_blocks] = torch.tensor(free[:num_seq_blocks], dtype=torch.int32)
+        free = free[num_seq_blocks:]
+        slots = seq_slots(block_tables[b], kv_len, block_size)
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+            kv_len, num_kv_heads, head_dim, generator=gen
+        ).to(dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+            kv_len, num_kv_heads, head_dim, generator=gen
+        ).to(dtype)
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE)
+
+
+def seq_slots(block_table: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
+    # slot = block_table[pos // block_size] * block_size + pos % block_size
+    pos = torch.arange(kv_len)
+    return block_table.cpu()[pos // block_size].long() * block_size + pos % block_size
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Float32 causal attention per sequence; its q_len queries are the last of its kv_len positions."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    k_flat = k_cache.cpu().float().view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.cpu().float().view(-1, num_kv_heads, head_dim)
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    q_start = 0
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if kv_len > 0:
+            slots = seq_slots(block_tables[b], kv_len, block_size)
+            k = k_flat[slots].repeat_interleave(group, dim=1)  # [kv_len, H, D]
+            v = v_flat[slots].repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[q_start : q_start + q_len].cpu().float(), k) * scale
+            q_pos = kv_len - q_len + torch.arange(q_len)
+            scores.masked_fill_(torch.arange(kv_len)[None, None, :] > q_pos[None, :, None], float("-inf"))
+            out[q_start : q_start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        q_start += q_len
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 12, 16])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_store_kvcache_writes_slots_skips_padding_and_reads_strided_views(
+    block_size: int, slot_dtype: torch.dtype
+) -> None:
+    num_tokens, num_heads, num_kv_heads, num_blocks = 10, 4, 2, 12
+    gen = torch.Generator().manual_seed(0)
+    # key/value are column slices of a fused qkv projection: stride(0) is the full qkv width.
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * HEAD_DIM, generator=gen)
+    _, key, value = qkv.split(
+        [num_heads * HEAD_DIM, num_kv_heads * HEAD_DIM, num_kv_heads * HEAD_DIM], dim=-1
+    )
+    key = key.view(num_tokens, num_kv_heads, HEAD_DIM)
+    value = value.view(num_tokens, num_kv_heads, HEAD_DIM)
+    assert not key.is_contiguous()
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slot_mapping[[2, 7]] = -1  # padding tokens
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    keep = slot_mapping >= 0
+    expected_k.view(-1, num_kv_heads, HEAD_DIM)[slot_mapping[keep]] = key[keep]
+    expected_v.view(-1, num_kv_heads, HEAD_DIM)[slot_mapping[keep]] = value[keep]
+
+    store_kvcache(key, value, k_cache, v_cache, slot_mapping.to(slot_dtype))
+
+    assert torch.equal(k_cache, expected_k)  # written slots hold the keys; every other slot unchanged
+    assert torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_LAYOUTS)
+@pytest.mark.parametrize("cached_prefix", [False, True])
+def test_paged_prefill_attention_matches_reference(
+    block_size: int, num_heads: int, num_kv_heads: int, cached_prefix: bool
+) -> None:
+    # Three sequences: a short one, one spanning two query tiles (BLOCK_M = 64), a single token.
+    q_lens = [5, 70, 1]
+    kv_lens = [5 + 19, 70 + 30, 1 + 130] if cached_prefix else q_lens
+    k_cache, v_cache, block_tables = make_paged_cache(
+        kv_lens, block_size, num_kv_heads, HEAD_DIM, torch.float32, 1
+    )
+    q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    cu_seqlens_q = torch.tensor(
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    scale = HEAD_DIM**-0.5
+
+    out = paged_prefill_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale, max(q_lens)
+    )
+
+    expected = reference_attention(q, k_cache, v_cache, q_lens, kv_lens, block_tables, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_paged_prefill_attention_reads_strided_q() -> None:
+    # q sliced out of a fused qkv tensor: rows are strided, heads are not contiguous with the next row.
+    num_heads, num_kv_heads, q_lens, kv_lens = 4, 2, [9, 3], [9, 20]
+    k_cache, v_cache, block_tables = make_paged_cache(kv_lens, 16, num_kv_heads, HEAD_DIM, torch.float32, 3)
+    qkv = torch.randn(
+        sum(q_lens), (num_heads + 2 * num_kv_heads) * HEAD_DIM, generator=torch.Generator().manual_seed(4)
+    )
+    q = qkv.to(DEVICE)[:, : num_heads * HEAD_DIM].view(-1, num_heads, HEAD_DIM)
+    cu_seqlens_q = torch.tensor([0, 9, 12], dtype=torch.int32, device=DEVICE)
+    seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+
+    out = paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, 0.2, 9)
+
+    expected = reference_attention(q, k_cache, v_cache, q_lens, kv_lens, block_tables, 0.2)
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_LAYOUTS)
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_paged_decode_attention_matches_reference(
+    block_size: int, num_heads: int, num_kv_heads: int, num_splits: int | None
+) -> None:
+    # 300 tokens span several 64-token tiles and, with 4 splits, three chunks plus an empty one;
+    # 0 is a CUDA-graph padding row whose block table points only at NaN blocks.
+    kv_lens = [300, 0, 37, 129]
+    k_cache, v_cache, block_tables = make_paged_cache(
+        [max(n, 1) for n in kv_lens], block_size, num_kv_heads, HEAD_DIM, torch.float32, 5
+    )
+    block_tables[1] = 0  # the padding row owns nothing
+    q = torch.randn(len(kv_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    scale = HEAD_DIM**-0.5
+
+    out = paged_decode_attention(q, k_cache, v_cache, seqlens_k, block_tables, scale, num_splits=num_splits)
+
+    expected = reference_attention(q, k_cache, v_cache, [1] * len(kv_lens), kv_lens, block_tables, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert torch.equal(out[1].cpu(), torch.zeros(num_heads, HEAD_DIM))  # padding row: zeros, not NaN
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_paged_decode_attention_writes_into_given_out_and_workspace() -> None:
+    num_heads, num_kv_heads, kv_lens, num_splits = 4, 1, [70, 5], 2
+    k_cache, v_cache, block_tables = make_paged_cache(kv_lens, 16, num_kv_heads, HEAD_DIM, torch.float32, 7)
+    q = torch.randn(2, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    workspace = torch.full((2 * num_heads * num_splits * (HEAD_DIM + 1),), float("nan"), device=DEVICE)
+
+    result = paged_decode_attention(
+        q, k_cache, v_cache, seqlens_k, block_tables, 0.3, num_splits=num_splits, out=out, workspace=workspace
+    )
+
+    assert result is out
+    expected = reference_attention(q, k_cache, v_cache, [1, 1], kv_lens, block_tables, 0.3)
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=RTOL)
+    with pytest.raises(ValueError, match="workspace"):
+        paged_decode_attention(
+            q, k_cache, v_cache, seqlens_k, block_tables, 0.3, num_splits=4, workspace=workspace
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_prefill_and_decode_stay_close_to_float32_reference(dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those integers.
+        pytest.skip("Triton's interpreter computes bf16 tl.dot on the raw bits; runs on CUDA only")
+    num_heads, num_kv_heads, q_lens, kv_lens = 4, 2, [3, 1], [40, 17]
+    k_cache, v_cache, block_tables = make_paged_cache(kv_lens, 16, num_kv_heads, HEAD_DIM, dtype, 9)
+    q = torch.randn(4, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(10)).to(dtype).to(DEVICE)
+    cu_seqlens_q = torch.tensor([0, 3, 4], dtype=torch.int32, device=DEVICE)
+    seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+
+    prefill = paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, 0.2, 3)
+    decode = paged_decode_attention(q[[2, 3]], k_cache, v_cache, seqlens_k, block_tables, 0.2, num_splits=2)
+
+    expected = reference_attention(q, k_cache, v_cache, q_lens, kv_lens, block_tables, 0.2)
+    assert prefill.dtype == decode.dtype == dtype
+    # Softmax weights are rounded to the cache dtype before P @ V, and so is the output:
+    # bf16 keeps 8 mantissa bits, fp16 11.
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(prefill.cpu().float(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(decode.cpu().float(), expected[[2, 3]], atol=tol, rtol=tol)
+
+
+def test_decode_num_splits_fills_the_gpu_from_static_shapes_only() -> None:
+    # Batch 1, long context: as many splits as allowed.
+    assert decode_num_splits(1, 8, 40960, 64, num_sms=132) == MAX_NUM_SPLITS
+    # Large batches already fill the GPU: no split.
+    assert decode_num_splits(256, 8, 40960, 64, num_sms=132) == 1
+    # Never more chunks than key tiles in the longest possible context.
+    assert decode_num_splits(1, 8, 100, 64, num_sms=132) == 2
+    assert decode_num_splits(2, 8, 40960, 64, num_sms=132) == 33  # cdiv(132 * 4, 16)
+
+
+def test_rejects_head_dim_that_is_not_a_power_of_two() -> None:
+    k_cache = torch.zeros(2, 16, 2, 48)
+    q = torch.zeros(1, 2, 48)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode_attention(
+            q, k_cache, k_cache, torch.ones(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 1.0
+        )
