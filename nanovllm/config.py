@@ -14,7 +14,7 @@ DOWNLOAD_HINT = (
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_DEVICES = ("auto", "cpu", "cuda")
 VALID_LOAD_FORMATS = ("auto", "safetensors", "dummy")
-VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn", "fa3")
+VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn", "fa3")  # see nanovllm.attention
 
 
 @dataclass(slots=True)

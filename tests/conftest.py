@@ -84,5 +84,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-# Keep tests on the CPU and small, whatever the machine has.
+# Keep tests on the CPU, whatever the machine has; Triton kernels then run in Triton's interpreter
+# (it must be chosen before triton is first imported).
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+os.environ.setdefault("TRITON_INTERPRET", "1")

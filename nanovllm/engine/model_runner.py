@@ -10,10 +10,11 @@ from torch import nn
 from nanovllm.attention.backend import select_backend
 from nanovllm.attention.metadata import forward_context
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.model_inputs import ModelInputs, prepare_decode, prepare_prefill, prepare_sampling
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
 from nanovllm.utils.distributed import get_tp_rank
 from nanovllm.utils.loader import init_dummy_weights, load_model
@@ -64,13 +65,27 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.model.eval()
-        self.backend = select_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
+        self.decode_graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> None:
+        if not self.backend.supports_cuda_graph:
+            logger.info("attention backend %s cannot run in CUDA graphs; decoding eagerly", self.backend.name)
+            return
+        config = self.config
+        # The largest decode batch the scheduler can form: no step falls outside the captured sizes.
+        max_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
+        self.decode_graphs = DecodeGraphs(self.model, max_batch, math.ceil(config.max_model_len / self.block_size),
+                                          config.hf_config.hidden_size, self.dtype, self.device)
+        self.decode_graphs.capture()
 
     # ---- KV cache ----
     def _block_bytes(self) -> int:
@@ -83,13 +98,12 @@ class ModelRunner:
         if config.num_kvcache_blocks is not None:
             return config.num_kvcache_blocks
         if self.device.type == "cuda":
-            self._warmup()
+            activation_peak = self._warmup()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            stats = torch.cuda.memory_stats(self.device)
             # Room for the KV cache: the allowed share of the GPU, minus what is in use now, minus the
-            # activation peak the warm-up showed (it will recur during real steps).
-            peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-            budget = total * config.gpu_memory_utilization - (total - free) - peak_extra
+            # activation peak the warm-up showed (it recurs during real steps).
+            budget = total * config.gpu_memory_utilization - (total - free) - activation_peak
             source = f"gpu_memory_utilization={config.gpu_memory_utilization}"
         else:
             budget = config.cpu_kvcache_space_gib * 2**30
@@ -111,26 +125,51 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
+    def _release_kv_cache(self) -> None:
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        del self.kv_cache
+
     @torch.inference_mode()
-    def _warmup(self) -> None:
-        """One prefill at the largest batch the scheduler can form, so the activation peak is known."""
+    def _warmup(self) -> int:
+        """One prefill at the largest batch the scheduler can form, over a temporary KV cache just big
+        enough for it; returns the activation memory it took beyond that (bytes)."""
         config = self.config
         num_tokens = config.max_num_batched_tokens
         num_seqs = max(1, min(config.max_num_seqs, num_tokens // config.max_model_len))
         seq_len = min(config.max_model_len, num_tokens // num_seqs)
-        seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
-        for seq in seqs:
-            seq.num_scheduled_tokens = len(seq)
-            seq.block_table = [0] * seq.num_blocks
+        seqs, next_block = [], 0
+        for _ in range(num_seqs):
+            seq = Sequence([0] * seq_len, block_size=self.block_size)
+            seq.num_scheduled_tokens = seq_len
+            seq.block_table = list(range(next_block, next_block + seq.num_blocks))
+            next_block += seq.num_blocks
+            seqs.append(seq)
+        self._allocate_kv_cache(next_block)
         inputs = prepare_prefill(seqs, self.device)
-        inputs.meta.slot_mapping.fill_(-1)  # there is no cache yet: store nothing
-        self._forward(inputs, seqs)
         torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._forward(inputs, seqs)
+        # The largest decode batch samples from full-vocabulary logits (top-p sorts them): its peak too.
+        max_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
+        hidden = torch.zeros(max_batch, config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        ones = torch.ones(max_batch, device=self.device)
+        logits = self.model.compute_logits(hidden)
+        if logits is not None:  # rank 0 only
+            self.sampler(logits, SamplingTensors(ones, all_greedy=False, top_ps=ones * 0.9))
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
+        self._release_kv_cache()
+        return activation_peak
 
     # ---- one step ----
     def _forward(self, inputs: ModelInputs, seqs: list[Sequence]) -> torch.Tensor | None:
-        with forward_context(inputs.meta):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+        if not inputs.meta.is_prefill and self.decode_graphs and self.decode_graphs.can_run(len(seqs)):
+            hidden = self.decode_graphs.run(inputs)
+        else:
+            with forward_context(inputs.meta):
+                hidden = self.model(inputs.input_ids, inputs.positions)
         if not inputs.sample_rows:
             return None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

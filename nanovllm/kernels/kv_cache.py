@@ -8,6 +8,8 @@ A token at flat slot `s` lives in block `s // block_size` at offset `s % block_s
 
 `store_kvcache` writes token i's key/value to slot `slot_mapping[i]` and skips slot -1 (padding).
 `paged_kv_offsets` is the same address computation for the attention kernels; any block_size works.
+The attention wrappers also share `check_paged_attention_args` and `dot_precision` from here, so the
+prefill and decode modules depend on this one and not on each other.
 """
 
 import torch
