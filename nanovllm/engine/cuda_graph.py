@@ -1,7 +1,10 @@
 """CUDA graphs for decode: the model's decode forward is captured once per batch size of a ladder
 up to the largest decode batch the scheduler can form, and replayed with the batch padded up to the
 next captured size (padded rows store no KV and attend to nothing). Block tables are sized for
-max_model_len, so every sequence the scheduler admits fits."""
+max_model_len, so every sequence the scheduler admits fits.
+
+Inputs are staged in one pinned host buffer laid out like the graphs' static device buffer, so a
+decode step costs one host-to-device copy and one graph launch."""
 
 import logging
 
@@ -9,7 +12,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata, forward_context
-from nanovllm.engine.model_inputs import ModelInputs
+from nanovllm.engine.sequence import Sequence
 
 logger = logging.getLogger("nanovllm")
 
@@ -33,13 +36,15 @@ class DecodeGraphs:
         self.model = model
         self.batch_sizes = batch_sizes or graph_batch_sizes(max_batch_size)
         assert self.batch_sizes[-1] == max_batch_size, "the ladder must end at the largest batch"
-        self.max_batch_size = max_batch_size
-        b = max_batch_size
-        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(b, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=device)
-        self.seqlens_k = torch.zeros(b, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(b, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.max_batch_size = b = max_batch_size
+        self.width = max_blocks_per_seq
+        # |input_ids|positions|slot_mapping|seqlens_k| (b each) |block_tables (b x width)|, int32
+        size = 4 * b + b * max_blocks_per_seq
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.host_np = self.host.numpy()
+        self.static = torch.zeros(size, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seqlens_k = self.static[:4 * b].view(4, b)
+        self.block_tables = self.static[4 * b:].view(b, max_blocks_per_seq)
         self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=device)
         self.use_cuda_graph = use_cuda_graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -48,7 +53,7 @@ class DecodeGraphs:
     def _meta(self, batch_size: int) -> AttentionMetadata:
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:batch_size],
                                  seqlens_k=self.seqlens_k[:batch_size], block_tables=self.block_tables[:batch_size],
-                                 max_seqlen_k=self.block_tables.shape[1])
+                                 max_seqlen_k=self.width)
 
     def _run_model(self, batch_size: int) -> None:
         with forward_context(self._meta(batch_size)):
@@ -57,8 +62,9 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture largest first, so the smaller graphs reuse the largest one's memory pool."""
+        self.slot_mapping.fill_(-1)  # captured with empty batches: nothing is stored, nothing read
         for batch_size in reversed(self.batch_sizes):
-            self._run_model(batch_size)  # warm-up: lets kernels autotune and allocate outside capture
+            self._run_model(batch_size)  # warm-up: compiles and autotunes outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, self.pool):
                 self._run_model(batch_size)
@@ -72,19 +78,25 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch_size
 
-    def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """Decode through the graph of the smallest captured size >= the batch; returns the hidden
-        states [batch_size, hidden]."""
-        n = inputs.input_ids.shape[0]
-        padded = next(b for b in self.batch_sizes if b >= n)
-        meta = inputs.meta
-        self.input_ids[:n] = inputs.input_ids
-        self.positions[:n] = inputs.positions
-        self.slot_mapping[:n] = meta.slot_mapping
-        self.slot_mapping[n:padded] = -1
-        self.seqlens_k[:n] = meta.seqlens_k
-        self.seqlens_k[n:padded] = 0
-        self.block_tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Decode seqs through the graph of the smallest captured size >= their number; returns the
+        hidden states [len(seqs), hidden]."""
+        n, b, width = len(seqs), self.max_batch_size, self.width
+        padded = next(size for size in self.batch_sizes if size >= n)
+        host = self.host_np
+        for i, seq in enumerate(seqs):
+            pos = len(seq) - 1
+            host[i] = seq.token_ids[-1]
+            host[b + i] = pos
+            # slot = block_table[pos // block_size] * block_size + pos % block_size
+            host[2 * b + i] = seq.block_table[-1] * seq.block_size + pos % seq.block_size
+            host[3 * b + i] = pos + 1
+            row = 4 * b + i * width
+            host[row:row + len(seq.block_table)] = seq.block_table
+        host[2 * b + n:2 * b + padded] = -1  # padded rows store nothing ...
+        host[3 * b + n:3 * b + padded] = 0  # ... and attend to nothing
+        used = 4 * b + padded * width
+        self.static[:used].copy_(self.host[:used], non_blocking=True)
         if self.use_cuda_graph:
             self.graphs[padded].replay()
         else:

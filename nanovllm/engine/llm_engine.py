@@ -145,7 +145,9 @@ class LLMEngine:
                 prefill_rate = num_tokens / elapsed
             else:
                 decode_rate = -num_tokens / elapsed
-            bar.set_postfix({"Prefill": f"{prefill_rate:.0f}tok/s", "Decode": f"{decode_rate:.0f}tok/s"})
+            if use_tqdm:
+                bar.set_postfix({"Prefill": f"{prefill_rate:.0f}tok/s", "Decode": f"{decode_rate:.0f}tok/s"},
+                                refresh=False)
             for seq_id, output in finished:
                 if seq_id in wanted:
                     outputs[seq_id] = output

@@ -72,7 +72,7 @@ def prepare_prefill(seqs: list[Sequence], device: torch.device) -> ModelInputs:
 def prepare_decode(seqs: list[Sequence], device: torch.device) -> ModelInputs:
     input_ids = [seq.token_ids[-1] for seq in seqs]
     positions = [len(seq) - 1 for seq in seqs]
-    slot_mapping = [_slots(seq, len(seq) - 1, len(seq))[0] for seq in seqs]
+    slot_mapping = [seq.block_table[-1] * seq.block_size + (len(seq) - 1) % seq.block_size for seq in seqs]
     seqlens_k = [len(seq) for seq in seqs]
     meta = AttentionMetadata(
         is_prefill=False, slot_mapping=_to_device(slot_mapping, torch.int64, device),
@@ -86,10 +86,9 @@ def prepare_decode(seqs: list[Sequence], device: torch.device) -> ModelInputs:
 def prepare_sampling(seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingTensors:
     params = [seq.sampling_params for seq in seqs]
     temperatures = [p.temperature for p in params]
-    tensors = SamplingTensors(_to_device(temperatures, torch.float32, device),
-                              all_greedy=all(t == 0 for t in temperatures))
-    if tensors.all_greedy:
-        return tensors
+    if all(t == 0 for t in temperatures):
+        return SamplingTensors(None, all_greedy=True)
+    tensors = SamplingTensors(_to_device(temperatures, torch.float32, device), all_greedy=False)
     top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
     if min(top_ks) < vocab_size:
         tensors.top_ks, tensors.max_top_k = _to_device(top_ks, torch.int64, device), max(top_ks)

@@ -165,27 +165,30 @@ class ModelRunner:
 
     # ---- one step ----
     def _forward(self, inputs: ModelInputs, seqs: list[Sequence]) -> torch.Tensor | None:
-        if not inputs.meta.is_prefill and self.decode_graphs and self.decode_graphs.can_run(len(seqs)):
-            hidden = self.decode_graphs.run(inputs)
-        else:
-            with forward_context(inputs.meta):
-                hidden = self.model(inputs.input_ids, inputs.positions)
-        if not inputs.sample_rows:
+        with forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        return self._sample(hidden[inputs.logits_indices], [seqs[row] for row in inputs.sample_rows])
+
+    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+        if not seqs:
             return None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden)
         if logits is None:  # not rank 0
             return None
-        sampled = [seqs[row] for row in inputs.sample_rows]
-        return self.sampler(logits, prepare_sampling(sampled, self.vocab_size, self.device))
+        return self.sampler(logits, prepare_sampling(seqs, self.vocab_size, self.device))
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
         """Run one step; returns the new token of each sequence whose computation reached its end
         (None for sequences that only computed a chunk of their prompt, and on ranks other than 0)."""
-        inputs = (prepare_prefill if is_prefill else prepare_decode)(seqs, self.device)
-        tokens = self._forward(inputs, seqs)
+        if not is_prefill and self.decode_graphs and self.decode_graphs.can_run(len(seqs)):
+            tokens = self._sample(self.decode_graphs.run(seqs), seqs)
+            sample_rows = range(len(seqs))
+        else:
+            inputs = (prepare_prefill if is_prefill else prepare_decode)(seqs, self.device)
+            tokens, sample_rows = self._forward(inputs, seqs), inputs.sample_rows
         result: list[int | None] = [None] * len(seqs)
         if tokens is not None:
-            for row, token in zip(inputs.sample_rows, tokens.tolist(), strict=True):
+            for row, token in zip(sample_rows, tokens.tolist(), strict=True):
                 result[row] = token
         return result

@@ -1,8 +1,29 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (computed in float32, as
-transformers does, so float32 outputs match it exactly)."""
+"""RMSNorm, optionally fused with the residual add that precedes it. Computed in float32 and rounded
+once, as transformers does, so float32 outputs match it exactly; one fused kernel each on GPU."""
 
 import torch
 from torch import nn
+
+from nanovllm.utils.compile import gpu_compiled
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@gpu_compiled
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(x, weight, eps)
+
+
+@gpu_compiled
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + residual
+    return rms_norm(x, weight, eps), x
 
 
 class RMSNorm(nn.Module):
@@ -11,15 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return _rms_norm(x, self.weight, self.eps)
+        return _add_rms_norm(x, residual, self.weight, self.eps)

@@ -5,6 +5,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.layers.layernorm import rms_norm
+from nanovllm.utils.compile import gpu_compiled
+
 
 def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [head_dim // 2], attention scaling) as transformers computes them."""
@@ -37,6 +40,21 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, Hkv, D] -> rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return apply_rotary(q, k, positions, self.cos, self.sin)
+
+
+@gpu_compiled
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_table[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@gpu_compiled
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                   sin_table: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k followed by the rotation (Qwen3), fused into one kernel on GPU."""
+    return apply_rotary.__wrapped__(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), positions,
+                                    cos_table, sin_table)

@@ -13,7 +13,7 @@ import torch
 class SamplingTensors:
     """Per-row parameters for one batch; the optional ones are None when no row uses them."""
 
-    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    temperatures: torch.Tensor | None  # [B] float32, 0 = greedy; None when all rows are greedy
     all_greedy: bool
     top_ks: torch.Tensor | None = None  # [B] int64, vocab size = disabled
     max_top_k: int = 0  # largest top_k in the batch, known on the host (no device sync)

@@ -11,7 +11,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, qk_norm_rotary
 
 
 class Qwen3Attention(nn.Module):
@@ -40,8 +40,11 @@ class Qwen3Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            rope = self.rotary_emb
+            q, k = qk_norm_rotary(q, k, positions, rope.cos, rope.sin, self.q_norm.weight, self.k_norm.weight,
+                                  self.q_norm.eps)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1, -1))
 

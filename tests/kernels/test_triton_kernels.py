@@ -119,8 +119,10 @@ def test_store_kvcache_writes_slots_skips_padding_and_reads_strided_views(
     expected_k.view(-1, num_kv_heads, HEAD_DIM)[slot_mapping[keep]] = key[keep]
     expected_v.view(-1, num_kv_heads, HEAD_DIM)[slot_mapping[keep]] = value[keep]
 
-    store_kvcache(key, value, k_cache, v_cache, slot_mapping.to(slot_dtype))
+    key, value, k_cache, v_cache = (t.to(DEVICE) for t in (key, value, k_cache, v_cache))
+    store_kvcache(key, value, k_cache, v_cache, slot_mapping.to(device=DEVICE, dtype=slot_dtype))
 
+    expected_k, expected_v = expected_k.to(DEVICE), expected_v.to(DEVICE)
     assert torch.equal(k_cache, expected_k)  # written slots hold the keys; every other slot unchanged
     assert torch.equal(v_cache, expected_v)
 
