@@ -268,6 +268,7 @@ def run_profile() -> None:
     results["profile"] = dict(graph_replay_ms=round(replay_ms, 3), eager_kernels_per_step=num_kernels)
     print(table)
     print(f"profile: graph replay {replay_ms:.3f} ms, {num_kernels} kernels per eager decode forward", flush=True)
+    del graphs, prof
     free(llm)
 
 
@@ -281,6 +282,8 @@ def main() -> None:
     results["torch"] = torch.__version__
     for section in args.sections:
         sections[section]()
+        gc.collect()  # engines hold reference cycles; free their GPU memory before the next section
+        torch.cuda.empty_cache()
     out = os.path.join(os.environ.get("OUT", "."), "gpu_check.json")
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
