@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.linear import linear
 from nanovllm.utils.distributed import all_reduce, gather_to_rank0, get_tp_rank, get_tp_size
 
 
@@ -35,5 +36,5 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[num_tokens, hidden] -> [num_tokens, vocab] on rank 0 (None on other ranks)."""
-        logits = gather_to_rank0(F.linear(hidden_states, self.weight), dim=-1)
+        logits = gather_to_rank0(linear(hidden_states, self.weight), dim=-1)
         return None if logits is None else logits[:, :self.num_embeddings]

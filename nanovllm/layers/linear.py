@@ -4,11 +4,27 @@ that copies this rank's shard of a checkpoint tensor into it.
 Column-parallel layers split the output features across ranks (no communication); row-parallel
 layers split the input features and all-reduce the partial outputs."""
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
+
+# Up to this many tokens (decode batches, mostly) a GPU matmul is a weight-streaming GEMV, where
+# cuBLAS reaches about a third of the memory bandwidth; nanovllm.kernels.skinny_gemm streams it
+# close to the peak. Matches skinny_gemm.MAX_SKINNY_M. NANOVLLM_SKINNY_GEMM=0 turns it off.
+SKINNY_MAX_TOKENS = 16
+USE_SKINNY_GEMM = os.environ.get("NANOVLLM_SKINNY_GEMM", "1") != "0"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if (USE_SKINNY_GEMM and x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_TOKENS
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        from nanovllm.kernels.skinny_gemm import skinny_linear
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -37,7 +53,7 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -100,5 +116,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the partial sums are reduced.
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias

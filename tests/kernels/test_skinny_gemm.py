@@ -1,0 +1,146 @@
+"""skinny_linear against float32 PyTorch on CPU tensors through the Triton interpreter (or on CUDA when
+TRITON_INTERPRET=0): both inner products (GEMV at M == 1, tl.dot above), ragged N and K, split-K, bias,
+strided x and out, and the argument checks."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels.skinny_gemm import (  # noqa: E402
+    MAX_SKINNY_M,
+    SkinnyConfig,
+    skinny_config,
+    skinny_linear,
+)
+
+if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+
+# (N, K): one tile or a few; (96, 80) is a multiple of neither the column nor the K tile.
+SHAPES = [(64, 32), (96, 80), (256, 128)]
+M_VALUES = [1, 3, 8, 16]
+# The interpreter computes in float32 numpy, so float32 matches to rounding; float16 rounds the output.
+TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def make_inputs(
+    m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # Scaled so that outputs are O(1) and one tolerance fits every K.
+    x = torch.randn(m, k, generator=gen) / k**0.5
+    weight = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    return x.to(DEVICE, dtype), weight.to(DEVICE, dtype), bias.to(DEVICE, dtype)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.float() @ weight.float().T
+    return out + bias.float() if bias is not None else out
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", M_VALUES)
+def test_matches_reference(m: int, n: int, k: int, dtype: torch.dtype):
+    x, weight, bias = make_inputs(m, n, k, dtype)
+    assert_close(skinny_linear(x, weight), reference(x, weight, None), dtype)
+    assert_close(skinny_linear(x, weight, bias), reference(x, weight, bias), dtype)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_strided_x_and_out(m: int):
+    # x is a column slice of a wider activation (as q of a fused qkv), out a slice of a wider buffer.
+    n, k, dtype = 96, 80, torch.float32
+    _, weight, bias = make_inputs(m, n, k, dtype)
+    wide = torch.randn(m, k + 48, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    x = wide[:, 16 : 16 + k]
+    out_buffer = torch.full((m, n + 32), float("nan"), device=DEVICE, dtype=dtype)
+    out = out_buffer[:, 8 : 8 + n]
+    result = skinny_linear(x, weight, bias, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    assert_close(out, reference(x, weight, bias), dtype)
+    # Columns outside the slice are untouched.
+    assert out_buffer[:, :8].isnan().all() and out_buffer[:, 8 + n :].isnan().all()
+
+
+# Configs the shape heuristic does not pick for test-sized shapes: K split over 2-5 programs (a ragged
+# last split included), several K tiles per program, and wide column tiles mostly past N.
+FORCED_CONFIGS = [
+    SkinnyConfig(use_dot=True, block_n=16, block_k=16, split_k=3, num_warps=2, num_stages=3),
+    SkinnyConfig(use_dot=True, block_n=64, block_k=32, split_k=2, num_warps=4, num_stages=2),
+    SkinnyConfig(use_dot=True, block_n=32, block_k=16, split_k=1, num_warps=4, num_stages=4),
+    SkinnyConfig(use_dot=False, block_n=8, block_k=16, split_k=5, num_warps=4, num_stages=3),
+    SkinnyConfig(use_dot=False, block_n=4, block_k=32, split_k=1, num_warps=4, num_stages=3),
+]
+
+
+@pytest.mark.parametrize("config", FORCED_CONFIGS)
+@pytest.mark.parametrize("m", [1, 7])
+def test_forced_configs(config: SkinnyConfig, m: int):
+    if not config.use_dot and m > 1:
+        pytest.skip("the GEMV path is for a single row")
+    n, k, dtype = 96, 80, torch.float32
+    x, weight, bias = make_inputs(m, n, k, dtype)
+    assert_close(skinny_linear(x, weight, bias, config=config), reference(x, weight, bias), dtype)
+
+
+def test_split_k_is_deterministic():
+    config = SkinnyConfig(use_dot=True, block_n=16, block_k=16, split_k=4, num_warps=2, num_stages=3)
+    x, weight, bias = make_inputs(4, 64, 128, torch.float32)
+    first = skinny_linear(x, weight, bias, config=config)
+    assert torch.equal(first, skinny_linear(x, weight, bias, config=config))
+
+
+def test_default_configs_for_qwen3_shapes():
+    # The heuristic's choices for real shapes, as skinny_config documents them (retuning updates both):
+    # two programs per SM where N allows, the GEMV path only at M == 1, no split-K, deeper pipelines
+    # where fewer programs run.
+    assert skinny_config(1, 6144, 1024, 2, 132) == SkinnyConfig(False, 16, 256, 1, 4, 3)
+    assert skinny_config(1, 1024, 3072, 2, 132) == SkinnyConfig(False, 4, 1024, 1, 4, 3)
+    assert skinny_config(8, 1024, 2048, 2, 132) == SkinnyConfig(True, 16, 256, 1, 2, 8)
+    assert skinny_config(16, 4096, 1024, 2, 132) == SkinnyConfig(True, 16, 256, 1, 2, 3)
+
+
+def test_empty_batch_and_empty_k():
+    _, weight, bias = make_inputs(1, 64, 32, torch.float32)
+    assert skinny_linear(torch.empty(0, 32, device=DEVICE), weight).shape == (0, 64)
+    x = torch.empty(2, 0, device=DEVICE)
+    torch.testing.assert_close(skinny_linear(x, torch.empty(64, 0, device=DEVICE), bias), bias.expand(2, 64))
+
+
+def test_rejects_bad_arguments():
+    x, weight, bias = make_inputs(2, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match="at most"):
+        skinny_linear(torch.zeros(MAX_SKINNY_M + 1, 32, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="must be"):
+        skinny_linear(x, weight[:, :16].contiguous())  # K mismatch
+    with pytest.raises(ValueError, match="must be"):
+        skinny_linear(x[0], weight)  # 1-D x
+    with pytest.raises(ValueError, match="must match"):
+        skinny_linear(x, weight.half())
+    with pytest.raises(ValueError, match="must match"):
+        skinny_linear(x, weight, bias.half())
+    with pytest.raises(ValueError, match="bias has shape"):
+        skinny_linear(x, weight, bias[:10])
+    with pytest.raises(ValueError, match="contiguous last"):
+        skinny_linear(x.T.contiguous().T, weight)  # column-major x
+    with pytest.raises(ValueError, match="out must be"):
+        skinny_linear(x, weight, out=torch.empty(2, 63, device=DEVICE))
+    with pytest.raises(ValueError, match="not float16"):
+        skinny_linear(x.double(), weight.double())
+    with pytest.raises(ValueError, match="GEMV"):
+        skinny_linear(x, weight, config=SkinnyConfig(False, 4, 32))
