@@ -47,7 +47,8 @@ class DecodeGraphs:
 
     def _meta(self, batch_size: int) -> AttentionMetadata:
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:batch_size],
-                                 seqlens_k=self.seqlens_k[:batch_size], block_tables=self.block_tables[:batch_size],
+                                 seqlens_k=self.seqlens_k[:batch_size],
+                                 block_tables=self.block_tables[:batch_size],
                                  max_seqlen_k=self.block_tables.shape[1])
 
     def _run_model(self, batch_size: int) -> None:
