@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
+import torch.distributed as dist
+
 from nanovllm.engine.step_channel import StepChannel
 from nanovllm.utils.distributed import COLLECTIVE_TIMEOUT, TPGroup
 
@@ -112,7 +114,7 @@ class TPGroupState:
             group.abort()
 
     # ---- startup ----
-    def wait_until_joined(self, store) -> None:
+    def wait_until_joined(self, store: dist.Store) -> None:
         """Return once every worker has reached the store; raise if one dies first."""
         keys = [f"joined/{worker.rank}" for worker in self.workers]
         deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()

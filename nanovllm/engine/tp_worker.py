@@ -47,6 +47,9 @@ from nanovllm.utils.distributed import TPGroup, create_store, use_tp_group
 PICKLED_INT_BYTES = 9
 PICKLED_SEQ_OVERHEAD = 64
 CHANNEL_SLACK_BYTES = 64 * 1024
+# A worker's traceback goes through a pipe before the worker exits; keep it under the pipe's buffer
+# (64 KiB on Linux) so that sending it can never block a dying worker.
+MAX_ERROR_CHARS = 8 * 1024  # <= 32 KiB even in 4-byte UTF-8
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -102,7 +105,7 @@ def _worker_main(config: Config, rank: int, store_port: int, handle: ChannelHand
     except BaseException:
         healthy = False
         try:
-            errors.send(traceback.format_exc())
+            errors.send(traceback.format_exc()[-MAX_ERROR_CHARS:])
         except OSError:
             pass  # rank 0 is gone; nobody is left to tell
         sys.exit(1)
