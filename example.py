@@ -22,7 +22,7 @@ def main() -> None:
     prompts = ["introduce yourself", "list all prime numbers within 100"]
     conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
     outputs = llm.chat(conversations, sampling_params)
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=True):
         print("\n")
         print(f"Prompt: {prompt!r}")
         print(f"Completion: {output['text']!r}")

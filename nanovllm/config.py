@@ -5,6 +5,7 @@ model says how to get one."""
 import os
 from dataclasses import dataclass, field, fields
 
+import torch
 from transformers import AutoConfig, PretrainedConfig
 
 DOWNLOAD_HINT = (
@@ -59,6 +60,35 @@ class Config:
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """Before anything is spawned: the sizes the model's layers must split evenly across ranks."""
+        n, hf = self.tensor_parallel_size, self.hf_config
+        if n == 1:
+            return
+        num_heads = hf.num_attention_heads
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+        intermediate = getattr(hf, "intermediate_size", None)
+
+        def fits(size: int) -> bool:
+            # Query heads and MLP columns split evenly; K/V heads split evenly, or are replicated
+            # when there are fewer of them than ranks (each rank then keeps the one it needs).
+            kv_ok = num_kv_heads % size == 0 or size % num_kv_heads == 0
+            return num_heads % size == 0 and kv_ok and (intermediate is None or intermediate % size == 0)
+
+        if not fits(n):
+            valid = [size for size in range(1, num_heads + 1) if fits(size)]
+            raise ValueError(
+                f"tensor_parallel_size={n} does not fit this model ({num_heads} attention heads, "
+                f"{num_kv_heads} key/value heads, intermediate_size {intermediate}): it must divide the "
+                "attention heads and the intermediate size, and divide or be a multiple of the key/value "
+                f"heads; valid sizes: {valid}")
+        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
+            num_gpus = torch.cuda.device_count()
+            if n > num_gpus:
+                raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs but {num_gpus} are visible; "
+                                 "lower it, or expose more GPUs (CUDA_VISIBLE_DEVICES)")
 
     def _check_ranges(self) -> None:
         positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",

@@ -53,7 +53,8 @@ def select_backend(requested: str, device: torch.device, block_size: int) -> Att
     if name == "auto":
         name = _auto_backend(device, block_size)
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (from {BACKEND_ENV_VAR}?); valid: {list(BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r} (from {BACKEND_ENV_VAR}?); "
+                         f"valid: {list(BACKENDS)}")
     # Triton kernels also run on CPU tensors in its interpreter (used by the tests).
     interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if name != "torch" and device.type != "cuda" and not interpreted:

@@ -1,9 +1,17 @@
 """The engine loop: validates and tokenizes requests, schedules steps, runs them on the model
 runner and turns finished sequences into outputs. `add_request`, `step`, `is_finished` and
-`generate` are the public loop."""
+`generate` are the public loop.
 
+With tensor_parallel_size=N > 1, the engine's own ModelRunner is rank 0 and ranks 1..N-1 run in
+worker processes (nanovllm.engine.tp_worker). `shutdown()` (alias `exit()`, or leaving a `with` block)
+stops them and frees the model; it also happens when the engine is garbage-collected, at interpreter
+exit, and when a step fails under tensor parallelism (a dead worker, Ctrl-C), after which every call
+raises RuntimeError."""
+
+import gc
 import time
 from collections.abc import Sequence as SequenceLike
+from contextlib import nullcontext
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
@@ -13,6 +21,7 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.engine.tp_worker import TPWorkers
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -24,10 +33,18 @@ class LLMEngine:
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        self.model_runner = ModelRunner(config)
-        config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
-        self.scheduler = Scheduler(config, StopChecker(self._eos_token_ids(), config.max_model_len,
-                                                       self.tokenizer))
+        # Ranks 1..N-1 start loading in their own processes while rank 0 loads here.
+        self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
+        self.model_runner: ModelRunner | None = None
+        try:
+            with self.workers.scope() if self.workers else nullcontext():
+                self.model_runner = ModelRunner(config)
+            config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
+            self.scheduler = Scheduler(config, StopChecker(self._eos_token_ids(), config.max_model_len,
+                                                           self.tokenizer))
+        except BaseException:
+            self.shutdown()  # no worker outlives a failed constructor
+            raise
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -73,7 +90,8 @@ class LLMEngine:
                              f"{config.num_kvcache_blocks}; lower max_tokens, or give the cache more memory "
                              "(gpu_memory_utilization, num_kvcache_blocks, cpu_kvcache_space_gib)")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; use stop_token_ids")
+            raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; "
+                             "use stop_token_ids")
 
     def _make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
         params = SamplingParams() if params is None else params
@@ -89,15 +107,46 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq.seq_id
 
+    # ---- lifetime ----
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and free the model and its KV cache; any later call raises
+        RuntimeError. Idempotent."""
+        if self.workers is not None:
+            self.workers.shutdown()
+        if self.model_runner is not None:
+            self.model_runner = None
+            gc.collect()  # the layers' weight loaders form reference cycles: free the weights now
+
+    exit = shutdown  # nano-vllm's name for it
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     # ---- the loop ----
+    def _run_model(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
+        if self.model_runner is None:
+            raise RuntimeError("this LLM is shut down (exit() was called, or a tensor-parallel worker "
+                               "failed); create a new one")
+        if self.workers is None:
+            return self.model_runner.run(seqs, is_prefill)
+        try:
+            return self.workers.run(self.model_runner, seqs, is_prefill)
+        except BaseException:
+            self.shutdown()  # the workers are gone already; free rank 0's share as well
+            raise
+
     def step(self) -> tuple[list[tuple[int, dict]], int]:
         """Run one step. Returns the (request id, output) of requests that finished, and the number
         of tokens computed: positive for a prefill step, negative for a decode step."""
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        token_ids = self.model_runner.run(seqs, is_prefill)
+        token_ids = self._run_model(seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
-        return [(seq.seq_id, self._output(seq)) for seq in finished], num_tokens if is_prefill else -num_tokens
+        outputs = [(seq.seq_id, self._output(seq)) for seq in finished]
+        return outputs, num_tokens if is_prefill else -num_tokens
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()

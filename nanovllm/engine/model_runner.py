@@ -16,7 +16,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
-from nanovllm.utils.distributed import get_tp_rank
+from nanovllm.utils.distributed import get_tp_rank, min_across_ranks
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 logger = logging.getLogger("nanovllm")
@@ -83,8 +83,9 @@ class ModelRunner:
         config = self.config
         # The largest decode batch the scheduler can form: no step falls outside the captured sizes.
         max_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
-        self.decode_graphs = DecodeGraphs(self.model, max_batch, math.ceil(config.max_model_len / self.block_size),
-                                          config.hf_config.hidden_size, self.dtype, self.device)
+        max_blocks = math.ceil(config.max_model_len / self.block_size)
+        self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, config.hf_config.hidden_size,
+                                          self.dtype, self.device)
         self.decode_graphs.capture()
 
     # ---- KV cache ----
@@ -110,7 +111,10 @@ class ModelRunner:
             source = f"cpu_kvcache_space_gib={config.cpu_kvcache_space_gib}"
         num_blocks = int(budget // self._block_bytes())
         if self.device.type == "cpu":  # never allocate more than the engine could ever use
-            num_blocks = min(num_blocks, config.max_num_seqs * math.ceil(config.max_model_len / self.block_size))
+            max_blocks = config.max_num_seqs * math.ceil(config.max_model_len / self.block_size)
+            num_blocks = min(num_blocks, max_blocks)
+        # One scheduler on rank 0 hands out block ids for every rank: all must hold as many blocks.
+        num_blocks = min_across_ranks(num_blocks)
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache under {source}; raise it, or lower "
                              "max_num_batched_tokens / max_num_seqs")
@@ -118,7 +122,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         layer = self.attention_layers[0]
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
+                 layer.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

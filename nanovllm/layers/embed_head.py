@@ -24,6 +24,10 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:shard.shape[0]].copy_(shard)
         param.data[shard.shape[0]:].zero_()
 
+    def checkpoint_shapes(self, param: nn.Parameter) -> dict[int | str | None, tuple[int, ...]]:
+        """See LinearBase.checkpoint_shapes: the whole vocabulary, without the padding."""
+        return {None: (self.num_embeddings, *param.shape[1:])}
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)

@@ -52,6 +52,15 @@ class LinearBase(nn.Module):
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
         param.data.copy_(loaded)
 
+    def checkpoint_shapes(self, param: nn.Parameter) -> dict[int | str | None, tuple[int, ...]]:
+        """The full (unsharded) checkpoint tensors that `param` is loaded from, by shard id (None when
+        the loader takes no shard id), e.g. to make random weights that do not depend on the number
+        of ranks."""
+        shape = list(param.shape)
+        if self.tp_dim is not None and param.dim() > self.tp_dim:
+            shape[self.tp_dim] *= self.tp_size
+        return {None: tuple(shape)}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
@@ -70,6 +79,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input fused into one matmul (e.g. gate and up)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        for size in output_sizes:  # each part is split on its own, not just their sum
+            _divide(size, get_tp_size(), "output size")
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
@@ -78,6 +89,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp_size
         shard = loaded.narrow(0, self.tp_rank * size, size)
         param.data.narrow(0, offset, size).copy_(shard)
+
+    def checkpoint_shapes(self, param: nn.Parameter) -> dict[int | str | None, tuple[int, ...]]:
+        return {i: (size, *param.shape[1:]) for i, size in enumerate(self.output_sizes)}
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -88,6 +102,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  bias: bool = False) -> None:
         tp_size = get_tp_size()
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads = _divide(total_num_heads, tp_size, "number of attention heads")
         if total_num_kv_heads >= tp_size:
             self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "number of key/value heads")
@@ -108,6 +123,11 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, start = kv_size, self.kv_head_index * self.head_dim
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+    def checkpoint_shapes(self, param: nn.Parameter) -> dict[int | str | None, tuple[int, ...]]:
+        rest = tuple(param.shape[1:])
+        kv = (self.total_num_kv_heads * self.head_dim, *rest)
+        return {"q": (self.total_num_heads * self.head_dim, *rest), "k": kv, "v": kv}
 
 
 class RowParallelLinear(LinearBase):

@@ -53,7 +53,8 @@ class Qwen3MLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is")
@@ -86,7 +87,8 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: PretrainedConfig, qk_norm: bool = True) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, qk_norm)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

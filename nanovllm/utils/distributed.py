@@ -1,30 +1,137 @@
-"""Tensor-parallel rank and world size as the layers see them (rank 0 of 1 when torch.distributed
-is not initialised), and the collectives they use."""
+"""Tensor-parallel groups as the layers see them.
+
+Each engine owns one `TPGroup`: its own TCP store and its own gloo (CPU) or NCCL (CUDA) communicator.
+The groups are built directly rather than through torch.distributed's process-wide default group:
+rank 0 of every engine lives in the caller's process, so two engines alive at once would otherwise
+fight over the one default group.
+
+`use_tp_group(group)` makes a group current for the code it wraps: the layers read the rank and size
+while they are built and call `all_reduce` / `gather_to_rank0` in forward. Outside any group they see
+rank 0 of 1 and communicate with no one."""
+
+import datetime
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.distributed as dist
 
+# How long a rank waits for the others in a collective before it gives up. Generous, because ranks
+# load weights and capture CUDA graphs at their own pace; a rank that dies is noticed long before
+# this (see nanovllm.engine.tp_worker), this only bounds a rank that hangs while alive.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+LOCALHOST = "127.0.0.1"
+NCCL_ERROR_HANDLING_VAR = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def create_store(rank: int, world_size: int, port: int = 0) -> dist.TCPStore:
+    """Rank 0 hosts the store (port 0: the OS picks a free port, read it back from `store.port`, so
+    two engines never race for one); the other ranks connect to that port."""
+    return dist.TCPStore(LOCALHOST, port, world_size, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT,
+                         wait_for_workers=False)
+
+
+class TPGroup:
+    """One engine's tensor-parallel ranks. Construction blocks until every rank has constructed its
+    own (the rendezvous goes through the store)."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self._aborted = False
+        self._store = dist.PrefixStore("tp/", store)  # keeps the communicator's keys apart from ours
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds the communicator to the current device
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
+            options._timeout = COLLECTIVE_TIMEOUT
+            # Rank 0 lives in the caller's process: a dead worker must surface there as the engine's
+            # RuntimeError (its watchdog aborts the communicator), not as torch's NCCL watchdog tearing
+            # the whole process down. The setting is read once, here; a value the user set wins.
+            own_setting = rank == 0 and NCCL_ERROR_HANDLING_VAR not in os.environ
+            if own_setting:
+                os.environ[NCCL_ERROR_HANDLING_VAR] = "0"
+            try:
+                self._backend = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
+            finally:
+                if own_setting:
+                    del os.environ[NCCL_ERROR_HANDLING_VAR]
+        else:
+            self._backend = dist.ProcessGroupGloo(self._store, rank, world_size, COLLECTIVE_TIMEOUT)
+
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """In place; on CUDA the wait only orders the current stream after the collective."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        self._backend.allreduce([x], options).wait()
+        return x
+
+    def gather_to_rank0(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else []
+        self._backend.gather([parts] if self.rank == 0 else [], [x.contiguous()], options).wait()
+        return torch.cat(parts, dim) if self.rank == 0 else None
+
+    def abort(self) -> None:
+        """Make a collective stuck on a dead rank return (NCCL). Gloo needs no help: a dead peer closes
+        its sockets and the collective raises by itself (and gloo's abort would not unblock it)."""
+        if self.device.type == "cuda" and not self._aborted:
+            self._aborted = True
+            self._backend.abort()
+
+    def destroy(self, healthy: bool = True) -> None:
+        # A graceful NCCL shutdown flushes outstanding work, which never ends when a rank is gone.
+        if healthy and hasattr(self._backend, "shutdown"):  # older torch: dropping it is the shutdown
+            self._backend.shutdown()
+        elif not healthy:
+            self.abort()
+        del self._backend, self._store
+
+
+_current: ContextVar[TPGroup | None] = ContextVar("nanovllm_tp_group", default=None)
+
+
+@contextmanager
+def use_tp_group(group: TPGroup | None) -> Iterator[TPGroup | None]:
+    """Make `group` the one the layers build for and communicate over, until the block ends."""
+    token = _current.set(group)
+    try:
+        yield group
+    finally:
+        _current.reset(token)
+
+
+def get_tp_group() -> TPGroup | None:
+    return _current.get()
+
 
 def get_tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    group = _current.get()
+    return 0 if group is None else group.rank
 
 
 def get_tp_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    group = _current.get()
+    return 1 if group is None else group.world_size
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if get_tp_size() > 1:
-        dist.all_reduce(x)
-    return x
+    group = _current.get()
+    return x if group is None or group.world_size == 1 else group.all_reduce(x)
 
 
 def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     """Concatenate each rank's x along dim on rank 0; other ranks get None."""
-    size = get_tp_size()
-    if size == 1:
-        return x
-    rank = get_tp_rank()
-    parts = [torch.empty_like(x) for _ in range(size)] if rank == 0 else None
-    dist.gather(x, parts, dst=0)
-    return torch.cat(parts, dim) if rank == 0 else None
+    group = _current.get()
+    return x if group is None or group.world_size == 1 else group.gather_to_rank0(x, dim)
+
+
+def min_across_ranks(value: int) -> int:
+    """The smallest of every rank's value (each rank passes its own); a no-op without a group."""
+    group = _current.get()
+    if group is None or group.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=group.device)
+    return int(group.all_reduce(t, dist.ReduceOp.MIN).item())

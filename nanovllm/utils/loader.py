@@ -1,8 +1,9 @@
 """Weight loading: safetensors checkpoints (one file or many shards, with or without the index
 file) mapped onto the model's fused tensor-parallel parameters, or random "dummy" weights for
-benchmarks where only config.json exists."""
+benchmarks where only config.json exists (the same model whatever the tensor_parallel_size)."""
 
 import glob
+import hashlib
 import json
 import os
 
@@ -64,11 +65,32 @@ def load_model(model: nn.Module, path: str) -> None:
                          f"e.g. {missing[:5]}; is it the model its config.json describes?")
 
 
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # a non-negative int64, as manual_seed wants
+
+
 def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
-    """Random weights (norm scales stay 1) for throughput runs where no checkpoint exists."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
+    """Random weights (norm scales stay 1) for throughput runs where no checkpoint exists.
+
+    Each full checkpoint tensor is drawn from its own seed (the run's seed and the tensor's name), on
+    the parameter's device, and goes through the parameter's weight loader like a checkpoint tensor:
+    every tensor_parallel_size then shards the very same model."""
+    for name, param in model.named_parameters():  # tied weights appear once
+        module = model.get_submodule(name.rpartition(".")[0])
+        if hasattr(module, "checkpoint_shapes"):
+            shapes = module.checkpoint_shapes(param)
         else:
-            param.data.copy_(torch.randn(param.shape, generator=gen) * std)
+            shapes = {None: tuple(param.shape)}
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        for shard_id, shape in shapes.items():
+            if name.endswith("norm.weight"):
+                full = torch.ones(shape, dtype=param.dtype, device=param.device)
+            else:
+                gen = torch.Generator(device=param.device)
+                gen.manual_seed(_tensor_seed(seed, f"{name}/{shard_id}"))
+                full = torch.randn(shape, generator=gen, dtype=param.dtype, device=param.device).mul_(std)
+            if shard_id is None:
+                loader(param, full)
+            else:
+                loader(param, full, shard_id)

@@ -73,8 +73,8 @@ def fake_fa3():
         for i in range(len(cu_seqlens_q) - 1):
             qs, qe = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
             n = cache_seqlens[i]
-            out[qs:qe] = _attend(q[qs:qe], _paged(k_cache, page_table[i], n), _paged(v_cache, page_table[i], n),
-                                 softmax_scale)
+            out[qs:qe] = _attend(q[qs:qe], _paged(k_cache, page_table[i], n),
+                                 _paged(v_cache, page_table[i], n), softmax_scale)
         return out
 
     return types.SimpleNamespace(flash_attn_varlen_func=varlen, flash_attn_with_kvcache=with_kvcache)
@@ -100,7 +100,7 @@ def make_case(q_lens, ctx_lens, is_prefill):
     v_cache = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen)
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables, slots, next_block = [], [], 0
-    for q_len, ctx in zip(q_lens, ctx_lens):
+    for q_len, ctx in zip(q_lens, ctx_lens, strict=True):
         n = -(-ctx // BS)
         tables.append(perm[next_block:next_block + n])
         next_block += n
@@ -114,10 +114,13 @@ def make_case(q_lens, ctx_lens, is_prefill):
     for ctx in ctx_lens:
         cu_k.append(cu_k[-1] + ctx)
     meta = AttentionMetadata(
-        is_prefill=is_prefill, slot_mapping=torch.tensor(slots), seqlens_k=torch.tensor(ctx_lens, dtype=torch.int32),
+        is_prefill=is_prefill, slot_mapping=torch.tensor(slots),
+        seqlens_k=torch.tensor(ctx_lens, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32), cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
-        max_seqlen_q=max(q_lens), max_seqlen_k=max(ctx_lens), has_prefix=any(q < c for q, c in zip(q_lens, ctx_lens)),
+        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
+        max_seqlen_q=max(q_lens), max_seqlen_k=max(ctx_lens),
+        has_prefix=any(q < c for q, c in zip(q_lens, ctx_lens, strict=True)),
         cu_seqlens_q_host=cu_q, seqlens_k_host=list(ctx_lens))
     qkv = [torch.randn(total, h, D, generator=gen) for h in (H, HKV, HKV)]
     return (*qkv, k_cache, v_cache, meta)
