@@ -21,7 +21,8 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k}")
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, "
+                             f"got {self.top_k}")
         if self.top_k == 0:
             self.top_k = -1
         if not 0.0 <= self.min_p <= 1.0:

@@ -26,7 +26,8 @@ def test_top_k_1_equals_greedy(llm):
 
 def test_same_seed_same_text_different_seeds_differ(llm):
     def seeded(seed, prompts=PROMPTS):
-        return tokens(llm, SamplingParams(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True), prompts)
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True)
+        return tokens(llm, params, prompts)
 
     assert seeded(7) == seeded(7)
     assert seeded(7) != seeded(8)

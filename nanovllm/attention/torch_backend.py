@@ -23,7 +23,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seqlen: int) -> to
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seqlen]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+          scale: float) -> torch.Tensor:
     """q: [B, H, Lq, D]; k, v: [B, Hkv, Lk, D]; mask: bool, True = attend."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:

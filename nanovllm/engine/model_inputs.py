@@ -62,8 +62,9 @@ def prepare_prefill(seqs: list[Sequence], device: torch.device) -> ModelInputs:
     meta = AttentionMetadata(
         is_prefill=True, slot_mapping=_to_device(slot_mapping, torch.int64, device),
         seqlens_k=_to_device(seqlens_k, torch.int32, device), block_tables=_block_tables(seqs, device),
-        cu_seqlens_q=_to_device(cu_q, torch.int32, device), cu_seqlens_k=_to_device(cu_k, torch.int32, device),
-        max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])), max_seqlen_k=max(seqlens_k),
+        cu_seqlens_q=_to_device(cu_q, torch.int32, device),
+        cu_seqlens_k=_to_device(cu_k, torch.int32, device),
+        max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:], strict=False)), max_seqlen_k=max(seqlens_k),
         has_prefix=has_prefix, cu_seqlens_q_host=cu_q, seqlens_k_host=seqlens_k)
     return ModelInputs(_to_device(input_ids, torch.int64, device), _to_device(positions, torch.int64, device),
                        meta, sample_rows, _to_device(logits_indices, torch.int64, device))
@@ -97,6 +98,7 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, device: torch.device
         tensors.top_ps = _to_device([p.top_p for p in params], torch.float32, device)
     if any(p.min_p > 0.0 for p in params):
         tensors.min_ps = _to_device([p.min_p for p in params], torch.float32, device)
-    tensors.seeded_rows = [(row, (seq.sampling_params.seed * SEED_STRIDE + seq.num_completion_tokens) & SEED_MASK)
-                           for row, seq in enumerate(seqs) if seq.sampling_params.seed is not None] or None
+    tensors.seeded_rows = [
+        (row, (seq.sampling_params.seed * SEED_STRIDE + seq.num_completion_tokens) & SEED_MASK)
+        for row, seq in enumerate(seqs) if seq.sampling_params.seed is not None] or None
     return tensors

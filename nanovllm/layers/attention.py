@@ -11,7 +11,8 @@ from nanovllm.attention.metadata import get_attention_metadata
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
-        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
         # Set by the model runner once the cache exists; empty before (warm-up runs without a cache).
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None
