@@ -14,6 +14,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.gguf_loader import load_gguf_tokenizer
 
 Prompt = str | list[int]
 
@@ -23,7 +24,10 @@ class LLMEngine:
         self.config = config = Config.from_options(model, **options)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
-            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            if config.tokenizer is None and config.gguf_path is not None:
+                self.tokenizer = load_gguf_tokenizer(config.gguf_path)
+            else:
+                self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.model_runner = ModelRunner(config)
         config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler(config, StopChecker(self._eos_token_ids(), config.max_model_len,
@@ -31,11 +35,15 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
-        try:  # generation_config.json often lists extra end tokens (e.g. a chat model's end-of-turn)
-            eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        except OSError:
-            pass
+        # generation_config.json often lists extra end tokens (e.g. a chat model's end-of-turn). A GGUF
+        # file carries its end tokens in its own metadata, already in the config; the folder around it
+        # may hold another model's generation_config.json, so it is not read.
+        if self.config.gguf_path is None:
+            try:
+                eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+                ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+            except OSError:
+                pass
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
@@ -73,7 +81,8 @@ class LLMEngine:
                              f"{config.num_kvcache_blocks}; lower max_tokens, or give the cache more memory "
                              "(gpu_memory_utilization, num_kvcache_blocks, cpu_kvcache_space_gib)")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; use stop_token_ids")
+            raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; "
+                             "use stop_token_ids")
 
     def _make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
         params = SamplingParams() if params is None else params
@@ -97,7 +106,8 @@ class LLMEngine:
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         token_ids = self.model_runner.run(seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
-        return [(seq.seq_id, self._output(seq)) for seq in finished], num_tokens if is_prefill else -num_tokens
+        outputs = [(seq.seq_id, self._output(seq)) for seq in finished]
+        return outputs, num_tokens if is_prefill else -num_tokens
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()

@@ -16,7 +16,8 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.utils.distributed import get_tp_rank
-from nanovllm.utils.loader import init_dummy_weights, load_model
+from nanovllm.utils.gguf_loader import gguf_weights
+from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
 logger = logging.getLogger("nanovllm")
 
@@ -61,6 +62,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, std=getattr(hf, "initializer_range", 0.02), seed=config.seed)
+        elif config.load_format == "gguf":
+            load_weights(self.model, gguf_weights(config.gguf_path, hf, self.dtype), config.gguf_path)
         else:
             load_model(self.model, config.model)
         self.model.eval()
@@ -96,7 +99,8 @@ class ModelRunner:
             source = f"cpu_kvcache_space_gib={config.cpu_kvcache_space_gib}"
         num_blocks = int(budget // self._block_bytes())
         if self.device.type == "cpu":  # never allocate more than the engine could ever use
-            num_blocks = min(num_blocks, config.max_num_seqs * math.ceil(config.max_model_len / self.block_size))
+            max_blocks = config.max_num_seqs * math.ceil(config.max_model_len / self.block_size)
+            num_blocks = min(num_blocks, max_blocks)
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache under {source}; raise it, or lower "
                              "max_num_batched_tokens / max_num_seqs")
@@ -104,7 +108,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         layer = self.attention_layers[0]
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
+                 layer.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
