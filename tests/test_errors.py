@@ -94,3 +94,33 @@ def test_chat_applies_the_template(llm, tokenizer):
     assert out["prompt_token_ids"] == expected
     both = llm.chat([conversation, conversation], GREEDY, use_tqdm=False)
     assert both[0]["token_ids"] == both[1]["token_ids"] == out["token_ids"]
+
+
+@pytest.mark.parametrize("path, options, match", [
+    ("/nonexistent/model.gguf", {}, "GGUF file '/nonexistent/model.gguf' does not exist"),
+    ("/nonexistent", dict(gguf_file="model.gguf"), "GGUF file '/nonexistent/model.gguf' does not exist"),
+    ("/nonexistent/model.gguf", dict(gguf_file="other.gguf"), "already a .gguf file; drop gguf_file"),
+    ("/tmp", dict(gguf_file="model.bin"), "gguf_file must name a .gguf file"),
+])
+def test_bad_gguf_paths(path, options, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(path, **options)
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="cannot read .*model.gguf.* as a GGUF model"):
+        LLM(str(tmp_path / "model.gguf"))
+
+
+def test_load_format_must_match_the_files(tmp_path, qwen3_dir):
+    with pytest.raises(ValueError, match="load_format='gguf' needs a .gguf file"):
+        LLM(qwen3_dir, load_format="gguf")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="load_format='safetensors' but the model is the GGUF file"):
+        LLM(str(tmp_path / "model.gguf"), load_format="safetensors")
+
+
+def test_model_path_that_is_a_plain_file(qwen3_dir):
+    with pytest.raises(ValueError, match="is a file, not a model folder or a .gguf file"):
+        LLM(f"{qwen3_dir}/config.json")

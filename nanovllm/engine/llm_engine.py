@@ -23,6 +23,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.engine.tp_worker import TPWorkers
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.gguf_loader import load_gguf_tokenizer
 
 Prompt = str | list[int]
 
@@ -32,7 +33,10 @@ class LLMEngine:
         self.config = config = Config.from_options(model, **options)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
-            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            if config.tokenizer is None and config.gguf_path is not None:
+                self.tokenizer = load_gguf_tokenizer(config.gguf_path)
+            else:
+                self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         # Ranks 1..N-1 start loading in their own processes while rank 0 loads here.
         self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None
@@ -48,11 +52,15 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
-        try:  # generation_config.json often lists extra end tokens (e.g. a chat model's end-of-turn)
-            eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        except OSError:
-            pass
+        # generation_config.json often lists extra end tokens (e.g. a chat model's end-of-turn). A GGUF
+        # file carries its end tokens in its own metadata, already in the config; the folder around it
+        # may hold another model's generation_config.json, so it is not read.
+        if self.config.gguf_path is None:
+            try:
+                eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+                ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+            except OSError:
+                pass
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))

@@ -17,7 +17,8 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
 from nanovllm.utils.distributed import get_tp_rank, min_across_ranks
-from nanovllm.utils.loader import init_dummy_weights, load_model
+from nanovllm.utils.gguf_loader import gguf_weights
+from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
 logger = logging.getLogger("nanovllm")
 
@@ -62,6 +63,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, std=getattr(hf, "initializer_range", 0.02), seed=config.seed)
+        elif config.load_format == "gguf":
+            load_weights(self.model, gguf_weights(config.gguf_path, hf, self.dtype), config.gguf_path)
         else:
             load_model(self.model, config.model)
         self.model.eval()

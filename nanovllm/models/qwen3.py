@@ -1,6 +1,12 @@
 """Qwen3 decoder: GQA attention with per-head q/k RMSNorm and RoPE, SiLU-gated MLP, tied or untied
 LM head, built from tensor-parallel layers. Checkpoint names map onto the fused layers through
-`packed_modules_mapping`."""
+`packed_modules_mapping`.
+
+The Llama and Qwen2 families are this decoder with different `AttentionOptions` (models/llama.py,
+models/qwen2.py). Every family attends to the whole context: a config with an active sliding window
+is rejected here rather than run with the wrong attention."""
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -14,21 +20,40 @@ from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, qk_norm_rotary
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """Where the attention blocks of the families built on this decoder differ."""
+
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE
+    qkv_bias: bool
+    o_bias: bool
+
+
+def sliding_window_in_use(config: PretrainedConfig) -> int | None:
+    """The window size if any layer of this config attends through a sliding window, else None."""
+    if getattr(config, "use_sliding_window", True) is False:  # Qwen2/Qwen3 keep a size but switch it off
+        return None
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, qk_norm: bool = True) -> None:
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions) -> None:
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads,
-                                          bias=getattr(config, "attention_bias", False))
+                                          config.num_key_value_heads, bias=options.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=getattr(config, "attention_bias", False))
+                                        bias=options.o_bias)
         self.rotary_emb = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
         self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads)
-        self.qk_norm = qk_norm
-        if qk_norm:
+        self.qk_norm = options.qk_norm
+        if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
 
@@ -65,9 +90,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qk_norm: bool = True) -> None:
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config, qk_norm)
+        self.self_attn = Qwen3Attention(config, options)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -84,10 +109,10 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, qk_norm: bool = True) -> None:
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, qk_norm)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, options)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -108,11 +133,20 @@ class Qwen3ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    qk_norm = True
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qk_norm=True, qkv_bias=bias, o_bias=bias)
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.model = Qwen3Model(config, self.qk_norm)
+        window = sliding_window_in_use(config)
+        if window is not None:
+            raise ValueError(f"this {type(self).__name__} config uses sliding-window attention "
+                             f"(sliding_window={window}), which nanovllm does not implement; use a "
+                             "checkpoint whose config.json has \"sliding_window\": null")
+        self.model = Qwen3Model(config, self.attention_options(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -1,11 +1,13 @@
-"""Weight loading: safetensors checkpoints (one file or many shards, with or without the index
-file) mapped onto the model's fused tensor-parallel parameters, or random "dummy" weights for
-benchmarks where only config.json exists (the same model whatever the tensor_parallel_size)."""
+"""Weight loading: (Hugging Face name, tensor) pairs, from safetensors checkpoints (one file or many
+shards, with or without the index file) or a GGUF file (utils/gguf_loader.py), mapped onto the
+model's fused tensor-parallel parameters by one function, `load_weights`; or random "dummy"
+weights for benchmarks where only a config exists (the same model whatever the tensor_parallel_size)."""
 
 import glob
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -30,39 +32,50 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def load_model(model: nn.Module, path: str) -> None:
+def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = safetensors_files(path)
     if not files:
         raise ValueError(f"no *.safetensors weights in {path!r}; download the full model, or pass "
                          "load_format='dummy' to run on random weights")
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Copy (Hugging Face name, tensor) pairs into the model, through `packed_modules_mapping` onto
+    fused parameters and each parameter's `weight_loader`; raises if the model is left incomplete."""
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters(remove_duplicate=False))
     skip = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
     loaded: set[str] = set()
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name in skip:
-                    continue
-                target, shard_id = name, None
-                for ckpt_name, (fused_name, fused_shard) in packed.items():
-                    if f".{ckpt_name}." in name:
-                        target, shard_id = name.replace(ckpt_name, fused_name), fused_shard
-                        break
-                param = params.get(target)
-                if param is None:
-                    continue  # e.g. rotary inv_freq buffers saved by old checkpoints
-                tensor = f.get_tensor(name)
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                if shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard_id)
-                loaded.add(target)
+    for name, tensor in weights:
+        if name in skip:
+            continue
+        target, shard_id = name, None
+        for ckpt_name, (fused_name, fused_shard) in packed.items():
+            if f".{ckpt_name}." in name:
+                target, shard_id = name.replace(ckpt_name, fused_name), fused_shard
+                break
+        param = params.get(target)
+        if param is None:
+            continue  # e.g. rotary inv_freq buffers saved by old checkpoints
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        if shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+        loaded.add(target)
     missing = sorted(set(dict(model.named_parameters()).keys()) - loaded - skip)
     if missing:
-        raise ValueError(f"checkpoint in {path!r} lacks {len(missing)} weights the model needs, "
-                         f"e.g. {missing[:5]}; is it the model its config.json describes?")
+        raise ValueError(f"checkpoint {source!r} lacks {len(missing)} weights the model needs, "
+                         f"e.g. {missing[:5]}; is it the model its config describes?")
+
+
+def load_model(model: nn.Module, path: str) -> None:
+    """Load a safetensors checkpoint folder."""
+    load_weights(model, safetensors_weights(path), path)
 
 
 def _tensor_seed(seed: int, name: str) -> int:

