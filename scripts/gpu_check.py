@@ -102,9 +102,7 @@ def make_random_checkpoint(path: str):
 
 
 def free(llm) -> None:
-    del llm.model_runner
-    gc.collect()
-    torch.cuda.empty_cache()
+    llm.shutdown()
 
 
 def hf_last_logits(hf, prompt) -> torch.Tensor:

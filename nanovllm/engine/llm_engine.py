@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence as SequenceLike
 from contextlib import nullcontext
 
+import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -124,6 +125,8 @@ class LLMEngine:
         if self.model_runner is not None:
             self.model_runner = None
             gc.collect()  # the layers' weight loaders form reference cycles: free the weights now
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand the memory back, e.g. to the next engine in this process
 
     exit = shutdown  # nano-vllm's name for it
 

@@ -90,6 +90,10 @@ def _worker_main(config: Config, rank: int, store_port: int, handle: ChannelHand
         device = resolve_device(config, rank)
         if device.type == "cpu":
             torch.set_num_threads(threads_per_rank(config.tensor_parallel_size))
+        else:
+            # A daemon process may not start children: torch.compile must compile in-process here.
+            import torch._inductor.config as inductor_config
+            inductor_config.compile_threads = 1
         store = create_store(rank, config.tensor_parallel_size, store_port)
         store.set(f"joined/{rank}", "1")  # rank 0 waits for this before it starts the rendezvous
         group = TPGroup(store, rank, config.tensor_parallel_size, device)

@@ -12,10 +12,11 @@ from torch import nn
 
 from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
 
-# Up to this many tokens (decode batches, mostly) a GPU matmul is a weight-streaming GEMV, where
-# cuBLAS reaches about a third of the memory bandwidth; nanovllm.kernels.skinny_gemm streams it
-# close to the peak. Matches skinny_gemm.MAX_SKINNY_M. NANOVLLM_SKINNY_GEMM=0 turns it off.
-SKINNY_MAX_TOKENS = 16
+# A one-token matmul (single-stream decode) is a weight-streaming GEMV, where cuBLAS reaches a third
+# to two thirds of the memory bandwidth; nanovllm.kernels.skinny_gemm streams it 1.1-3.7x faster on an
+# H200. From 2 tokens on, its tensor-core path measured no faster than cuBLAS (BENCHMARKS.md), so
+# cuBLAS keeps those. NANOVLLM_SKINNY_GEMM=0 turns it off.
+SKINNY_MAX_TOKENS = 1
 USE_SKINNY_GEMM = os.environ.get("NANOVLLM_SKINNY_GEMM", "1") != "0"
 
 
