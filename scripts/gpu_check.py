@@ -48,7 +48,7 @@ def paged_case(q_lens, ctx_lens, block_size, heads=16, kv_heads=8, head_dim=128,
     tables, slots, used = [], [], 0
     for q_len, ctx in zip(q_lens, ctx_lens):
         n = -(-ctx // block_size)
-        tables.append(perm[used:used + n])
+        tables.append(perm[used : used + n])
         used += n
         slots += [tables[-1][p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
     width = max(map(len, tables))
@@ -58,21 +58,29 @@ def paged_case(q_lens, ctx_lens, block_size, heads=16, kv_heads=8, head_dim=128,
         cu_k.append(cu_k[-1] + ctx)
     i32 = dict(device="cuda", dtype=torch.int32)
     meta = AttentionMetadata(
-        is_prefill=prefill, slot_mapping=torch.tensor(slots, device="cuda"),
+        is_prefill=prefill,
+        slot_mapping=torch.tensor(slots, device="cuda"),
         seqlens_k=torch.tensor(ctx_lens, **i32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], **i32),
-        cu_seqlens_q=torch.tensor(cu_q, **i32), cu_seqlens_k=torch.tensor(cu_k, **i32),
-        max_seqlen_q=max(q_lens), max_seqlen_k=max(ctx_lens),
-        has_prefix=any(q < c for q, c in zip(q_lens, ctx_lens)), cu_seqlens_q_host=cu_q, seqlens_k_host=ctx_lens)
+        cu_seqlens_q=torch.tensor(cu_q, **i32),
+        cu_seqlens_k=torch.tensor(cu_k, **i32),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(ctx_lens),
+        has_prefix=any(q < c for q, c in zip(q_lens, ctx_lens)),
+        cu_seqlens_q_host=cu_q,
+        seqlens_k_host=ctx_lens,
+    )
     total = sum(q_lens)
     q, k, v = (torch.randn(total, h, head_dim, generator=gen, **kw) for h in (heads, kv_heads, kv_heads))
     return q, k, v, k_cache, v_cache, meta
 
 
 def check_kernels() -> None:
-    cases = {"prefill": ([300, 1000, 17], [300, 1000, 17], True),
-             "prefill-prefix": ([100, 700, 1], [900, 1500, 333], True),
-             "decode": ([1] * 6, [1, 77, 512, 1023, 2900, 4096], False)}
+    cases = {
+        "prefill": ([300, 1000, 17], [300, 1000, 17], True),
+        "prefill-prefix": ([100, 700, 1], [900, 1500, 333], True),
+        "decode": ([1] * 6, [1, 77, 512, 1023, 2900, 4096], False),
+    }
     torch_backend = select_backend("torch", torch.device("cuda"), 16)
     for name in GPU_BACKENDS:
         backend = select_backend(name, torch.device("cuda"), 16)
@@ -91,6 +99,7 @@ def check_kernels() -> None:
 def make_random_checkpoint(path: str):
     """Save random bf16 weights; return transformers' model on them in float32 and in bf16."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(CONFIG)
     config.initializer_range = E2E_INIT_STD
     torch.manual_seed(0)
@@ -122,8 +131,11 @@ def check_e2e() -> None:
     results["logits"] = {"transformers-bf16": dict(max_rel_err=max(baseline))}
     del hf16
     settings = {"torch/eager": dict(attention_backend="torch", enforce_eager=True)}
-    settings |= {f"{b}/{'eager' if eager else 'graphs'}": dict(attention_backend=b, enforce_eager=eager)
-                 for b in GPU_BACKENDS for eager in (False, True)}
+    settings |= {
+        f"{b}/{'eager' if eager else 'graphs'}": dict(attention_backend=b, enforce_eager=eager)
+        for b in GPU_BACKENDS
+        for eager in (False, True)
+    }
     settings["fa3/graphs/chunked-64"] = dict(attention_backend="fa3", max_num_batched_tokens=64)
     settings["triton/graphs/chunked-64"] = dict(attention_backend="triton", max_num_batched_tokens=64)
     if os.environ.get("E2E_QUICK") == "1":  # the CUDA-graph runs only (when device time is short)
@@ -134,17 +146,24 @@ def check_e2e() -> None:
         runs[label] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
         if "graphs" in label and "chunked" not in label:
             hits = llm.scheduler.block_manager.num_cache_hit_tokens
-            runs[label + "/prefix-hit"] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            runs[label + "/prefix-hit"] = [
+                o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)
+            ]
             assert llm.scheduler.block_manager.num_cache_hit_tokens > hits
         # Last: this writes prompts' KV over blocks 0.. of the cache, which the prefix cache may own.
         if "chunked" not in label and label != "triton/eager" and label != "fa3/eager":
             logits = our_last_logits(llm, prompts)
             errs = [rel_err(a, b) for a, b in zip(logits, ref32)]
             noise = max(noise, max((a - b).abs().max().item() for a, b in zip(logits, ref32)))
-            results["logits"][label] = dict(max_rel_err=max(errs),
-                                            top1_agree=sum(int(a.argmax() == b.argmax()) for a, b in zip(logits, ref32)))
-            print(f"logits {label:28s} max rel err vs transformers fp32 {max(errs):.2e} "
-                  f"(transformers bf16: {max(baseline):.2e})", flush=True)
+            results["logits"][label] = dict(
+                max_rel_err=max(errs),
+                top1_agree=sum(int(a.argmax() == b.argmax()) for a, b in zip(logits, ref32)),
+            )
+            print(
+                f"logits {label:28s} max rel err vs transformers fp32 {max(errs):.2e} "
+                f"(transformers bf16: {max(baseline):.2e})",
+                flush=True,
+            )
         free(llm)
     near_tie = 2 * noise  # two bf16 runs, each off the float32 logits by up to `noise`
     results["near_tie_bound"] = near_tie
@@ -169,15 +188,20 @@ def compare(label, ref_label, outs, ref, prompts, hf32, near_tie) -> None:
             gaps.append(round((logits[expected[n]] - logits[out[n]]).abs().item(), 4))
     bad = sum(g > near_tie for g in gaps)
     results.setdefault("greedy", {})[f"{label} vs {ref_label}"] = dict(
-        agree=agree, total=sum(map(len, ref)), divergence_gaps=gaps, real_mismatches=bad)
-    print(f"greedy {label:26s} vs {ref_label:12s} agree {agree}/{sum(map(len, ref))}; fp32 logit gaps at "
-          f"first divergences {gaps} (near-tie bound {near_tie:.3f}; beyond it: {bad})", flush=True)
+        agree=agree, total=sum(map(len, ref)), divergence_gaps=gaps, real_mismatches=bad
+    )
+    print(
+        f"greedy {label:26s} vs {ref_label:12s} agree {agree}/{sum(map(len, ref))}; fp32 logit gaps at "
+        f"first divergences {gaps} (near-tie bound {near_tie:.3f}; beyond it: {bad})",
+        flush=True,
+    )
 
 
 def our_last_logits(llm, prompts) -> list[torch.Tensor]:
     from nanovllm.attention.metadata import forward_context
     from nanovllm.engine.model_inputs import prepare_prefill
     from nanovllm.engine.sequence import Sequence
+
     runner, out = llm.model_runner, []
     for p in prompts:
         seq = Sequence(p, block_size=runner.block_size)
@@ -192,13 +216,23 @@ def our_last_logits(llm, prompts) -> list[torch.Tensor]:
 def run_bench(modes=(False, True)) -> None:
     for backend in GPU_BACKENDS:
         for eager in modes:
-            cmd = [sys.executable, "bench.py", "--model", CONFIG, "--load-format", "dummy",
-                   "--attention-backend", backend] + (["--enforce-eager"] if eager else [])
+            cmd = [
+                sys.executable,
+                "bench.py",
+                "--model",
+                CONFIG,
+                "--load-format",
+                "dummy",
+                "--attention-backend",
+                backend,
+            ] + (["--enforce-eager"] if eager else [])
             start = time.perf_counter()
             out = subprocess.run(cmd, capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("Total:")), out.stderr[-2000:])
             label = f"{backend}/{'eager' if eager else 'graphs'}"
-            results.setdefault("bench", {})[label] = dict(line=line, wall_s=round(time.perf_counter() - start, 1))
+            results.setdefault("bench", {})[label] = dict(
+                line=line, wall_s=round(time.perf_counter() - start, 1)
+            )
             print(f"bench {label:14s} {line}", flush=True)
 
 
@@ -212,6 +246,7 @@ def timed(obj, name: str, totals: dict) -> None:
             return inner(*args, **kwargs)
         finally:
             totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+
     setattr(obj, name, wrapper)
 
 
@@ -219,8 +254,13 @@ def run_stream() -> None:
     prompt = torch.randint(0, 10000, (512,), generator=torch.Generator().manual_seed(2)).tolist()
     for backend in GPU_BACKENDS:
         for temperature in (0.0, 0.6):
-            llm = LLM(CONFIG, load_format="dummy", skip_tokenizer_init=True, attention_backend=backend,
-                      gpu_memory_utilization=0.5)
+            llm = LLM(
+                CONFIG,
+                load_format="dummy",
+                skip_tokenizer_init=True,
+                attention_backend=backend,
+                gpu_memory_utilization=0.5,
+            )
             llm.generate([prompt[:16]], SamplingParams(max_tokens=32), use_tqdm=False)  # warm-up
             llm.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=1024, ignore_eos=True))
             decode_times, parts = [], {}
@@ -235,10 +275,13 @@ def run_stream() -> None:
             ms = 1000 * sum(decode_times) / len(decode_times)
             label = f"{backend}/T={temperature}"
             share = {k: round(1000 * v / len(decode_times), 3) for k, v in parts.items()}
-            results.setdefault("stream", {})[label] = dict(ms_per_token=round(ms, 3), steps=len(decode_times),
-                                                           ms_per_step_in=share)
-            print(f"stream {label:12s} {ms:.3f} ms/token over {len(decode_times)} decode steps; {share}",
-                  flush=True)
+            results.setdefault("stream", {})[label] = dict(
+                ms_per_token=round(ms, 3), steps=len(decode_times), ms_per_step_in=share
+            )
+            print(
+                f"stream {label:12s} {ms:.3f} ms/token over {len(decode_times)} decode steps; {share}",
+                flush=True,
+            )
             free(llm)
 
 
@@ -246,8 +289,14 @@ def run_profile() -> None:
     """Where a single-stream decode step goes: graph replay time alone, and the kernels of one eager
     decode forward (count and time)."""
     from torch.profiler import ProfilerActivity, profile
-    llm = LLM(CONFIG, load_format="dummy", skip_tokenizer_init=True, attention_backend="fa3",
-              gpu_memory_utilization=0.5)
+
+    llm = LLM(
+        CONFIG,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        attention_backend="fa3",
+        gpu_memory_utilization=0.5,
+    )
     llm.generate([list(range(512))], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
     graphs = llm.model_runner.decode_graphs
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -268,15 +317,25 @@ def run_profile() -> None:
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     results["profile"] = dict(graph_replay_ms=round(replay_ms, 3), eager_kernels_per_step=num_kernels)
     print(table)
-    print(f"profile: graph replay {replay_ms:.3f} ms, {num_kernels} kernels per eager decode forward", flush=True)
+    print(
+        f"profile: graph replay {replay_ms:.3f} ms, {num_kernels} kernels per eager decode forward",
+        flush=True,
+    )
     del graphs, prof
     free(llm)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    sections = {"kernels": check_kernels, "e2e": check_e2e, "bench": run_bench, "stream": run_stream,
-                "bench-graphs": lambda: run_bench((False,)), "profile": run_profile, "bench-eager": lambda: run_bench((True,))}
+    sections = {
+        "kernels": check_kernels,
+        "e2e": check_e2e,
+        "bench": run_bench,
+        "stream": run_stream,
+        "bench-graphs": lambda: run_bench((False,)),
+        "profile": run_profile,
+        "bench-eager": lambda: run_bench((True,)),
+    }
     parser.add_argument("sections", nargs="+", choices=list(sections))
     args = parser.parse_args()
     results["gpu"] = torch.cuda.get_device_name()

@@ -29,9 +29,17 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_batch_size: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, use_cuda_graph: bool = True,
-                 batch_sizes: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        use_cuda_graph: bool = True,
+        batch_sizes: list[int] | None = None,
+    ) -> None:
         """use_cuda_graph=False runs the same padded static-buffer path eagerly (tests on CPU)."""
         self.model = model
         self.batch_sizes = batch_sizes or graph_batch_sizes(max_batch_size)
@@ -43,17 +51,21 @@ class DecodeGraphs:
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.host_np = self.host.numpy()
         self.static = torch.zeros(size, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.seqlens_k = self.static[:4 * b].view(4, b)
-        self.block_tables = self.static[4 * b:].view(b, max_blocks_per_seq)
+        self.input_ids, self.positions, self.slot_mapping, self.seqlens_k = self.static[: 4 * b].view(4, b)
+        self.block_tables = self.static[4 * b :].view(b, max_blocks_per_seq)
         self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=device)
         self.use_cuda_graph = use_cuda_graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
     def _meta(self, batch_size: int) -> AttentionMetadata:
-        return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:batch_size],
-                                 seqlens_k=self.seqlens_k[:batch_size], block_tables=self.block_tables[:batch_size],
-                                 max_seqlen_k=self.width)
+        return AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=self.slot_mapping[:batch_size],
+            seqlens_k=self.seqlens_k[:batch_size],
+            block_tables=self.block_tables[:batch_size],
+            max_seqlen_k=self.width,
+        )
 
     def _run_model(self, batch_size: int) -> None:
         with forward_context(self._meta(batch_size)):
@@ -72,8 +84,9 @@ class DecodeGraphs:
                 self.pool = graph.pool()
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs for batch sizes up to %d", len(self.graphs),
-                    self.max_batch_size)
+        logger.info(
+            "captured %d decode CUDA graphs for batch sizes up to %d", len(self.graphs), self.max_batch_size
+        )
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch_size
@@ -92,9 +105,9 @@ class DecodeGraphs:
             host[2 * b + i] = seq.block_table[-1] * seq.block_size + pos % seq.block_size
             host[3 * b + i] = pos + 1
             row = 4 * b + i * width
-            host[row:row + len(seq.block_table)] = seq.block_table
-        host[2 * b + n:2 * b + padded] = -1  # padded rows store nothing ...
-        host[3 * b + n:3 * b + padded] = 0  # ... and attend to nothing
+            host[row : row + len(seq.block_table)] = seq.block_table
+        host[2 * b + n : 2 * b + padded] = -1  # padded rows store nothing ...
+        host[3 * b + n : 3 * b + padded] = 0  # ... and attend to nothing
         used = 4 * b + padded * width
         self.static[:used].copy_(self.host[:used], non_blocking=True)
         if self.use_cuda_graph:
