@@ -13,7 +13,9 @@ token; a sharding bug shows up as disagreement from the very first token. Prints
 """
 
 import argparse
+import faulthandler
 import json
+import logging
 import os
 import random
 import sys
@@ -23,6 +25,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
+
+# Print every thread's stack this often (seconds) while the check runs, to show where a stall sits.
+STALL_DUMP_S = 90
 
 
 def model_dir(path: str, init_range: float | None, tmp: str) -> str:
@@ -56,6 +61,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def main() -> None:
+    # Startup phases of every rank, with timestamps, and all stacks if a run stalls: a TP=2 engine
+    # once stalled on the H200-x2 after a TP=1 engine in the same process (BENCHMARKS.md).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [rank 0] %(name)s: %(message)s")
+    os.environ.setdefault("NANOVLLM_WORKER_LOG_LEVEL", "INFO")
+    faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="configs/Qwen3-0.6B", help="a folder with config.json")
     parser.add_argument("--tp", type=int, default=2, help="tensor_parallel_size to compare with 1")

@@ -68,6 +68,7 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.model.eval()
+        logger.info("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
@@ -103,6 +104,8 @@ class ModelRunner:
             return config.num_kvcache_blocks
         if self.device.type == "cuda":
             activation_peak = self._warmup()
+            logger.info("warm-up forward done: %.2f GiB of activations at the largest batch",
+                        activation_peak / 2**30)
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             # Room for the KV cache: the allowed share of the GPU, minus what is in use now, minus the

@@ -19,6 +19,7 @@ Failures never hang and never leak:
   rest, destroys rank 0's communicator and unlinks the shared memory. It also runs when the TPWorkers
   object is garbage-collected and at interpreter exit (weakref.finalize). Idempotent."""
 
+import logging
 import math
 import os
 import signal
@@ -41,6 +42,9 @@ from nanovllm.engine.step_channel import ChannelHandle, StepChannel
 from nanovllm.engine.step_payload import pack_step, unpack_step
 from nanovllm.engine.tp_state import DEATH_GRACE_S, TPGroupState, TPWorkerError
 from nanovllm.utils.distributed import TPGroup, create_store, use_tp_group
+
+# Workers log at this level (e.g. INFO) to stderr when it is set; they are silent otherwise.
+LOG_LEVEL_ENV_VAR = "NANOVLLM_WORKER_LOG_LEVEL"
 
 # Upper bounds for sizing the channel: a pickled int takes at most 9 bytes, and a sequence's tuple
 # and list headers well under 64.
@@ -83,6 +87,9 @@ def _exit_with_parent() -> None:
 def _worker_main(config: Config, rank: int, store_port: int, handle: ChannelHandle,
                  errors: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it shuts us down
+    if os.environ.get(LOG_LEVEL_ENV_VAR):  # spawned: the caller's logging setup does not reach us
+        logging.basicConfig(level=os.environ[LOG_LEVEL_ENV_VAR],
+                            format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     _exit_with_parent()
     group = channel = None
     healthy = True
