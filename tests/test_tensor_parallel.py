@@ -213,3 +213,10 @@ def test_bad_tensor_parallel_sizes_raise_before_anything_starts(qwen3_dir, tmp_p
     with pytest.raises(ValueError, match="3 key/value heads.*valid sizes: \\[1, 3, 6\\]"):
         tp_llm(str(tmp_path), skip_tokenizer_init=True)
     assert set(multiprocessing.active_children()) == children
+
+
+def test_tp4_matches_transformers(qwen3_dir, reference):
+    """Four ranks over the tiny model's 4 query / 2 K/V heads: one query head per rank, each K/V head
+    replicated on two ranks, the vocabulary split four ways (issue 6's correctness run, on CPU)."""
+    with tp_llm(qwen3_dir, tensor_parallel_size=4) as llm:
+        assert token_ids(llm) == reference
