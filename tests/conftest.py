@@ -17,6 +17,14 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Prompts of 1 to ~20 tokens for the end-to-end tests.
+PROMPTS = [
+    "Paris is the capital of",
+    "The quick brown fox jumps over the lazy dog. A paged KV cache splits memory",
+    "hello",
+    "Continuous batching admits new requests while others are still decoding. 0123456789",
+]
+
 # Larger than transformers' default init (0.02), so that random logits are peaked and greedy
 # decoding has clear winners instead of float-noise ties.
 INIT_RANGE = 0.25

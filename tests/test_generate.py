@@ -3,16 +3,10 @@ change it: prefix caching, chunked prefill, preemption, requests arriving mid-ru
 
 import pytest
 import torch
-from conftest import hf_greedy, make_model_dir
+from conftest import PROMPTS, hf_greedy, make_model_dir
 
 from nanovllm import LLM, SamplingParams
 
-PROMPTS = [
-    "Paris is the capital of",
-    "The quick brown fox jumps over the lazy dog. A paged KV cache splits memory",
-    "hello",
-    "Continuous batching admits new requests while others are still decoding. 0123456789",
-]
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
