@@ -27,6 +27,8 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.gguf_loader import load_gguf_tokenizer
 
 Prompt = str | list[int]
+# Seconds between redraws of the progress bar's live prefill/decode throughput.
+BAR_REFRESH_S = 0.5
 
 
 class LLMEngine:
@@ -206,8 +208,9 @@ class LLMEngine:
             else:
                 decode_rate = -num_tokens / elapsed
             if use_tqdm:
+                # Redrawn at most every BAR_REFRESH_S: a redraw per step would cost more than a decode step.
                 bar.set_postfix({"Prefill": f"{prefill_rate:.0f}tok/s", "Decode": f"{decode_rate:.0f}tok/s"},
-                                refresh=False)
+                                refresh=time.perf_counter() - bar.last_print_t > BAR_REFRESH_S)
             for seq_id, output in finished:
                 if seq_id in wanted:
                     outputs[seq_id] = output
