@@ -25,6 +25,9 @@ PROMPTS = [
     "Continuous batching admits new requests while others are still decoding. 0123456789",
 ]
 
+# Greedy tokens per prompt in the end-to-end comparisons with transformers.
+MAX_TOKENS = 24
+
 # Larger than transformers' default init (0.02), so that random logits are peaked and greedy
 # decoding has clear winners instead of float-noise ties.
 INIT_RANGE = 0.25
@@ -88,6 +91,13 @@ def hf_qwen3(qwen3_dir):
 def tokenizer(qwen3_dir):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(qwen3_dir)
+
+
+@pytest.fixture(scope="session")
+def reference(hf_qwen3, tokenizer):
+    """transformers' greedy completions of PROMPTS (HF stops only at max_new_tokens: ignore_eos)."""
+    hf_qwen3.generation_config.eos_token_id = None
+    return [hf_greedy(hf_qwen3, tokenizer.encode(p), MAX_TOKENS) for p in PROMPTS]
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -3,24 +3,16 @@ change it: prefix caching, chunked prefill, preemption, requests arriving mid-ru
 
 import pytest
 import torch
-from conftest import PROMPTS, hf_greedy, make_model_dir
+from conftest import MAX_TOKENS, PROMPTS, hf_greedy, make_model_dir
 
 from nanovllm import LLM, SamplingParams
 
-MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def small_llm(path, **options):
     defaults = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512)
     return LLM(path, **{**defaults, **options})
-
-
-@pytest.fixture(scope="module")
-def reference(hf_qwen3, tokenizer):
-    """transformers' greedy completions of PROMPTS (HF stops only at max_new_tokens: ignore_eos)."""
-    hf_qwen3.generation_config.eos_token_id = None
-    return [hf_greedy(hf_qwen3, tokenizer.encode(p), MAX_TOKENS) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")

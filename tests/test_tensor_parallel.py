@@ -11,12 +11,11 @@ import threading
 import time
 
 import pytest
-from conftest import PROMPTS, hf_greedy, make_model_dir
+from conftest import MAX_TOKENS, PROMPTS, hf_greedy, make_model_dir
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.tp_worker import TPWorkers
 
-MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Spawned workers must be gone within this long, and a failure must surface within this long.
 DEADLINE_S = 30
@@ -61,12 +60,6 @@ def within_deadline(fn):
     thread.join(DEADLINE_S)
     assert not thread.is_alive(), f"still running after {DEADLINE_S}s: hung"
     return outcome.get("result"), outcome.get("error"), time.monotonic() - start
-
-
-@pytest.fixture(scope="module")
-def reference(hf_qwen3, tokenizer):
-    hf_qwen3.generation_config.eos_token_id = None
-    return [hf_greedy(hf_qwen3, tokenizer.encode(p), MAX_TOKENS) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")

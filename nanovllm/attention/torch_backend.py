@@ -36,8 +36,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if k_cache.numel():
-            store_kvcache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kvcache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
         return self._decode(q, k_cache, v_cache, meta, scale)

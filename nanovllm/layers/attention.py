@@ -13,7 +13,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads = num_kv_heads
-        # Set by the model runner once the cache exists; empty before (warm-up runs without a cache).
+        # Set by the model runner when it allocates the cache (the GPU warm-up uses a temporary one).
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None
 
