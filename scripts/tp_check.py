@@ -52,7 +52,9 @@ def run(path: str, tp: int, args: argparse.Namespace,
         loaded = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         done = time.perf_counter()
-    print(f"TP={tp}: start {loaded - start:.1f}s, generate {done - loaded:.2f}s", flush=True)
+    closed = time.perf_counter()  # shutdown must be prompt: NCCL teardown once hung here
+    print(f"TP={tp}: start {loaded - start:.1f}s, generate {done - loaded:.2f}s, "
+          f"shutdown {closed - done:.1f}s", flush=True)
     return [o["token_ids"] for o in outputs], done - loaded
 
 
@@ -61,8 +63,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def main() -> None:
-    # Startup phases of every rank, with timestamps, and all stacks if a run stalls: a TP=2 engine
-    # once stalled on the H200-x2 after a TP=1 engine in the same process (BENCHMARKS.md).
+    # Startup phases of every rank, with timestamps, and all stacks if a run stalls (a TP=2 engine once
+    # hung in shutdown on the H200-x2: its CUDA graphs outlived the NCCL communicator).
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [rank 0] %(name)s: %(message)s")
     os.environ.setdefault("NANOVLLM_WORKER_LOG_LEVEL", "INFO")
     faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)

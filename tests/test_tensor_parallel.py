@@ -207,3 +207,25 @@ def test_tp4_matches_transformers(qwen3_dir, reference):
     replicated on two ranks, the vocabulary split four ways (issue 6's correctness run, on CPU)."""
     with tp_llm(qwen3_dir, tensor_parallel_size=4) as llm:
         assert token_ids(llm) == reference
+
+
+def test_group_users_are_released_before_the_communicator(monkeypatch):
+    """CUDA graphs that captured NCCL collectives must go before the communicator (NCCL's shutdown
+    waits for them); a failing release must not keep the communicator alive."""
+    import torch
+
+    from nanovllm.utils.distributed import TPGroup, create_store
+
+    group = TPGroup(create_store(0, 1), 0, 1, torch.device("cpu"))
+    backend = group._backend
+    events = []
+    monkeypatch.setattr(type(backend), "shutdown", lambda self: events.append("communicator"), raising=False)
+
+    def failing_release():
+        events.append("failing user")
+        raise RuntimeError("boom")
+
+    group.before_destroy(lambda: events.append("graphs"))
+    group.before_destroy(failing_release)
+    group.destroy()
+    assert events == ["graphs", "failing user", "communicator"]

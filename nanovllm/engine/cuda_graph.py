@@ -13,6 +13,7 @@ from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata, forward_context
 from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.distributed import get_tp_group
 
 logger = logging.getLogger("nanovllm")
 
@@ -84,12 +85,22 @@ class DecodeGraphs:
                 self.pool = graph.pool()
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
+        group = get_tp_group()
+        if group is not None and group.world_size > 1:  # the graphs hold the group's collectives
+            group.before_destroy(self.release)
         logger.info(
             "captured %d decode CUDA graphs for batch sizes up to %d", len(self.graphs), self.max_batch_size
         )
 
+    def release(self) -> None:
+        """Free the graphs and their memory pool; decode runs eagerly from then on. Idempotent."""
+        if self.graphs:
+            torch.cuda.synchronize()  # no replay may still be running on the GPU
+            self.graphs.clear()
+            self.pool = None
+
     def can_run(self, batch_size: int) -> bool:
-        return batch_size <= self.max_batch_size
+        return batch_size <= self.max_batch_size and (bool(self.graphs) or not self.use_cuda_graph)
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
         """Decode seqs through the graph of the smallest captured size >= their number; returns the

@@ -10,8 +10,9 @@ while they are built and call `all_reduce` / `gather_to_rank0` in forward. Outsi
 rank 0 of 1 and communicate with no one."""
 
 import datetime
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -24,6 +25,8 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 LOCALHOST = "127.0.0.1"
 NCCL_ERROR_HANDLING_VAR = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+logger = logging.getLogger("nanovllm")
 
 
 def create_store(rank: int, world_size: int, port: int = 0) -> dist.TCPStore:
@@ -40,6 +43,7 @@ class TPGroup:
     def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self._aborted = False
+        self._before_destroy: list[Callable[[], None]] = []
         self._store = dist.PrefixStore("tp/", store)  # keeps the communicator's keys apart from ours
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL binds the communicator to the current device
@@ -74,6 +78,12 @@ class TPGroup:
         self._backend.gather([parts] if self.rank == 0 else [], [x.contiguous()], options).wait()
         return torch.cat(parts, dim) if self.rank == 0 else None
 
+    def before_destroy(self, release: Callable[[], None]) -> None:
+        """Run `release` when the group is destroyed, before its communicator goes. CUDA graphs that
+        captured this group's collectives register here: NCCL's shutdown waits for the resources those
+        graphs hold, so destroying the communicator while they live hangs every rank."""
+        self._before_destroy.append(release)
+
     def abort(self) -> None:
         """Make a collective stuck on a dead rank return (NCCL). Gloo needs no help: a dead peer closes
         its sockets and the collective raises by itself (and gloo's abort would not unblock it)."""
@@ -82,6 +92,12 @@ class TPGroup:
             self._backend.abort()
 
     def destroy(self, healthy: bool = True) -> None:
+        for release in self._before_destroy:
+            try:
+                release()
+            except Exception:  # the communicator must go regardless
+                logger.exception("releasing a user of the tensor-parallel group failed")
+        self._before_destroy.clear()
         # A graceful NCCL shutdown flushes outstanding work, which never ends when a rank is gone.
         if healthy and hasattr(self._backend, "shutdown"):  # older torch: dropping it is the shutdown
             self._backend.shutdown()
