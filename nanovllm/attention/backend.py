@@ -1,6 +1,6 @@
 """The attention backend interface, and the choice of backend for an engine: the
 `attention_backend` option, else the NANOVLLM_ATTENTION_BACKEND environment variable, else the
-fastest one available (fa3 on Hopper, flash-attn, triton on other GPUs, torch on CPU)."""
+fastest one available (fa3 on Hopper, flash-attn, triton on other GPUs and for float32, torch on CPU)."""
 
 import importlib.util
 import logging
@@ -16,6 +16,8 @@ BACKEND_ENV_VAR = "NANOVLLM_ATTENTION_BACKEND"
 BACKENDS = ("torch", "triton", "flash-attn", "fa3")
 # FlashAttention-2 reads a paged cache only when a page holds a multiple of this many tokens.
 FLASH_ATTN2_PAGE_MULTIPLE = 256
+# Both FlashAttention versions compute in half precision only.
+FLASH_ATTN_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class AttentionBackend:
@@ -38,9 +40,11 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def _auto_backend(device: torch.device, block_size: int) -> str:
+def _auto_backend(device: torch.device, block_size: int, dtype: torch.dtype) -> str:
     if device.type != "cuda":
         return "torch"
+    if dtype not in FLASH_ATTN_DTYPES:
+        return "triton"
     if _has_module("flash_attn_interface") and torch.cuda.get_device_capability(device)[0] == 9:
         return "fa3"
     if _has_module("flash_attn") and block_size % FLASH_ATTN2_PAGE_MULTIPLE == 0:
@@ -48,10 +52,11 @@ def _auto_backend(device: torch.device, block_size: int) -> str:
     return "triton"
 
 
-def select_backend(requested: str, device: torch.device, block_size: int) -> AttentionBackend:
+def select_backend(requested: str, device: torch.device, block_size: int,
+                   dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
     name = requested if requested != "auto" else os.environ.get(BACKEND_ENV_VAR, "auto")
     if name == "auto":
-        name = _auto_backend(device, block_size)
+        name = _auto_backend(device, block_size, dtype)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (from {BACKEND_ENV_VAR}?); "
                          f"valid: {list(BACKENDS)}")
@@ -59,6 +64,9 @@ def select_backend(requested: str, device: torch.device, block_size: int) -> Att
     interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if name != "torch" and device.type != "cuda" and not interpreted:
         raise ValueError(f"attention backend {name!r} needs a CUDA GPU; use attention_backend='torch' on CPU")
+    if name in ("fa3", "flash-attn") and dtype not in FLASH_ATTN_DTYPES:
+        raise ValueError(f"attention backend {name!r} computes in bfloat16/float16 only, not {dtype}; "
+                         "set dtype='bfloat16', or use attention_backend='triton' or 'torch'")
     if name == "torch":
         from nanovllm.attention.torch_backend import TorchBackend
         backend: AttentionBackend = TorchBackend()

@@ -69,7 +69,7 @@ class ModelRunner:
             load_model(self.model, config.model)
         self.model.eval()
         logger.info("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
-        self.backend = select_backend(config.attention_backend, self.device, self.block_size)
+        self.backend = select_backend(config.attention_backend, self.device, self.block_size, self.dtype)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend

@@ -3,6 +3,7 @@
 padded static buffers that CUDA graphs replay."""
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
@@ -71,3 +72,13 @@ def test_padded_static_buffer_decode_matches(qwen3_dir, reference, backend):
     assert {3, 2, 1} <= set(padded_batches)
     expected = [ref[:n] for ref, n in zip(reference, (12, 6, 9), strict=False)]
     assert [o["token_ids"] for o in outputs] == expected
+
+
+def test_float32_picks_triton_and_flash_attention_refuses_it():
+    from nanovllm.attention.backend import _auto_backend, select_backend
+
+    cuda = torch.device("cuda")  # only its type is read before the dtype check: no GPU needed
+    assert _auto_backend(cuda, 16, torch.float32) == "triton"
+    for name in ("fa3", "flash-attn"):
+        with pytest.raises(ValueError, match="bfloat16/float16 only"):
+            select_backend(name, cuda, 256, torch.float32)
