@@ -30,10 +30,23 @@ class AttentionBackend:
     name = "base"
     # Decode can be captured in a CUDA graph: no host syncs, no data-dependent shapes.
     supports_cuda_graph = False
+    # The store is nanovllm.kernels' Triton store: the attention layer may fold it into its rotary
+    # kernel (nanovllm.kernels.rope_store) and call `attend` alone.
+    fused_store = False
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata) -> None:
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention alone, with the step's k/v already in the cache."""
+        raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        raise NotImplementedError
+        self.store(k, v, k_cache, v_cache, meta)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
 
 
 def _has_module(name: str) -> bool:

@@ -10,16 +10,22 @@ from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.kernels.kv_cache import store_kvcache
 
 
-class FlashAttention2Backend(AttentionBackend):
-    name = "flash-attn"
+class _FlashAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
+    fused_store = True
+
+    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+
+class FlashAttention2Backend(_FlashAttentionBackend):
+    name = "flash-attn"
 
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_prefill:
             # With a block table, FA2's varlen kernel reads K/V (cu_seqlens_k long) from the paged cache.
             paged = meta.has_prefix
@@ -33,16 +39,14 @@ class FlashAttention2Backend(AttentionBackend):
         return out.squeeze(1)
 
 
-class FlashAttention3Backend(AttentionBackend):
+class FlashAttention3Backend(_FlashAttentionBackend):
     name = "fa3"
-    supports_cuda_graph = True
 
     def __init__(self) -> None:
         from flash_attn_interface import flash_attn_varlen_func, flash_attn_with_kvcache
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_prefill and not meta.has_prefix:
             out = self.varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
                               meta.max_seqlen_k, softmax_scale=scale, causal=True)

@@ -35,8 +35,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kvcache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_prefill:
             return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
         return self._decode(q, k_cache, v_cache, meta, scale)

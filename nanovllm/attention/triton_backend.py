@@ -11,9 +11,12 @@ from nanovllm.kernels.paged_attention import paged_decode_attention, paged_prefi
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    fused_store = True
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_prefill:
             return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
                                            meta.block_tables, scale, meta.max_seqlen_q)

@@ -38,9 +38,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, Hkv, D] -> rotated (q, k)."""
-        return apply_rotary(q, k, positions, self.cos, self.sin)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                qk_norms: tuple[nn.Module, nn.Module] | None = None):
+        """q: [T, H, D], k: [T, Hkv, D] -> rotated (q, k), each RMSNorm'ed first when qk_norms are given."""
+        if qk_norms is None:
+            return apply_rotary(q, k, positions, self.cos, self.sin)
+        q_norm, k_norm = qk_norms
+        return qk_norm_rotary(q, k, positions, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps,
+                              k_norm.eps)
 
 
 @gpu_compiled
@@ -54,7 +59,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
 @gpu_compiled
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                    sin_table: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   q_eps: float, k_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k followed by the rotation (Qwen3), fused into one kernel on GPU."""
-    return apply_rotary.__wrapped__(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), positions,
+    return apply_rotary.__wrapped__(rms_norm(q, q_weight, q_eps), rms_norm(k, k_weight, k_eps), positions,
                                     cos_table, sin_table)

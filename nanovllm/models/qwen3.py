@@ -17,7 +17,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, qk_norm_rotary
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +64,8 @@ class Qwen3Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            rope = self.rotary_emb
-            q, k = qk_norm_rotary(q, k, positions, rope.cos, rope.sin, self.q_norm.weight, self.k_norm.weight,
-                                  self.q_norm.eps)
-        else:
-            q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)
+        qk_norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        o = self.attn(positions, q, k, v, self.rotary_emb, qk_norms)
         return self.o_proj(o.flatten(1, -1))
 
 

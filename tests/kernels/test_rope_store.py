@@ -1,0 +1,85 @@
+"""The fused q/k-norm + rotary + KV-store kernel against the unfused PyTorch path it replaces, on CPU
+tensors through the Triton interpreter (or on CUDA with TRITON_INTERPRET=0)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from transformers import Qwen3Config  # noqa: E402
+
+from nanovllm.attention.torch_backend import store_kvcache_torch  # noqa: E402
+from nanovllm.kernels.rope_store import norm_rope_store  # noqa: E402
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary, qk_norm_rotary  # noqa: E402
+
+if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+EPS = 1e-6
+
+
+def run_both(num_heads, num_kv_heads, head_dim, dtype, with_norm, block_size=16, num_tokens=7):
+    gen = torch.Generator().manual_seed(head_dim + num_heads)
+    config = Qwen3Config(head_dim=head_dim, rope_theta=10000.0)
+    rope = RotaryEmbedding(config, head_dim, max_position=512).to(DEVICE)
+    # q/k/v as strided slices of one fused projection, as the model hands them over
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in (q, k, v))
+    positions = torch.randint(0, 512, (num_tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(4 * block_size, generator=gen)[:num_tokens].to(DEVICE, torch.int32)
+    slots[2] = -1  # a padded token: stores nothing
+    weights = [(torch.randn(head_dim, generator=gen).to(DEVICE, dtype), EPS) for _ in range(2)]
+    norms = weights if with_norm else [None, None]
+
+    cache_shape = (4, block_size, num_kv_heads, head_dim)
+    ref_caches = [torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(2)]
+    if with_norm:  # the reference computes in float32 throughout
+        ref_q, ref_k = qk_norm_rotary(q.float(), k.float(), positions, rope.cos, rope.sin,
+                                      weights[0][0].float(), weights[1][0].float(), EPS, EPS)
+    else:
+        ref_q, ref_k = apply_rotary(q.float(), k.float(), positions, rope.cos, rope.sin)
+    store_kvcache_torch(ref_k.to(dtype), v, *ref_caches, slots)
+
+    caches = [torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(2)]
+    out_q, out_k = norm_rope_store(q, k, v, positions, rope.cos, rope.sin, *caches, slots, *norms)
+    return (ref_q, ref_k, ref_caches), (out_q, out_k, caches)
+
+
+@pytest.mark.parametrize("with_norm", [True, False], ids=["qk-norm", "rope-only"])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("head_dim", [32, 128, 96])  # 96: halves of 48, not a power of two
+def test_matches_unfused_path_float32(with_norm, heads, head_dim):
+    (ref_q, ref_k, ref_caches), (q, k, caches) = run_both(*heads, head_dim, torch.float32, with_norm)
+    torch.testing.assert_close(q, ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
+    for cache, ref in zip(caches, ref_caches, strict=True):
+        torch.testing.assert_close(cache, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_rounds_once():
+    """In bf16 the kernel computes in float32 and rounds once: within one bf16 ulp
+    (2**-7 relative) of the float32 result."""
+    (ref_q, ref_k, ref_caches), (q, k, caches) = run_both(4, 2, 64, torch.bfloat16, with_norm=True)
+    torch.testing.assert_close(q.float(), ref_q, atol=1e-5, rtol=2**-7)
+    torch.testing.assert_close(k.float(), ref_k, atol=1e-5, rtol=2**-7)
+    torch.testing.assert_close(caches[1], ref_caches[1], atol=0, rtol=0)  # v is copied bit for bit
+
+
+def test_bad_arguments_raise_value_errors():
+    q = torch.zeros(3, 4, 32)
+    k = v = torch.zeros(3, 2, 32)
+    cache = torch.zeros(2, 16, 2, 32)
+    cos = torch.zeros(64, 32)
+    slots = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one entry per token"):
+        norm_rope_store(q, k, v, torch.zeros(2, dtype=torch.long), cos, cos, cache, cache, slots)
+    with pytest.raises(ValueError, match="both q_norm and k_norm"):
+        norm_rope_store(q, k, v, torch.zeros(3, dtype=torch.long), cos, cos, cache, cache, slots,
+                        q_norm=(torch.ones(32), 1e-6))
+    with pytest.raises(ValueError, match="share a dtype"):
+        norm_rope_store(q, k, v, torch.zeros(3, dtype=torch.long), cos, cos, cache.half(), cache, slots)
