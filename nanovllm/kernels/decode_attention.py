@@ -2,13 +2,15 @@
 
 Each sequence has one query, at its last position, attending to all seqlens_k[b] keys. One program per
 (sequence, KV head) would leave most SMs idle at small batch and long context, so each context is cut
-into num_splits chunks, and two kernels run:
+into num_splits chunks:
 
     stage 1, grid (B, num_kv_heads, num_splits): one program reads one chunk of one sequence's K/V for
         the whole GQA group of query heads sharing that KV head (each K/V tile is loaded once), and
         writes a float32 partial per head: its output normalised by its own softmax sum, and its
         log-sum-exp (base 2);
-    stage 2, grid (B, num_heads): out = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse).
+    stage 2: out = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse), done by the last
+        program of each (sequence, KV head) to finish (an atomic counter says which: one kernel in all),
+        or by a second kernel of grid (B, num_heads) with fused_reduce=False.
 
 num_splits depends only on static shapes (batch size, KV heads, block_tables width, SM count); each
 sequence's chunk length, cdiv(seqlens_k[b], num_splits) rounded up to whole tiles, is computed on the GPU.
@@ -52,10 +54,14 @@ def _decode_split_kernel(
     v_cache_ptr,
     partial_out_ptr,  # [B, num_heads, num_splits, HEAD_DIM] float32
     partial_lse_ptr,  # [B, num_heads, num_splits] float32
+    out_ptr,  # [B, num_heads, HEAD_DIM]: written here only with FUSED_REDUCE
+    counters_ptr,  # [B * NUM_KV_HEADS] int32, zero on entry and on exit: only with FUSED_REDUCE
     seqlens_k_ptr,
     block_tables_ptr,
     q_stride_b,
     q_stride_h,
+    out_stride_b,
+    out_stride_h,
     block_tables_stride,
     num_splits,
     scale_log2,  # softmax_scale * log2(e): the kernel works in base 2 (exp2 is the fast instruction)
@@ -65,7 +71,9 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -118,6 +126,43 @@ def _decode_split_kernel(
     partial_rows = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + heads) * num_splits + split
     tl.store(partial_lse_ptr + partial_rows, lse, mask=g_mask)
     tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
+    if FUSED_REDUCE:
+        # The last of this (sequence, KV head)'s chunks to finish combines all of them: no second kernel.
+        # The barrier puts every thread's partial before the counter's release; the last program's
+        # acquire then sees them all, and it reads them past L1 (.cg), which is not coherent across SMs.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            tl.atomic_xchg(counter, 0)  # ready for the next call (kernel boundaries order the calls)
+            first_rows = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + heads) * num_splits
+            offs_s = tl.arange(0, BLOCK_S)
+            lse_all = tl.load(partial_lse_ptr + first_rows[:, None] + offs_s[None, :],
+                              mask=g_mask[:, None] & (offs_s[None, :] < num_splits), other=float("-inf"),
+                              cache_modifier=".cg")
+            _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_rows, lse_all, seq, heads,
+                            g_mask, out_stride_b, out_stride_h, num_splits, HEAD_DIM)
+
+
+@triton.jit
+def _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_rows, lse_all, seq, heads, row_mask,
+                    out_stride_b, out_stride_h, num_splits, HEAD_DIM: tl.constexpr):
+    """out[seq, heads] = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse), for a vector of
+    heads whose partials start at first_rows; lse_all holds their [rows, splits] log-sum-exps."""
+    lse_max = tl.max(lse_all, 1)
+    # Every chunk empty (seqlens_k == 0): shift by 0 rather than -inf so weights are 2^-inf = 0, not NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.sum(tl.exp2(lse_all - lse_max[:, None]), 1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([first_rows.shape[0], HEAD_DIM], dtype=tl.float32)
+    for split in range(num_splits):
+        lse = tl.load(partial_lse_ptr + first_rows + split, mask=row_mask, other=float("-inf"),
+                      cache_modifier=".cg")
+        part = tl.load(partial_out_ptr + (first_rows + split)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=row_mask[:, None], other=0.0, cache_modifier=".cg")
+        acc += tl.exp2(lse - lse_max)[:, None] * part
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + seq.to(tl.int64) * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit
@@ -132,25 +177,15 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
+    # One program per (sequence, head); a one-row vector of heads for the shared combine.
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    first_row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits
+    heads = tl.program_id(1) + tl.arange(0, 1)
+    first_rows = (seq.to(tl.int64) * NUM_HEADS + heads) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(partial_lse_ptr + first_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    # Every chunk empty (seqlens_k == 0): shift by 0 rather than -inf so weights are 2^-inf = 0, not NaN.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.sum(tl.exp2(lse - lse_max), 0)
-    offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for split in range(num_splits):
-        weight = tl.exp2(tl.load(partial_lse_ptr + first_row + split) - lse_max)
-        acc += weight * tl.load(partial_out_ptr + (first_row + split) * HEAD_DIM + offs_d)
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + seq.to(tl.int64) * out_stride_b + head * out_stride_h + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-    )
+    lse_all = tl.load(partial_lse_ptr + first_rows[:, None] + offs_s[None, :],
+                      mask=offs_s[None, :] < num_splits, other=float("-inf"))
+    _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_rows, lse_all, seq, heads,
+                    heads >= 0, out_stride_b, out_stride_h, num_splits, HEAD_DIM)
 
 
 @functools.cache
@@ -182,9 +217,16 @@ def paged_decode_attention(
     num_splits: int | None = None,  # default: decode_num_splits(...) from static shapes
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], q's dtype
     workspace: torch.Tensor | None = None,  # float32, >= B * num_heads * num_splits * (head_dim + 1)
+    fused_reduce: bool = True,
+    counters: torch.Tensor | None = None,  # int32 zeros, >= B * num_kv_heads; left zeroed
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole paged context; returns
-    [B, num_heads, head_dim] in q's dtype (zeros where seqlens_k is 0). CUDA-graph capturable."""
+    [B, num_heads, head_dim] in q's dtype (zeros where seqlens_k is 0). CUDA-graph capturable.
+
+    With fused_reduce the last chunk of each (sequence, KV head) to finish combines the partials, so
+    one kernel runs instead of two; it counts finished chunks in `counters`, which it leaves zeroed for
+    the next call. Pass a persistent buffer (allocating one costs a fill kernel), and never the same
+    buffer to two calls that may run at once (on two streams)."""
     num_heads, num_kv_heads, head_dim, block_size = check_paged_attention_args(
         q, k_cache, v_cache, block_tables
     )
@@ -223,6 +265,13 @@ def paged_decode_attention(
         )
     partial_out = workspace[: num_partials * head_dim]
     partial_lse = workspace[num_partials * head_dim : workspace_numel]
+    if fused_reduce:
+        if counters is None:
+            counters = torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=q.device)
+        elif not (counters.dtype == torch.int32 and counters.is_contiguous()
+                  and counters.numel() >= batch_size * num_kv_heads):
+            raise ValueError(f"counters must be a contiguous int32 tensor of at least B * num_kv_heads = "
+                             f"{batch_size * num_kv_heads} zeros; got {counters.dtype} x {counters.numel()}")
 
     num_heads_per_kv = num_heads // num_kv_heads
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
@@ -231,10 +280,14 @@ def paged_decode_attention(
         v_cache,
         partial_out,
         partial_lse,
+        out,
+        counters if fused_reduce else partial_lse,  # unread without the fused reduce
         seqlens_k,
         block_tables,
         q.stride(0),
         q.stride(1),
+        out.stride(0),
+        out.stride(1),
         block_tables.stride(0),
         num_splits,
         softmax_scale * math.log2(math.e),
@@ -244,10 +297,14 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(num_heads_per_kv)),
         BLOCK_N=block_n,
+        BLOCK_S=triton.next_power_of_2(num_splits),
         DOT_PRECISION=dot_precision(q.dtype),
+        FUSED_REDUCE=fused_reduce,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
+    if fused_reduce:
+        return out
     _decode_reduce_kernel[(batch_size, num_heads)](
         partial_out,
         partial_lse,

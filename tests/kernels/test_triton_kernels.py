@@ -175,8 +175,9 @@ def test_paged_prefill_attention_reads_strided_q() -> None:
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
+@pytest.mark.parametrize("fused_reduce", [True, False], ids=["one-kernel", "two-kernels"])
 def test_paged_decode_attention_matches_reference(
-    block_size: int, num_heads: int, num_kv_heads: int, num_splits: int | None
+    block_size: int, num_heads: int, num_kv_heads: int, num_splits: int | None, fused_reduce: bool
 ) -> None:
     # 300 tokens span several 64-token tiles and, with 4 splits, three chunks plus an empty one;
     # 0 is a CUDA-graph padding row whose block table points only at NaN blocks.
@@ -189,8 +190,11 @@ def test_paged_decode_attention_matches_reference(
     seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
     scale = HEAD_DIM**-0.5
 
-    out = paged_decode_attention(q, k_cache, v_cache, seqlens_k, block_tables, scale, num_splits=num_splits)
+    counters = torch.zeros(len(kv_lens) * num_kv_heads, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, seqlens_k, block_tables, scale, num_splits=num_splits,
+                                 fused_reduce=fused_reduce, counters=counters)
 
+    assert not counters.any()  # left ready for the next call
     expected = reference_attention(q, k_cache, v_cache, [1] * len(kv_lens), kv_lens, block_tables, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.equal(out[1].cpu(), torch.zeros(num_heads, HEAD_DIM))  # padding row: zeros, not NaN
@@ -216,6 +220,9 @@ def test_paged_decode_attention_writes_into_given_out_and_workspace() -> None:
         paged_decode_attention(
             q, k_cache, v_cache, seqlens_k, block_tables, 0.3, num_splits=4, workspace=workspace
         )
+    with pytest.raises(ValueError, match="counters"):
+        paged_decode_attention(q, k_cache, v_cache, seqlens_k, block_tables, 0.3,
+                               counters=torch.zeros(1, dtype=torch.int32, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
