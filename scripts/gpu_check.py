@@ -286,43 +286,47 @@ def run_stream() -> None:
 
 
 def run_profile() -> None:
-    """Where a single-stream decode step goes: graph replay time alone, and the kernels of one eager
-    decode forward (count and time)."""
+    """Where a single-stream decode step goes, per backend: graph replay time alone, and the kernels of
+    one eager decode forward (count and time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    llm = LLM(
-        CONFIG,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        attention_backend="fa3",
-        gpu_memory_utilization=0.5,
-    )
-    llm.generate([list(range(512))], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
-    graphs = llm.model_runner.decode_graphs
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(10):
-        graphs.graphs[1].replay()
-    start.record()
-    for _ in range(200):
-        graphs.graphs[1].replay()
-    end.record()
-    torch.cuda.synchronize()
-    replay_ms = start.elapsed_time(end) / 200
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        with torch.inference_mode():
-            graphs._run_model(1)
+    for backend in GPU_BACKENDS:
+        llm = LLM(
+            CONFIG,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            attention_backend=backend,
+            gpu_memory_utilization=0.5,
+        )
+        llm.generate([list(range(512))], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
+        graphs = llm.model_runner.decode_graphs
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(10):
+            graphs.graphs[1].replay()
+        start.record()
+        for _ in range(200):
+            graphs.graphs[1].replay()
+        end.record()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages()]
-    num_kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    results["profile"] = dict(graph_replay_ms=round(replay_ms, 3), eager_kernels_per_step=num_kernels)
-    print(table)
-    print(
-        f"profile: graph replay {replay_ms:.3f} ms, {num_kernels} kernels per eager decode forward",
-        flush=True,
-    )
-    del graphs, prof
-    free(llm)
+        replay_ms = start.elapsed_time(end) / 200
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with torch.inference_mode():
+                graphs._run_model(1)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages()]
+        num_kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        results.setdefault("profile", {})[backend] = dict(
+            graph_replay_ms=round(replay_ms, 3), eager_kernels_per_step=num_kernels
+        )
+        print(table)
+        print(
+            f"profile {backend}: graph replay {replay_ms:.3f} ms, {num_kernels} kernels per eager decode "
+            "forward",
+            flush=True,
+        )
+        del graphs, prof
+        free(llm)
 
 
 def main() -> None:

@@ -1,12 +1,16 @@
 """Token sampling from logits: greedy, temperature, top-k, top-p, min-p and per-request seeds.
 
 Greedy and plain-temperature batches never sort the vocabulary; top-k uses torch.topk over the
-largest k in the batch, and only top-p sorts. Sampling is an exponential race (argmax of p / E with
-E ~ Exp(1)), which draws from p exactly and lets seeded rows use their own generator."""
+largest k in the batch, and only top-p sorts. Sampling is an exponential race, argmax of p / E with
+E ~ Exp(1), which draws from p exactly and lets seeded rows use their own generator. It is run in log
+space, argmax(logits / T - log E), so no softmax is needed (min-p compares log-probabilities), and on
+GPU the scaling, masking and both argmaxes compile into a couple of kernels."""
 
 from dataclasses import dataclass
 
 import torch
+
+from nanovllm.utils.compile import gpu_compiled
 
 
 @dataclass(slots=True)
@@ -26,26 +30,40 @@ class SamplingTensors:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        logits = logits.float()
-        greedy = logits.argmax(-1)
         if params.all_greedy:
-            return greedy
+            return logits.argmax(-1)  # half-precision logits widen to float32 exactly: same argmax
         temps = params.temperatures
-        logits = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
-        if params.top_ks is not None:
-            logits = _apply_top_k(logits, params.top_ks, params.max_top_k)
-        if params.top_ps is not None:
-            logits = _apply_top_p(logits, params.top_ps)
-        probs = logits.softmax(-1)
-        if params.min_ps is not None:
-            floor = probs.amax(-1, keepdim=True) * params.min_ps.unsqueeze(1)
-            probs = probs.masked_fill(probs < floor, 0.0)
-        noise = torch.empty_like(probs).exponential_()
+        if params.top_ks is not None or params.top_ps is not None:
+            logits = logits.float() / _safe(temps).unsqueeze(1)
+            if params.top_ks is not None:
+                logits = _apply_top_k(logits, params.top_ks, params.max_top_k)
+            if params.top_ps is not None:
+                logits = _apply_top_p(logits, params.top_ps)
+            temps = torch.where(temps > 0, 1.0, 0.0)  # scaled already; keeps greedy rows greedy
+        noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
         for row, seed in params.seeded_rows or ():
-            gen = torch.Generator(device=probs.device).manual_seed(seed)
+            gen = torch.Generator(device=logits.device).manual_seed(seed)
             noise[row].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(-1)
-        return torch.where(temps > 0, sampled, greedy)
+        return _race(logits, temps, noise, params.min_ps)
+
+
+def _safe(temps: torch.Tensor) -> torch.Tensor:
+    return torch.where(temps > 0, temps, 1.0)
+
+
+@gpu_compiled
+def _race(logits: torch.Tensor, temps: torch.Tensor, noise: torch.Tensor,
+          min_ps: torch.Tensor | None) -> torch.Tensor:
+    """argmax(logits / T - log E) per row (argmax(logits) where T == 0), after dropping the tokens
+    whose probability is below min_p times the top one's."""
+    logits = logits.float()
+    greedy = logits.argmax(-1)
+    scaled = logits / _safe(temps).unsqueeze(1)
+    if min_ps is not None:
+        floor = scaled.amax(-1, keepdim=True) + min_ps.unsqueeze(1).log()  # log(0) = -inf: no floor
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+    sampled = (scaled - noise.log()).argmax(-1)
+    return torch.where(temps > 0, sampled, greedy)
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor, max_k: int) -> torch.Tensor:
