@@ -91,18 +91,19 @@ def _norm_rope_store_kernel(
         tl.store(dst + half + offs, out2.to(q_out_ptr.dtype.element_ty), mask=mask)
     else:
         kv_head = head - NUM_HEADS
-        out1, out2 = _normed_rotated(k_ptr + token * k_stride_t + kv_head * k_stride_h, k_weight_ptr, cos_row,
+        rot1, rot2 = _normed_rotated(k_ptr + token * k_stride_t + kv_head * k_stride_h, k_weight_ptr, cos_row,
                                      sin_row, k_eps, HEAD_DIM, BLOCK_HALF, HAS_NORM)
-        out1 = out1.to(k_out_ptr.dtype.element_ty)
-        out2 = out2.to(k_out_ptr.dtype.element_ty)
+        # New names: a variable of one branch may not change type (Triton's compiler checks both).
+        k1 = rot1.to(k_out_ptr.dtype.element_ty)
+        k2 = rot2.to(k_out_ptr.dtype.element_ty)
         dst = k_out_ptr + (token * NUM_KV_HEADS + kv_head) * HEAD_DIM
-        tl.store(dst + offs, out1, mask=mask)
-        tl.store(dst + half + offs, out2, mask=mask)
+        tl.store(dst + offs, k1, mask=mask)
+        tl.store(dst + half + offs, k2, mask=mask)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
             cache = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-            tl.store(k_cache_ptr + cache + offs, out1, mask=mask)
-            tl.store(k_cache_ptr + cache + half + offs, out2, mask=mask)
+            tl.store(k_cache_ptr + cache + offs, k1, mask=mask)
+            tl.store(k_cache_ptr + cache + half + offs, k2, mask=mask)
             offs_d = tl.arange(0, BLOCK_D)
             d_mask = offs_d < HEAD_DIM
             value = tl.load(v_ptr + token * v_stride_t + kv_head * v_stride_h + offs_d, mask=d_mask)
