@@ -250,17 +250,17 @@ def timed(obj, name: str, totals: dict) -> None:
     setattr(obj, name, wrapper)
 
 
+def dummy_llm(backend: str) -> LLM:
+    """Random Qwen3-0.6B weights on one backend, leaving the GPU half free for the next engine."""
+    return LLM(CONFIG, load_format="dummy", skip_tokenizer_init=True, attention_backend=backend,
+               gpu_memory_utilization=0.5)
+
+
 def run_stream() -> None:
     prompt = torch.randint(0, 10000, (512,), generator=torch.Generator().manual_seed(2)).tolist()
     for backend in GPU_BACKENDS:
         for temperature in (0.0, 0.6):
-            llm = LLM(
-                CONFIG,
-                load_format="dummy",
-                skip_tokenizer_init=True,
-                attention_backend=backend,
-                gpu_memory_utilization=0.5,
-            )
+            llm = dummy_llm(backend)
             llm.generate([prompt[:16]], SamplingParams(max_tokens=32), use_tqdm=False)  # warm-up
             llm.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=1024, ignore_eos=True))
             decode_times, parts = [], {}
@@ -291,13 +291,7 @@ def run_profile() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     for backend in GPU_BACKENDS:
-        llm = LLM(
-            CONFIG,
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            attention_backend=backend,
-            gpu_memory_utilization=0.5,
-        )
+        llm = dummy_llm(backend)
         llm.generate([list(range(512))], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
         graphs = llm.model_runner.decode_graphs
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
