@@ -112,3 +112,13 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 # (it must be chosen before triton is first imported).
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def triton_test_device() -> str:
+    """Where a kernel test module runs its tensors: the CPU under Triton's interpreter (the default
+    above), else CUDA (`TRITON_INTERPRET=0` on a GPU machine); skips the module when neither works."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    if not torch.cuda.is_available():
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+    return "cuda"

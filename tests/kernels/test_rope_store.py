@@ -1,12 +1,9 @@
 """The fused q/k-norm + rotary + KV-store kernel against the unfused PyTorch path it replaces, on CPU
 tensors through the Triton interpreter (or on CUDA with TRITON_INTERPRET=0)."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
-
 import pytest
 import torch
+from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
@@ -16,9 +13,7 @@ from nanovllm.attention.torch_backend import store_kvcache_torch  # noqa: E402
 from nanovllm.kernels.rope_store import norm_rope_store  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary, qk_norm_rotary  # noqa: E402
 
-if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+DEVICE = triton_test_device()
 EPS = 1e-6
 
 

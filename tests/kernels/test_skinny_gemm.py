@@ -2,12 +2,9 @@
 TRITON_INTERPRET=0): both inner products (GEMV at M == 1, tl.dot above), ragged N and K, split-K, bias,
 strided x and out, and the argument checks."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
-
 import pytest
 import torch
+from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
@@ -18,9 +15,7 @@ from nanovllm.kernels.skinny_gemm import (  # noqa: E402
     skinny_linear,
 )
 
-if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+DEVICE = triton_test_device()
 
 # (N, K): one tile or a few; (96, 80) is a multiple of neither the column nor the K tile.
 SHAPES = [(64, 32), (96, 80), (256, 128)]

@@ -5,12 +5,10 @@ so a kernel that reads a position it should have masked produces NaN and fails t
 """
 
 import math
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
 
 import pytest
 import torch
+from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
@@ -21,9 +19,7 @@ from nanovllm.kernels.paged_attention import (  # noqa: E402
     store_kvcache,
 )
 
-if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+DEVICE = triton_test_device()
 
 # The interpreter computes in float32 numpy, so float32 kernels match the reference to rounding.
 ATOL = RTOL = 1e-4
