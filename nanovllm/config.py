@@ -2,7 +2,12 @@
 Unknown options raise TypeError, out-of-range values raise ValueError, and a path that holds no
 model says how to get one. The model is a Hugging Face folder (config.json + safetensors) or a
 GGUF file: a path ending in .gguf, or a folder plus `gguf_file`; `load_format="auto"` resolves to
-"safetensors" or "gguf" accordingly."""
+"safetensors" or "gguf" accordingly.
+
+Every switch of the engine is a field here. A few defaults may come from environment variables, read
+in `_env_default` only. What the engine resolves from the options (device, dtype, the model's config)
+lives in the fields that `__init__` does not take; what it computes later (e.g. the KV block count)
+lives with the engine, never written back here."""
 
 import os
 from dataclasses import dataclass, field, fields
@@ -21,6 +26,21 @@ VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_DEVICES = ("auto", "cpu", "cuda")
 VALID_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn", "fa3")  # see nanovllm.attention
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Environment variables that set a default for the field of the same meaning.
+ENV_DEFAULTS = {
+    "attention_backend": "NANOVLLM_ATTENTION_BACKEND",
+    "torch_compile": "NANOVLLM_COMPILE",
+    "skinny_gemm": "NANOVLLM_SKINNY_GEMM",
+}
+
+
+def _env_default(name: str, default):
+    """The default of option `name`: its environment variable when set (0/1 for a bool), else `default`."""
+    value = os.environ.get(ENV_DEFAULTS[name])
+    if value is None:
+        return default
+    return value != "0" if isinstance(default, bool) else value
 
 
 @dataclass(slots=True)
@@ -45,10 +65,16 @@ class Config:
     gguf_file: str | None = None
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
-    attention_backend: str = "auto"
+    attention_backend: str = field(default_factory=lambda: _env_default("attention_backend", "auto"))
+    # GPU only: torch.compile fuses RMSNorm(+residual), SiLU-mul and the sampler into a few kernels.
+    torch_compile: bool = field(default_factory=lambda: _env_default("torch_compile", True))
+    # GPU only: one-token matmuls through nanovllm.kernels.skinny_gemm instead of cuBLAS.
+    skinny_gemm: bool = field(default_factory=lambda: _env_default("skinny_gemm", True))
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: str | None = field(init=False, default=None)  # the GGUF file, when the model is one
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
+    device_type: str = field(init=False, default="cpu")  # "cpu" or "cuda", resolved from `device`
+    torch_dtype: torch.dtype = field(init=False, default=torch.float32)  # resolved from `dtype`
 
     @classmethod
     def from_options(cls, model: str, **options) -> "Config":
@@ -61,6 +87,7 @@ class Config:
     def __post_init__(self) -> None:
         self.model = os.path.expanduser(str(self.model))
         self._check_ranges()
+        self.device_type = self._resolve_device()
         self.gguf_path = self._find_gguf()
         if self.load_format == "auto":
             self.load_format = "safetensors" if self.gguf_path is None else "gguf"
@@ -80,9 +107,12 @@ class Config:
                 raise ValueError(f"model path {self.model!r} {what}; {DOWNLOAD_HINT}")
             self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self.torch_dtype = self._resolve_dtype()
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         self._check_tensor_parallel()
+        if self.device_type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
 
     def _check_tensor_parallel(self) -> None:
         """Before anything is spawned: the sizes the model's layers must split evenly across ranks."""
@@ -106,11 +136,24 @@ class Config:
                 f"{num_kv_heads} key/value heads, intermediate_size {intermediate}): it must divide the "
                 "attention heads and the intermediate size, and divide or be a multiple of the key/value "
                 f"heads; valid sizes: {valid}")
-        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
+        if self.device_type == "cuda":
             num_gpus = torch.cuda.device_count()
             if n > num_gpus:
                 raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs but {num_gpus} are visible; "
                                  "lower it, or expose more GPUs (CUDA_VISIBLE_DEVICES)")
+
+    def _resolve_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.device_type == "cpu":
+            return torch.float32  # CPU matmuls in half precision are slow and inexact
+        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
     def _find_gguf(self) -> str | None:
         """The GGUF file the options name, or None when the model is a Hugging Face folder."""
@@ -143,6 +186,10 @@ class Config:
                              f"got {self.num_kvcache_blocks}")
         if self.cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
+        for name in ("torch_compile", "skinny_gemm", "enforce_eager", "enable_prefix_caching",
+                     "skip_tokenizer_init"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         choices = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
                    "attention_backend": VALID_ATTENTION_BACKENDS}
         for name, valid in choices.items():

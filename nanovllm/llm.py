@@ -1,15 +1,104 @@
-"""The user-facing facade: `LLM(model_path, **options)` with `generate` and `chat`."""
+"""The user-facing facade: `LLM(model_path, **options)` with `generate` and `chat`, over one LLMEngine
+(`llm.engine`). The engine loop (`add_request`, `step`, `is_finished`) is reachable here too."""
 
-from nanovllm.engine.llm_engine import LLMEngine
+import time
+
+from tqdm.auto import tqdm
+
+from nanovllm.engine.llm_engine import LLMEngine, Prompt
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 Message = dict[str, str]
+# Seconds between redraws of the progress bar's live prefill/decode throughput.
+BAR_REFRESH_S = 0.5
 
 
-class LLM(LLMEngine):
+class LLM:
+    def __init__(self, model: str, **options) -> None:
+        self.engine = LLMEngine(model, **options)
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
+        return self.engine.add_request(prompt, sampling_params)
+
+    def step(self) -> tuple[list[tuple[int, RequestOutput]], int]:
+        return self.engine.step()
+
+    def is_finished(self) -> bool:
+        return self.engine.is_finished()
+
+    # ---- lifetime ----
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and free the model; it also happens when the LLM is
+        garbage-collected and at interpreter exit. Idempotent."""
+        self.engine.shutdown()
+
+    exit = shutdown  # nano-vllm's name for it
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    # ---- generation ----
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt; returns one output dict per prompt, in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise TypeError("prompts must be a string, a list of token ids, or a non-empty list of them")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; "
+                                 "pass one for all or one per prompt")
+        else:
+            sampling_params = [sampling_params] * len(prompts)
+        # Validate everything before queueing anything, so a bad prompt leaves no half-added batch.
+        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        for seq in seqs:
+            self.engine.add_sequence(seq)
+        outputs = self._run_until_done({seq.seq_id for seq in seqs}, use_tqdm)
+        return [outputs[seq.seq_id] for seq in seqs]
+
+    def _run_until_done(self, wanted: set[int], use_tqdm: bool) -> dict[int, RequestOutput]:
+        outputs: dict[int, RequestOutput] = {}
+        bar = tqdm(total=len(wanted), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_rate = decode_rate = 0.0
+        while not self.engine.is_finished() and len(outputs) < len(wanted):
+            start = time.perf_counter()
+            result = self.engine.run_step()
+            elapsed = time.perf_counter() - start
+            if result.num_prefill_tokens:
+                prefill_rate = result.num_prefill_tokens / elapsed
+            if result.num_decode_tokens:
+                decode_rate = result.num_decode_tokens / elapsed
+            if use_tqdm:
+                # Redrawn at most every BAR_REFRESH_S: a redraw per step would cost more than a decode step.
+                bar.set_postfix({"Prefill": f"{prefill_rate:.0f}tok/s", "Decode": f"{decode_rate:.0f}tok/s"},
+                                refresh=time.perf_counter() - bar.last_print_t > BAR_REFRESH_S)
+            for seq_id, output in result.outputs:
+                if seq_id in wanted:
+                    outputs[seq_id] = output
+                    bar.update(1)
+        bar.close()
+        return outputs
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[dict]:
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to a list
         of conversations, formatted with the tokenizer's chat template."""
         if self.tokenizer is None:

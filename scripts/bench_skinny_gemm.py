@@ -1,4 +1,4 @@
-"""skinny_linear vs torch.nn.functional.linear (cuBLAS) at decode batch sizes, bf16, on one CUDA GPU:
+"""skinny_linear vs torch.nn.functional.linear (cuBLAS) for one-token matmuls, bf16, on one CUDA GPU:
 
     python scripts/bench_skinny_gemm.py        # no arguments; about 30-60 s on an H200, mostly compiling
 
@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanovllm.kernels.skinny_gemm import SkinnyConfig, _num_sms, skinny_config, skinny_linear  # noqa: E402
+from nanovllm.kernels.common import sm_count  # noqa: E402
+from nanovllm.kernels.skinny_gemm import SkinnyConfig, skinny_config, skinny_linear  # noqa: E402
 
 # (name, N, K): fused qkv, o_proj, fused gate_up and down_proj of each model.
 SHAPES = [
@@ -33,7 +34,7 @@ SHAPES = [
     ("8B gate_up", 24576, 4096),
     ("8B down", 4096, 12288),
 ]
-M_VALUES = [1, 2, 4, 8, 16]
+M_VALUES = [1]
 # Weight copies per shape add up to at least this many bytes, several times the L2, so each call in the
 # graph finds its weight evicted.
 ROTATION_BYTES = 256 << 20
@@ -41,7 +42,7 @@ GRAPH_REPLAYS = 20
 # Stop starting config-sweep measurements after this many seconds (the whole run should stay under 60).
 SWEEP_DEADLINE_S = 45.0
 # M == 8 stands for 2..15 (one compiled variant); M == 16 would compile another.
-SWEEP_M_VALUES = [1, 8]
+SWEEP_M_VALUES = [1]
 DTYPE = torch.bfloat16
 
 
@@ -68,21 +69,12 @@ def sweep_candidates(default: SkinnyConfig) -> list[SkinnyConfig]:
     """Neighbours of the default config: one knob moved at a time."""
     d = default
     candidates = [
-        SkinnyConfig(d.use_dot, d.block_n, d.block_k, d.split_k, d.num_warps, d.num_stages + 2),
-        SkinnyConfig(d.use_dot, d.block_n, d.block_k, 2 * d.split_k, d.num_warps, d.num_stages),
+        SkinnyConfig(d.block_n, d.block_k, d.split_k, d.num_warps, d.num_stages + 2),
+        SkinnyConfig(d.block_n, d.block_k, 2 * d.split_k, d.num_warps, d.num_stages),
+        SkinnyConfig(max(4, d.block_n // 2), d.block_k, d.split_k, d.num_warps, d.num_stages),
+        SkinnyConfig(d.block_n, 2 * d.block_k, d.split_k, d.num_warps, d.num_stages),
+        SkinnyConfig(d.block_n, d.block_k, d.split_k, 8, d.num_stages),
     ]
-    if d.use_dot:
-        candidates += [
-            SkinnyConfig(True, d.block_n, d.block_k, d.split_k, 2 * d.num_warps, d.num_stages),
-            SkinnyConfig(True, d.block_n, d.block_k // 2, d.split_k, d.num_warps, d.num_stages + 2),
-            SkinnyConfig(True, 2 * d.block_n, d.block_k, d.split_k, 2 * d.num_warps, d.num_stages),
-        ]
-    else:
-        candidates += [
-            SkinnyConfig(False, max(4, d.block_n // 2), d.block_k, d.split_k, d.num_warps, d.num_stages),
-            SkinnyConfig(False, d.block_n, 2 * d.block_k, d.split_k, d.num_warps, d.num_stages),
-            SkinnyConfig(False, d.block_n, d.block_k, d.split_k, 8, d.num_stages),
-        ]
     return [c for c in dict.fromkeys(candidates) if c != default]
 
 
@@ -91,7 +83,7 @@ def main() -> None:
         sys.exit("bench_skinny_gemm needs a CUDA GPU")
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    num_sms = _num_sms(torch.device("cuda"))
+    num_sms = sm_count(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, {num_sms} SMs, torch {torch.__version__}")
     cases = {}
     for name, n, k in SHAPES:
@@ -103,14 +95,14 @@ def main() -> None:
 
     header = (
         f"{'shape':<13}{'N':>6}{'K':>6}{'M':>4}{'torch us':>10}{'skinny us':>11}{'torch GB/s':>12}"
-        f"{'skinny GB/s':>13}{'speedup':>9}{'max|err|':>10}  config (use_dot, BN, BK, split, warps, stages)"
+        f"{'skinny GB/s':>13}{'speedup':>9}{'max|err|':>10}  config (BN, BK, split, warps, stages)"
     )
     print(header)
     rows = []
     for name, (n, k, weight_bytes, weights) in cases.items():
         for m in M_VALUES:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
-            config = skinny_config(m, n, k, 2, num_sms)
+            config = skinny_config(n, k, 2, num_sms)
             err = (skinny_linear(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
             torch_us = time_per_call_us(F.linear, x, weights)
             skinny_us = time_per_call_us(skinny_linear, x, weights)
@@ -141,7 +133,7 @@ def main() -> None:
             if time.perf_counter() - t0 > SWEEP_DEADLINE_S:
                 break
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
-            default = skinny_config(m, n, k, 2, num_sms)
+            default = skinny_config(n, k, 2, num_sms)
             results = {}
             for config in [default, *sweep_candidates(default)]:
                 if time.perf_counter() - t0 > SWEEP_DEADLINE_S:

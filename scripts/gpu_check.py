@@ -19,13 +19,16 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
+from transformers import AutoConfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.attention.backend import select_backend  # noqa: E402
 from nanovllm.attention.metadata import AttentionMetadata  # noqa: E402
+from nanovllm.attention.registry import select_backend  # noqa: E402
+from nanovllm.attention.rotary import RotaryEmbedding  # noqa: E402
 
 CONFIG = "configs/Qwen3-0.6B"
 GPU_BACKENDS = ("triton", "fa3")
@@ -81,15 +84,23 @@ def check_kernels() -> None:
         "prefill-prefix": ([100, 700, 1], [900, 1500, 333], True),
         "decode": ([1] * 6, [1, 77, 512, 1023, 2900, 4096], False),
     }
-    torch_backend = select_backend("torch", torch.device("cuda"), 16)
+    cuda = torch.device("cuda")
+    torch_backend = select_backend("torch", cuda, 16, torch.float32, max_num_seqs=8, num_kv_heads=8)
+    rotary = RotaryEmbedding(AutoConfig.from_pretrained(CONFIG), 128, 8192).to(cuda)
+
+    def layer(k_cache, v_cache):
+        return SimpleNamespace(num_heads=16, num_kv_heads=8, head_dim=128, scale=128**-0.5, rotary=rotary,
+                               qk_norm=None, k_cache=k_cache, v_cache=v_cache)
+
     for name in GPU_BACKENDS:
-        backend = select_backend(name, torch.device("cuda"), 16)
+        backend = select_backend(name, cuda, 16, torch.bfloat16, max_num_seqs=8, num_kv_heads=8)
         for block_size in (16, 256):
             for case, (q_lens, ctx, prefill) in cases.items():
                 q, k, v, kc, vc, meta = paged_case(q_lens, ctx, block_size, prefill=prefill)
-                ref_kc, ref_vc = kc.float(), vc.float()
-                ref = torch_backend.forward(q.float(), k.float(), v.float(), ref_kc, ref_vc, meta, 128**-0.5)
-                out = backend.forward(q, k, v, kc, vc, meta, 128**-0.5)
+                positions = torch.cat([torch.arange(c - n, c) for n, c in zip(q_lens, ctx)]).to(cuda)
+                ref = torch_backend.forward(layer(kc.float(), vc.float()), q.float(), k.float(), v.float(),
+                                            positions, meta)
+                out = backend.forward(layer(kc, vc), q, k, v, positions, meta)
                 torch.cuda.synchronize()
                 err = rel_err(out, ref)
                 results.setdefault("kernels", {})[f"{name}/bs{block_size}/{case}"] = err
@@ -145,11 +156,11 @@ def check_e2e() -> None:
         llm = LLM(path, **{**base, **options})
         runs[label] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
         if "graphs" in label and "chunked" not in label:
-            hits = llm.scheduler.block_manager.num_cache_hit_tokens
+            hits = llm.engine.scheduler.block_manager.num_cache_hit_tokens
             runs[label + "/prefix-hit"] = [
                 o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)
             ]
-            assert llm.scheduler.block_manager.num_cache_hit_tokens > hits
+            assert llm.engine.scheduler.block_manager.num_cache_hit_tokens > hits
         # Last: this writes prompts' KV over blocks 0.. of the cache, which the prefix cache may own.
         if "chunked" not in label and label != "triton/eager" and label != "fa3/eager":
             logits = our_last_logits(llm, prompts)
@@ -198,19 +209,7 @@ def compare(label, ref_label, outs, ref, prompts, hf32, near_tie) -> None:
 
 
 def our_last_logits(llm, prompts) -> list[torch.Tensor]:
-    from nanovllm.attention.metadata import forward_context
-    from nanovllm.engine.model_inputs import prepare_prefill
-    from nanovllm.engine.sequence import Sequence
-
-    runner, out = llm.model_runner, []
-    for p in prompts:
-        seq = Sequence(p, block_size=runner.block_size)
-        seq.num_scheduled_tokens, seq.block_table = len(p), list(range(seq.num_blocks))
-        inputs = prepare_prefill([seq], runner.device)
-        with torch.no_grad(), forward_context(inputs.meta):
-            hidden = runner.model(inputs.input_ids, inputs.positions)
-        out.append(runner.model.compute_logits(hidden[-1:])[0].float())
-    return out
+    return [llm.engine.prompt_logits(p).float() for p in prompts]
 
 
 def run_bench(modes=(False, True)) -> None:
@@ -264,9 +263,9 @@ def run_stream() -> None:
             llm.generate([prompt[:16]], SamplingParams(max_tokens=32), use_tqdm=False)  # warm-up
             llm.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=1024, ignore_eos=True))
             decode_times, parts = [], {}
-            timed(llm.scheduler, "schedule", parts)
-            timed(llm.model_runner, "run", parts)
-            timed(llm.scheduler, "postprocess", parts)
+            timed(llm.engine.scheduler, "schedule", parts)
+            timed(llm.engine.model_runner, "run", parts)
+            timed(llm.engine.scheduler, "postprocess", parts)
             while not llm.is_finished():
                 start = time.perf_counter()
                 _, num_tokens = llm.step()
@@ -293,7 +292,7 @@ def run_profile() -> None:
     for backend in GPU_BACKENDS:
         llm = dummy_llm(backend)
         llm.generate([list(range(512))], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
-        graphs = llm.model_runner.decode_graphs
+        graphs = llm.engine.model_runner.decode_graphs
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(10):
             graphs.graphs[1].replay()

@@ -41,24 +41,13 @@ def test_logits_match_transformers(llm, hf_qwen3, tokenizer):
     ids = tokenizer.encode(PROMPTS[1])
     with torch.no_grad():
         ref = hf_qwen3(torch.tensor([ids])).logits[0, -1]
-    runner = llm.model_runner
-    from nanovllm.attention.metadata import forward_context
-    from nanovllm.engine.model_inputs import prepare_prefill
-    from nanovllm.engine.sequence import Sequence
-    seq = Sequence(ids, block_size=4)
-    seq.num_scheduled_tokens, seq.block_table = len(ids), [0] * seq.num_blocks
-    inputs = prepare_prefill([seq], runner.device)
-    inputs.meta.slot_mapping.fill_(-1)
-    with torch.no_grad(), forward_context(inputs.meta):
-        hidden = runner.model(inputs.input_ids, inputs.positions)
-    logits = runner.model.compute_logits(hidden[-1:])[0]
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(llm.engine.prompt_logits(ids), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_prefix_cache_hits_reuse_blocks_and_keep_output(qwen3_dir, reference):
     llm = small_llm(qwen3_dir)
     first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    bm = llm.scheduler.block_manager
+    bm = llm.engine.scheduler.block_manager
     hits_before = bm.num_cache_hit_tokens
     second = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second] == reference
@@ -78,9 +67,9 @@ def test_preemption_keeps_output(qwen3_dir, tokenizer, reference):
     # Every request alone fits in 14 blocks of 4 tokens, but all four together do not.
     llm = small_llm(qwen3_dir, num_kvcache_blocks=14)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     assert [o["token_ids"] for o in outputs] == reference
-    assert llm.scheduler.block_manager.num_free_blocks == 14
+    assert llm.engine.scheduler.block_manager.num_free_blocks == 14
 
 
 def test_requests_arriving_while_others_run(qwen3_dir, reference):

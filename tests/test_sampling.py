@@ -3,11 +3,12 @@ filters on crafted logits."""
 
 import pytest
 import torch
+from conftest import PROMPTS as ALL_PROMPTS
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 
-PROMPTS = ["Paris is the capital of", "The quick brown fox"]
+PROMPTS = ALL_PROMPTS[:2]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from conftest import MAX_TOKENS, PROMPTS, hf_greedy, make_model_dir
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.tp_worker import TPWorkers
+from nanovllm.distributed.worker import TPWorkers
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Spawned workers must be gone within this long, and a failure must surface within this long.
@@ -68,7 +68,7 @@ def tp2(qwen3_dir):
     llm = tp_llm(qwen3_dir, num_kvcache_blocks=14)
     yield llm
     llm.exit()
-    assert_shut_down(llm.workers)
+    assert_shut_down(llm.engine.workers)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_tp2_matches_tp1_and_transformers_with_preemption_and_prefix_cache(tp2, 
     tp1 = LLM(qwen3_dir, kvcache_block_size=4, max_model_len=256, num_kvcache_blocks=14)
     assert token_ids(tp1) == reference
     tp1.exit()
-    scheduler = tp2.scheduler
+    scheduler = tp2.engine.scheduler
     preemptions = scheduler.num_preemptions
     assert token_ids(tp2) == reference
     assert scheduler.num_preemptions > preemptions
@@ -97,7 +97,7 @@ def test_tp2_chunked_prefill_keeps_output(tp2, hf_qwen3, tokenizer):
     # Steps that sample nothing (the prompt only part-way computed) must keep the ranks in step too.
     prompt = "A paged KV cache admits requests while the fox decodes."
     expected = hf_greedy(hf_qwen3, tokenizer.encode(prompt), MAX_TOKENS)
-    scheduler = tp2.scheduler
+    scheduler = tp2.engine.scheduler
     scheduler.max_num_batched_tokens, budget = 5, scheduler.max_num_batched_tokens
     try:
         (output,) = tp2.generate([prompt], GREEDY, use_tqdm=False)
@@ -110,7 +110,7 @@ def test_tp2_chunked_prefill_keeps_output(tp2, hf_qwen3, tokenizer):
 def test_replicated_kv_head_and_padded_vocab_and_two_engines_at_once(tp2, odd_model, reference):
     path, odd_reference = odd_model
     odd = tp_llm(path)
-    assert odd.workers.channel_name != tp2.workers.channel_name
+    assert odd.engine.workers.channel_name != tp2.engine.workers.channel_name
     assert token_ids(odd) == odd_reference
     # Both engines' steps interleave in this one process, each over its own group and channel.
     ids = {odd.add_request(PROMPTS[0], GREEDY): ("odd", 0), tp2.add_request(PROMPTS[0], GREEDY): ("tp2", 0),
@@ -123,7 +123,7 @@ def test_replicated_kv_head_and_padded_vocab_and_two_engines_at_once(tp2, odd_mo
     assert results == {("odd", 0): odd_reference[0], ("odd", 2): odd_reference[2],
                        ("tp2", 0): reference[0], ("tp2", 2): reference[2]}
     odd.exit()
-    assert_shut_down(odd.workers)
+    assert_shut_down(odd.engine.workers)
     with pytest.raises(RuntimeError, match="shut down"):
         odd.generate(PROMPTS[0], GREEDY, use_tqdm=False)
     assert token_ids(tp2, PROMPTS[:1]) == reference[:1]  # the other engine is untouched
@@ -131,7 +131,7 @@ def test_replicated_kv_head_and_padded_vocab_and_two_engines_at_once(tp2, odd_mo
 
 def test_garbage_collection_releases_the_workers(qwen3_dir):
     llm = tp_llm(qwen3_dir)
-    channel_name, processes = llm.workers.channel_name, llm.workers.processes
+    channel_name, processes = llm.engine.workers.channel_name, llm.engine.workers.processes
     assert os.path.exists(f"/dev/shm/{channel_name}") and all(p.is_alive() for p in processes)
     del llm
     gc.collect()
@@ -141,43 +141,43 @@ def test_garbage_collection_releases_the_workers(qwen3_dir):
 def test_a_killed_worker_raises_instead_of_hanging(qwen3_dir, reference):
     with tp_llm(qwen3_dir) as llm:
         assert token_ids(llm, PROMPTS[:1]) == reference[:1]
-        worker = llm.workers.processes[0]
+        worker = llm.engine.workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         _, error, seconds = within_deadline(lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False))
         assert isinstance(error, RuntimeError), error
         assert f"rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(error)
         assert seconds < 10
-        assert_shut_down(llm.workers)
+        assert_shut_down(llm.engine.workers)
         with pytest.raises(RuntimeError, match="shut down"):
             llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
 
 
 def test_a_worker_killed_mid_step_raises_instead_of_hanging(qwen3_dir):
     llm = tp_llm(qwen3_dir)
-    worker, run = llm.workers.processes[0], llm.model_runner.run
+    worker, run = llm.engine.workers.processes[0], llm.engine.model_runner.run
 
-    def killed_while_rank0_computes(seqs, is_prefill):
+    def killed_while_rank0_computes(batch):
         os.kill(worker.pid, signal.SIGKILL)  # the worker has the step; rank 0 meets no one in the all-reduce
         worker.join()
-        return run(seqs, is_prefill)
+        return run(batch)
 
-    llm.model_runner.run = killed_while_rank0_computes
+    llm.engine.model_runner.run = killed_while_rank0_computes
     _, error, seconds = within_deadline(lambda: llm.generate(PROMPTS[0], GREEDY, use_tqdm=False))
     assert isinstance(error, RuntimeError) and "was killed by SIGKILL" in str(error), error
     assert seconds < 10
-    assert_shut_down(llm.workers)
+    assert_shut_down(llm.engine.workers)
 
 
 def test_ctrl_c_during_a_step_shuts_the_group_down(qwen3_dir):
     llm = tp_llm(qwen3_dir)
 
-    def interrupted(seqs, is_prefill):
+    def interrupted(batch):
         raise KeyboardInterrupt  # after the worker got the step: it now waits in a collective
 
-    llm.model_runner.run = interrupted
+    llm.engine.model_runner.run = interrupted
     _, error, _ = within_deadline(lambda: llm.generate(PROMPTS[0], GREEDY, use_tqdm=False))
     assert isinstance(error, KeyboardInterrupt)
-    assert_shut_down(llm.workers)
+    assert_shut_down(llm.engine.workers)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
 
@@ -214,7 +214,7 @@ def test_group_users_are_released_before_the_communicator(monkeypatch):
     waits for them); a failing release must not keep the communicator alive."""
     import torch
 
-    from nanovllm.utils.distributed import TPGroup, create_store
+    from nanovllm.distributed.group import TPGroup, create_store
 
     group = TPGroup(create_store(0, 1), 0, 1, torch.device("cpu"))
     backend = group._backend

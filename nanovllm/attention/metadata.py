@@ -1,7 +1,6 @@
-"""Per-step attention metadata, and the scope that makes it visible to the attention layers deep
-inside the model (set for one forward pass, always reset, even on an exception)."""
+"""Per-step attention metadata: where each token's K/V goes and what each sequence attends to. Built
+once per step by the model runner and passed down the model's forward as an argument."""
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -24,21 +23,3 @@ class AttentionMetadata:
     # Host copies for backends that loop over sequences in Python (the torch reference backend).
     cu_seqlens_q_host: list[int] | None = None
     seqlens_k_host: list[int] | None = None
-
-
-_current: AttentionMetadata | None = None
-
-
-@contextmanager
-def forward_context(meta: AttentionMetadata):
-    global _current
-    previous, _current = _current, meta
-    try:
-        yield meta
-    finally:
-        _current = previous
-
-
-def get_attention_metadata() -> AttentionMetadata:
-    assert _current is not None, "attention ran outside forward_context()"
-    return _current

@@ -4,8 +4,10 @@ the fast backends are tested against, so it favours plain, obviously right code 
 import torch
 import torch.nn.functional as F
 
-from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.backend import AttentionBackend, PagedLayer
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.rotary import apply_rotary
+from nanovllm.utils.norm import rms_norm
 
 
 def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -35,13 +37,15 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        store_kvcache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
-
-    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, layer: PagedLayer, q, k, v, positions, meta: AttentionMetadata) -> torch.Tensor:
+        if layer.qk_norm is not None:
+            norm = layer.qk_norm
+            q, k = rms_norm(q, norm.q_weight, norm.eps), rms_norm(k, norm.k_weight, norm.eps)
+        q, k = apply_rotary(q, k, positions, layer.rotary.cos, layer.rotary.sin)
+        store_kvcache_torch(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
-        return self._decode(q, k_cache, v_cache, meta, scale)
+            return self._prefill(q, k, v, layer.k_cache, layer.v_cache, meta, layer.scale)
+        return self._decode(q, layer.k_cache, layer.v_cache, meta, layer.scale)
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -1,34 +1,37 @@
-"""The engine loop: validates and tokenizes requests, schedules steps, runs them on the model
-runner and turns finished sequences into outputs. `add_request`, `step`, `is_finished` and
-`generate` are the public loop.
+"""The engine: validates and tokenizes requests, schedules steps, runs each on the model runner (and
+the tensor-parallel workers) and turns finished sequences into outputs. `add_request`, `step` and
+`is_finished` are the loop; nanovllm.llm.LLM drives it for `generate`.
 
 With tensor_parallel_size=N > 1, the engine's own ModelRunner is rank 0 and ranks 1..N-1 run in
-worker processes (nanovllm.engine.tp_worker). `shutdown()` (alias `exit()`, or leaving a `with` block)
-stops them and frees the model; it also happens when the engine is garbage-collected, at interpreter
-exit, and when a step fails under tensor parallelism (a dead worker, Ctrl-C), after which every call
+worker processes (nanovllm.distributed.worker). `shutdown()` stops them and frees the model; it also
+happens when a step fails under tensor parallelism (a dead worker, Ctrl-C), after which every call
 raises RuntimeError."""
 
-import gc
-import time
 from collections.abc import Sequence as SequenceLike
 from contextlib import nullcontext
+from dataclasses import dataclass
 
-import torch
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.distributed.worker import TPWorkers
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
-from nanovllm.engine.tp_worker import TPWorkers
+from nanovllm.outputs import RequestOutput
+from nanovllm.runner.batch import build_batch
+from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.gguf_loader import load_gguf_tokenizer
 
 Prompt = str | list[int]
-# Seconds between redraws of the progress bar's live prefill/decode throughput.
-BAR_REFRESH_S = 0.5
+
+
+@dataclass(slots=True)
+class StepResult:
+    outputs: list[tuple[int, RequestOutput]]  # (request id, output) of the requests that finished
+    num_prefill_tokens: int  # prompt tokens computed in the step
+    num_decode_tokens: int  # tokens decoded in the step
 
 
 class LLMEngine:
@@ -46,9 +49,10 @@ class LLMEngine:
         try:
             with self.workers.scope() if self.workers else nullcontext():
                 self.model_runner = ModelRunner(config)
-            config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
-            self.scheduler = Scheduler(config, StopChecker(self._eos_token_ids(), config.max_model_len,
-                                                           self.tokenizer))
+            # What the memory allowed; the option (config.num_kvcache_blocks) stays what the user asked.
+            self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
+            stop_checker = StopChecker(self._eos_token_ids(), config.max_model_len, self.tokenizer)
+            self.scheduler = Scheduler(config, self.num_kvcache_blocks, stop_checker)
         except BaseException:
             self.shutdown()  # no worker outlives a failed constructor
             raise
@@ -96,15 +100,17 @@ class LLMEngine:
                              f"{total} exceeds max_model_len {config.max_model_len}; shorten the prompt, "
                              "lower max_tokens or raise max_model_len")
         blocks = -(-total // config.kvcache_block_size)
-        if blocks > config.num_kvcache_blocks:
+        if blocks > self.num_kvcache_blocks:
             raise ValueError(f"the request needs up to {blocks} KV blocks but the whole cache has "
-                             f"{config.num_kvcache_blocks}; lower max_tokens, or give the cache more memory "
+                             f"{self.num_kvcache_blocks}; lower max_tokens, or give the cache more memory "
                              "(gpu_memory_utilization, num_kvcache_blocks, cpu_kvcache_space_gib)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; "
                              "use stop_token_ids")
 
-    def _make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
+        """Validate and tokenize one request without queueing it; bad input raises here."""
+        self._check_running()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -112,108 +118,85 @@ class LLMEngine:
         self._check_fits(token_ids, params)
         return Sequence(token_ids, params, self.config.kvcache_block_size)
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. Bad input raises here and leaves the engine untouched."""
-        seq = self._make_sequence(prompt, sampling_params)
+    def add_sequence(self, seq: Sequence) -> int:
         self.scheduler.add(seq)
         return seq.seq_id
 
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Bad input raises here and leaves the engine untouched."""
+        return self.add_sequence(self.make_sequence(prompt, sampling_params))
+
     # ---- lifetime ----
+    def _check_running(self) -> None:
+        if self.model_runner is None:
+            raise RuntimeError("this LLM is shut down (exit() was called, or a tensor-parallel worker "
+                               "failed); create a new one")
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and free the model and its KV cache; any later call raises
         RuntimeError. Idempotent."""
         if self.workers is not None:
             self.workers.shutdown()
         if self.model_runner is not None:
-            self.model_runner = None
-            gc.collect()  # the layers' weight loaders form reference cycles: free the weights now
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # hand the memory back, e.g. to the next engine in this process
-
-    exit = shutdown  # nano-vllm's name for it
-
-    def __enter__(self) -> "LLMEngine":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.shutdown()
+            runner, self.model_runner = self.model_runner, None
+            runner.release()
 
     # ---- the loop ----
     def _run_model(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
-        if self.model_runner is None:
-            raise RuntimeError("this LLM is shut down (exit() was called, or a tensor-parallel worker "
-                               "failed); create a new one")
+        """The sampled token of each sequence (None for those that only computed part of their prompt)."""
+        self._check_running()
+        batch = build_batch(seqs, is_prefill)
         if self.workers is None:
-            return self.model_runner.run(seqs, is_prefill)
-        try:
-            return self.workers.run(self.model_runner, seqs, is_prefill)
-        except BaseException:
-            self.shutdown()  # the workers are gone already; free rank 0's share as well
-            raise
+            tokens = self.model_runner.run(batch)
+        else:
+            try:
+                tokens = self.workers.run(self.model_runner, batch)
+            except BaseException:
+                self.shutdown()  # the workers are gone already; free rank 0's share as well
+                raise
+        token_ids: list[int | None] = [None] * len(seqs)
+        for row, token in zip(batch.sample_rows, tokens, strict=True):
+            token_ids[row] = token
+        return token_ids
 
-    def step(self) -> tuple[list[tuple[int, dict]], int]:
-        """Run one step. Returns the (request id, output) of requests that finished, and the number
-        of tokens computed: positive for a prefill step, negative for a decode step."""
+    def run_step(self) -> StepResult:
+        """Schedule and run one step; returns what finished and how many tokens were computed."""
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        token_ids = self._run_model(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+        finished = self.scheduler.postprocess(seqs, self._run_model(seqs, is_prefill))
         outputs = [(seq.seq_id, self._output(seq)) for seq in finished]
-        return outputs, num_tokens if is_prefill else -num_tokens
+        return StepResult(outputs, num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)
+
+    def step(self) -> tuple[list[tuple[int, RequestOutput]], int]:
+        """Run one step (nano-vllm's shape). Returns the (request id, output) of requests that finished,
+        and the number of tokens computed: positive for a prefill step, negative for a decode step."""
+        result = self.run_step()
+        return result.outputs, result.num_prefill_tokens or -result.num_decode_tokens
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
-    def _output(self, seq: Sequence) -> dict:
+    def prompt_logits(self, token_ids: list[int]):
+        """The model's next-token logits after a whole prompt ([vocab] tensor), from one prefill through
+        this engine's own runner (prefix cache included) on blocks lent by the block manager and given
+        back: for checks against a reference implementation. Single-rank engines only."""
+        self._check_running()
+        if self.workers is not None:
+            raise ValueError("prompt_logits runs on single-rank engines only (tensor_parallel_size=1)")
+        seq = Sequence(self._tokenize(token_ids), block_size=self.config.kvcache_block_size)
+        block_manager = self.scheduler.block_manager
+        block_manager.allocate(seq)
+        try:
+            seq.num_scheduled_tokens = seq.num_uncomputed_tokens
+            return self.model_runner.logits(build_batch([seq], is_prefill=True))[0]
+        finally:
+            block_manager.deallocate(seq)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
         text = seq.stop_text
         if text is None:
             text = "" if self.tokenizer is None else self.tokenizer.decode(seq.completion_token_ids,
                                                                           skip_special_tokens=True)
-        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
-                "prompt_token_ids": seq.token_ids[:seq.num_prompt_tokens],
-                "num_cached_tokens": seq.num_cached_tokens}
-
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Generate for each prompt; returns one output dict per prompt, in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        if not isinstance(prompts, list) or not prompts:
-            raise TypeError("prompts must be a string, a list of token ids, or a non-empty list of them")
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; "
-                                 "pass one for all or one per prompt")
-        else:
-            sampling_params = [sampling_params] * len(prompts)
-        # Validate everything before queueing anything, so a bad prompt leaves no half-added batch.
-        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
-        for seq in seqs:
-            self.scheduler.add(seq)
-        outputs = self._run_until_done({seq.seq_id for seq in seqs}, use_tqdm)
-        return [outputs[seq.seq_id] for seq in seqs]
-
-    def _run_until_done(self, wanted: set[int], use_tqdm: bool) -> dict[int, dict]:
-        outputs: dict[int, dict] = {}
-        bar = tqdm(total=len(wanted), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_rate = decode_rate = 0.0
-        while not self.is_finished() and len(outputs) < len(wanted):
-            start = time.perf_counter()
-            finished, num_tokens = self.step()
-            elapsed = time.perf_counter() - start
-            if num_tokens > 0:
-                prefill_rate = num_tokens / elapsed
-            else:
-                decode_rate = -num_tokens / elapsed
-            if use_tqdm:
-                # Redrawn at most every BAR_REFRESH_S: a redraw per step would cost more than a decode step.
-                bar.set_postfix({"Prefill": f"{prefill_rate:.0f}tok/s", "Decode": f"{decode_rate:.0f}tok/s"},
-                                refresh=time.perf_counter() - bar.last_print_t > BAR_REFRESH_S)
-            for seq_id, output in finished:
-                if seq_id in wanted:
-                    outputs[seq_id] = output
-                    bar.update(1)
-        bar.close()
-        return outputs
+        return RequestOutput(text=text, token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason,
+                             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+                             num_cached_tokens=seq.num_cached_tokens)

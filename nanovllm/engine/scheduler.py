@@ -15,11 +15,10 @@ from nanovllm.engine.stop_checker import StopChecker
 
 
 class Scheduler:
-    def __init__(self, config: Config, stop_checker: StopChecker) -> None:
-        assert config.num_kvcache_blocks, "the KV cache must be sized before the scheduler is built"
+    def __init__(self, config: Config, num_kvcache_blocks: int, stop_checker: StopChecker) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
+        self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.stop_checker = stop_checker
         self.waiting: deque[Sequence] = deque()
@@ -45,7 +44,7 @@ class Scheduler:
         for seq in self.running:  # continue chunked prefills first: they already hold their blocks
             if budget == 0:
                 break
-            if seq.num_uncomputed_tokens > 1:
+            if seq.is_prefilling:
                 seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
                 budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)

@@ -40,12 +40,14 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last token lacks KV: the sequence still computes its prompt (or, after a
+        preemption, recomputes prompt and completion) in chunks before it decodes again."""
+        return self.num_uncomputed_tokens > 1
 
     @property
     def num_completion_tokens(self) -> int:

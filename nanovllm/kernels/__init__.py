@@ -1,6 +1,8 @@
-"""Triton kernels for the paged KV cache: store new K/V (`kv_cache`), prefill and decode attention
-over paged K/V (`paged_attention`).
+"""Triton kernels: q/k-norm + rotary + KV store (`rope_store`), prefill and decode attention over the
+paged KV cache (`prefill_attention`, `decode_attention`), one-token matmuls (`skinny_gemm`), and what
+they share (`common`).
 
 Importing this package imports nothing else: the kernel modules import Triton at their top, and the
-engine imports them lazily (on GPU, or in tests under TRITON_INTERPRET=1), so CPU-only installs work.
+engine imports them only when a GPU backend is chosen (or in tests under TRITON_INTERPRET=1), so
+CPU-only installs work.
 """

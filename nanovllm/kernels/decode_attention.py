@@ -9,8 +9,7 @@ into num_splits chunks:
         writes a float32 partial per head: its output normalised by its own softmax sum, and its
         log-sum-exp (base 2);
     stage 2: out = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse), done by the last
-        program of each (sequence, KV head) to finish (an atomic counter says which: one kernel in all),
-        or by a second kernel of grid (B, num_heads) with fused_reduce=False.
+        program of each (sequence, KV head) to finish (an atomic counter says which: one kernel in all).
 
 num_splits depends only on static shapes (batch size, KV heads, block_tables width, SM count); each
 sequence's chunk length, cdiv(seqlens_k[b], num_splits) rounded up to whole tiles, is computed on the GPU.
@@ -19,14 +18,19 @@ sequence's end write neutral partials (lse = -inf), so seqlens_k[b] == 0 (graph 
 zeros without reading the block table or the cache.
 """
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.kv_cache import check_paged_attention_args, dot_precision, paged_kv_offsets
+from nanovllm.kernels.common import (
+    check_paged_attention_args,
+    dot_precision,
+    online_softmax_step,
+    paged_kv_offsets,
+    sm_count,
+)
 
 # Key positions per tile; at head_dim 256 the tile halves so K, V and their pipeline stages fit in
 # shared memory.
@@ -34,8 +38,6 @@ BLOCK_N = 64
 BLOCK_N_HEAD_DIM_256 = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
-# The reduce kernel handles one head's [head_dim] vector at a time: a single warp covers it.
-REDUCE_NUM_WARPS = 1
 # tl.dot needs at least 16 rows, so a GQA group (often 1-8 query heads) is padded to 16 masked rows.
 # The padding costs tensor-core FLOPs, not memory traffic, and decode is bound by reading K/V.
 MIN_GROUP_ROWS = 16
@@ -43,8 +45,6 @@ MIN_GROUP_ROWS = 16
 PROGRAMS_PER_SM = 4
 # Caps the partials one head's reduce has to combine (and the scratch they take).
 MAX_NUM_SPLITS = 64
-# SM count assumed off-GPU (the Triton interpreter): an H100/H200 has 132.
-DEFAULT_NUM_SMS = 132
 
 
 @triton.jit
@@ -54,8 +54,8 @@ def _decode_split_kernel(
     v_cache_ptr,
     partial_out_ptr,  # [B, num_heads, num_splits, HEAD_DIM] float32
     partial_lse_ptr,  # [B, num_heads, num_splits] float32
-    out_ptr,  # [B, num_heads, HEAD_DIM]: written here only with FUSED_REDUCE
-    counters_ptr,  # [B * NUM_KV_HEADS] int32, zero on entry and on exit: only with FUSED_REDUCE
+    out_ptr,  # [B, num_heads, HEAD_DIM]
+    counters_ptr,  # [B * NUM_KV_HEADS] int32, zero on entry and on exit
     seqlens_k_ptr,
     block_tables_ptr,
     q_stride_b,
@@ -73,7 +73,6 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,15 +106,9 @@ def _decode_split_kernel(
         )
         k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        # Position tile_start is always valid, so m_new is finite and exp2 never sees -inf - -inf.
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # Position tile_start is always valid (the chunk is not empty), so every row sees a key.
+        m_i, l_i, acc = online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2,
+                                            DOT_PRECISION)
 
     # A non-empty chunk has l_i >= 1 (its max term is 2^0); an empty one has l_i == 0 and becomes
     # the neutral partial (out 0, lse -inf) that stage 2 weights by 2^-inf = 0.
@@ -126,21 +119,20 @@ def _decode_split_kernel(
     partial_rows = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + heads) * num_splits + split
     tl.store(partial_lse_ptr + partial_rows, lse, mask=g_mask)
     tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
-    if FUSED_REDUCE:
-        # The last of this (sequence, KV head)'s chunks to finish combines all of them: no second kernel.
-        # The barrier puts every thread's partial before the counter's release; the last program's
-        # acquire then sees them all, and it reads them past L1 (.cg), which is not coherent across SMs.
-        tl.debug_barrier()
-        counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            tl.atomic_xchg(counter, 0)  # ready for the next call (kernel boundaries order the calls)
-            first_rows = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + heads) * num_splits
-            offs_s = tl.arange(0, BLOCK_S)
-            lse_all = tl.load(partial_lse_ptr + first_rows[:, None] + offs_s[None, :],
-                              mask=g_mask[:, None] & (offs_s[None, :] < num_splits), other=float("-inf"),
-                              cache_modifier=".cg")
-            _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_rows, lse_all, seq, heads,
-                            g_mask, out_stride_b, out_stride_h, num_splits, HEAD_DIM)
+    # The last of this (sequence, KV head)'s chunks to finish combines all of them: no second kernel.
+    # The barrier puts every thread's partial before the counter's release; the last program's
+    # acquire then sees them all, and it reads them past L1 (.cg), which is not coherent across SMs.
+    tl.debug_barrier()
+    counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+        tl.atomic_xchg(counter, 0)  # ready for the next call (kernel boundaries order the calls)
+        first_rows = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + heads) * num_splits
+        offs_s = tl.arange(0, BLOCK_S)
+        lse_all = tl.load(partial_lse_ptr + first_rows[:, None] + offs_s[None, :],
+                          mask=g_mask[:, None] & (offs_s[None, :] < num_splits), other=float("-inf"),
+                          cache_modifier=".cg")
+        _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_rows, lse_all, seq, heads,
+                        g_mask, out_stride_b, out_stride_h, num_splits, HEAD_DIM)
 
 
 @triton.jit
@@ -165,37 +157,6 @@ def _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_rows, lse_a
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-@triton.jit
-def _decode_reduce_kernel(
-    partial_out_ptr,
-    partial_lse_ptr,
-    out_ptr,
-    out_stride_b,
-    out_stride_h,
-    num_splits,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    # One program per (sequence, head); a one-row vector of heads for the shared combine.
-    seq = tl.program_id(0)
-    heads = tl.program_id(1) + tl.arange(0, 1)
-    first_rows = (seq.to(tl.int64) * NUM_HEADS + heads) * num_splits
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_all = tl.load(partial_lse_ptr + first_rows[:, None] + offs_s[None, :],
-                      mask=offs_s[None, :] < num_splits, other=float("-inf"))
-    _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_rows, lse_all, seq, heads,
-                    heads >= 0, out_stride_b, out_stride_h, num_splits, HEAD_DIM)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def decode_num_splits(
     batch_size: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int
 ) -> int:
@@ -217,16 +178,14 @@ def paged_decode_attention(
     num_splits: int | None = None,  # default: decode_num_splits(...) from static shapes
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], q's dtype
     workspace: torch.Tensor | None = None,  # float32, >= B * num_heads * num_splits * (head_dim + 1)
-    fused_reduce: bool = True,
     counters: torch.Tensor | None = None,  # int32 zeros, >= B * num_kv_heads; left zeroed
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole paged context; returns
     [B, num_heads, head_dim] in q's dtype (zeros where seqlens_k is 0). CUDA-graph capturable.
 
-    With fused_reduce the last chunk of each (sequence, KV head) to finish combines the partials, so
-    one kernel runs instead of two; it counts finished chunks in `counters`, which it leaves zeroed for
-    the next call. Pass a persistent buffer (allocating one costs a fill kernel), and never the same
-    buffer to two calls that may run at once (on two streams)."""
+    The last chunk of each (sequence, KV head) to finish combines the partials; it counts finished
+    chunks in `counters`, which it leaves zeroed for the next call. Pass a persistent buffer (allocating
+    one costs a fill kernel), and never the same buffer to two calls that may run at once."""
     num_heads, num_kv_heads, head_dim, block_size = check_paged_attention_args(
         q, k_cache, v_cache, block_tables
     )
@@ -245,7 +204,7 @@ def paged_decode_attention(
     block_n = BLOCK_N_HEAD_DIM_256 if head_dim > 128 else BLOCK_N
     if num_splits is None:
         max_context_len = block_tables.shape[1] * block_size
-        num_splits = decode_num_splits(batch_size, num_kv_heads, max_context_len, block_n, _num_sms(q.device))
+        num_splits = decode_num_splits(batch_size, num_kv_heads, max_context_len, block_n, sm_count(q.device))
     elif num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits}")
 
@@ -265,13 +224,12 @@ def paged_decode_attention(
         )
     partial_out = workspace[: num_partials * head_dim]
     partial_lse = workspace[num_partials * head_dim : workspace_numel]
-    if fused_reduce:
-        if counters is None:
-            counters = torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=q.device)
-        elif not (counters.dtype == torch.int32 and counters.is_contiguous()
-                  and counters.numel() >= batch_size * num_kv_heads):
-            raise ValueError(f"counters must be a contiguous int32 tensor of at least B * num_kv_heads = "
-                             f"{batch_size * num_kv_heads} zeros; got {counters.dtype} x {counters.numel()}")
+    if counters is None:
+        counters = torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=q.device)
+    elif not (counters.dtype == torch.int32 and counters.is_contiguous()
+              and counters.numel() >= batch_size * num_kv_heads):
+        raise ValueError(f"counters must be a contiguous int32 tensor of at least B * num_kv_heads = "
+                         f"{batch_size * num_kv_heads} zeros; got {counters.dtype} x {counters.numel()}")
 
     num_heads_per_kv = num_heads // num_kv_heads
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
@@ -281,7 +239,7 @@ def paged_decode_attention(
         partial_out,
         partial_lse,
         out,
-        counters if fused_reduce else partial_lse,  # unread without the fused reduce
+        counters,
         seqlens_k,
         block_tables,
         q.stride(0),
@@ -299,22 +257,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits),
         DOT_PRECISION=dot_precision(q.dtype),
-        FUSED_REDUCE=fused_reduce,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
-    )
-    if fused_reduce:
-        return out
-    _decode_reduce_kernel[(batch_size, num_heads)](
-        partial_out,
-        partial_lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        num_warps=REDUCE_NUM_WARPS,
     )
     return out

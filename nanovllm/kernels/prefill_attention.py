@@ -2,7 +2,7 @@
 
 Sequence b brings q_len_b new query tokens (rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q); they are the
 LAST q_len_b of its seqlens_k[b] context tokens, and all of its keys/values (the cached prefix and the
-new tokens, already written by `store_kvcache`) are read from the cache through block_tables[b]:
+new tokens, already written by nanovllm.kernels.rope_store) are read from the cache through block_tables[b]:
 
     |------ num_cached = seqlens_k[b] - q_len_b ------|------ q_len_b new tokens ------|
     query i sits at position p = num_cached + i and attends to keys 0..p
@@ -16,7 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.kv_cache import check_paged_attention_args, dot_precision, paged_kv_offsets
+from nanovllm.kernels.common import (
+    check_paged_attention_args,
+    dot_precision,
+    online_softmax_step,
+    paged_kv_offsets,
+)
 
 # Query rows and key positions per tile. 64x64 keeps short prompts in a mixed batch from wasting a big
 # tile; at head_dim 256 the key tile halves so K, V and their pipeline stages fit in shared memory.
@@ -89,17 +94,9 @@ def _prefill_kernel(
         )
         k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        # Every row (padding rows too: their position is >= kv_len > 0) keeps key 0 unmasked in the first
-        # tile, so m_i is finite after it and exp2(m_i - m_new) never sees -inf - -inf.
+        # Every row (padding rows too: their position is >= kv_len > 0) sees key 0 of the first tile.
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(

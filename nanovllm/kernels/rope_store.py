@@ -10,7 +10,7 @@ program per (token, head) does all of it for its head:
 with rotate(x) = x * cos[pos] + rotate_half(x) * sin[pos] (neox style, cos/sin tables in float32) and
 the norm skipped for models without q/k norm (HAS_NORM=False). Everything is computed in float32 and
 rounded once. Slot -1 (padding) stores nothing; k_out is still written, for backends that attend over
-the step's own keys. The cache layout is nanovllm.kernels.kv_cache's.
+the step's own keys. The cache layout is nanovllm.kernels.common's.
 """
 
 import torch

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import linear
-from nanovllm.utils.distributed import all_reduce, gather_to_rank0, get_tp_rank, get_tp_size
+from nanovllm.layers.linear import linear, skinny_linear_or_none
+from nanovllm.layers.parallel import all_reduce, gather_to_rank0, get_tp_rank, get_tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,7 +38,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.skinny = skinny_linear_or_none()
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[num_tokens, hidden] -> [num_tokens, vocab] on rank 0 (None on other ranks)."""
-        logits = gather_to_rank0(linear(hidden_states, self.weight), dim=-1)
+        logits = gather_to_rank0(linear(hidden_states, self.weight, skinny=self.skinny), dim=-1)
         return None if logits is None else logits[:, :self.num_embeddings]

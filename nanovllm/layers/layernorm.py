@@ -4,22 +4,14 @@ once, as transformers does, so float32 outputs match it exactly; one fused kerne
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import gpu_compiled
+from nanovllm.layers.options import kernel_options
+from nanovllm.utils.compile import GPUCompiled
+from nanovllm.utils.norm import rms_norm
+
+_rms_norm = GPUCompiled(rms_norm)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-@gpu_compiled
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm(x, weight, eps)
-
-
-@gpu_compiled
+@GPUCompiled
 def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     x = x + residual
@@ -31,9 +23,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.compiled = kernel_options().torch_compile
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
         if residual is None:
-            return _rms_norm(x, self.weight, self.eps)
-        return _add_rms_norm(x, residual, self.weight, self.eps)
+            return _rms_norm(self.compiled, x, self.weight, self.eps)
+        return _add_rms_norm(self.compiled, x, residual, self.weight, self.eps)

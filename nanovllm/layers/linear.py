@@ -4,27 +4,34 @@ that copies this rank's shard of a checkpoint tensor into it.
 Column-parallel layers split the output features across ranks (no communication); row-parallel
 layers split the input features and all-reduce the partial outputs."""
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanovllm.layers.options import kernel_options
+from nanovllm.layers.parallel import all_reduce, get_tp_rank, get_tp_size
 
 # A one-token matmul (single-stream decode) is a weight-streaming GEMV, where cuBLAS reaches a third
 # to two thirds of the memory bandwidth; nanovllm.kernels.skinny_gemm streams it 1.1-3.7x faster on an
 # H200. From 2 tokens on, its tensor-core path measured no faster than cuBLAS (BENCHMARKS.md), so
-# cuBLAS keeps those. NANOVLLM_SKINNY_GEMM=0 turns it off.
+# cuBLAS keeps those. Config(skinny_gemm=False) turns it off.
 SKINNY_MAX_TOKENS = 1
-USE_SKINNY_GEMM = os.environ.get("NANOVLLM_SKINNY_GEMM", "1") != "0"
+SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if (USE_SKINNY_GEMM and x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_TOKENS
-            and x.dtype in (torch.bfloat16, torch.float16)):
-        from nanovllm.kernels.skinny_gemm import skinny_linear
-        return skinny_linear(x, weight, bias)
+def skinny_linear_or_none():
+    """The skinny GEMM kernel when this engine's layers use it (imports Triton: GPU only), else None."""
+    if not kernel_options().skinny_gemm:
+        return None
+    from nanovllm.kernels.skinny_gemm import skinny_linear
+    return skinny_linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           skinny=None) -> torch.Tensor:
+    if (skinny is not None and x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_TOKENS
+            and x.dtype in SKINNY_DTYPES):
+        return skinny(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -39,6 +46,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.skinny = skinny_linear_or_none()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -63,12 +71,7 @@ class LinearBase(nn.Module):
         return {None: tuple(shape)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, output_size, bias, tp_dim=None)
+        return linear(x, self.weight, self.bias, self.skinny)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -137,5 +140,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the partial sums are reduced.
-        y = all_reduce(linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight, skinny=self.skinny))
         return y if self.bias is None else y + self.bias

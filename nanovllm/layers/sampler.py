@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.utils.compile import gpu_compiled
+from nanovllm.utils.compile import GPUCompiled
 
 
 @dataclass(slots=True)
@@ -29,6 +29,9 @@ class SamplingTensors:
 
 
 class Sampler:
+    def __init__(self, compiled: bool = False) -> None:
+        self.compiled = compiled  # torch.compile the race on CUDA (nanovllm.utils.compile)
+
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if params.all_greedy:
             return logits.argmax(-1)  # half-precision logits widen to float32 exactly: same argmax
@@ -44,14 +47,14 @@ class Sampler:
         for row, seed in params.seeded_rows or ():
             gen = torch.Generator(device=logits.device).manual_seed(seed)
             noise[row].exponential_(generator=gen)
-        return _race(logits, temps, noise, params.min_ps)
+        return _race(self.compiled, logits, temps, noise, params.min_ps)
 
 
 def _safe(temps: torch.Tensor) -> torch.Tensor:
     return torch.where(temps > 0, temps, 1.0)
 
 
-@gpu_compiled
+@GPUCompiled
 def _race(logits: torch.Tensor, temps: torch.Tensor, noise: torch.Tensor,
           min_ps: torch.Tensor | None) -> torch.Tensor:
     """argmax(logits / T - log E) per row (argmax(logits) where T == 0), after dropping the tokens

@@ -1,12 +1,12 @@
-"""Llama family (Llama 2/3, SmolLM, Mistral-style configs without a sliding window): the Qwen3
+"""Llama family (Llama 2/3, SmolLM, Mistral-style configs without a sliding window): the shared
 decoder without the q/k norms; `attention_bias` switches the bias of all four projections."""
 
 from transformers import PretrainedConfig
 
-from nanovllm.models.qwen3 import AttentionOptions, Qwen3ForCausalLM
+from nanovllm.models.decoder import AttentionOptions, DecoderForCausalLM
 
 
-class LlamaForCausalLM(Qwen3ForCausalLM):
+class LlamaForCausalLM(DecoderForCausalLM):
     @classmethod
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))

@@ -1,29 +1,25 @@
-"""`gpu_compiled(fn)`: run fn through torch.compile when its inputs live on a GPU, eagerly otherwise.
+"""`GPUCompiled(fn)`: fn, callable eagerly or through torch.compile, as its caller chose when it was
+built (nanovllm.layers.options); the compiled twin only ever sees CUDA tensors.
 
-Decode at small batch sizes is bound by kernel launches, not bandwidth: eager RMSNorm, rotary and
-SiLU-mul cost several kernels each per layer. torch.compile fuses each into one. On CPU the eager
-code is kept: it matches transformers bit for bit, and compiling would only slow the tests down."""
+Decode at small batch sizes is bound by kernel launches, not bandwidth: eager RMSNorm, SiLU-mul and
+sampling cost several kernels each. torch.compile fuses each into one. On CPU the eager code is kept:
+it matches transformers bit for bit, and compiling would only slow the tests down."""
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 
-# Set to 0 to run the GPU path eagerly too (debugging, or to measure what compilation buys).
-COMPILE_ENV_VAR = "NANOVLLM_COMPILE"
 
+class GPUCompiled:
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self._compiled: Callable | None = None  # a cache, built on first use
+        functools.update_wrapper(self, fn)
 
-def gpu_compiled(fn: Callable) -> Callable:
-    compiled: Callable | None = None
-
-    @functools.wraps(fn)
-    def wrapper(x: torch.Tensor, *args, **kwargs):
-        nonlocal compiled
-        if not x.is_cuda or os.environ.get(COMPILE_ENV_VAR, "1") == "0":
-            return fn(x, *args, **kwargs)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=True)
-        return compiled(x, *args, **kwargs)
-
-    return wrapper
+    def __call__(self, compiled: bool, x: torch.Tensor, *args):
+        if not (compiled and x.is_cuda):
+            return self.fn(x, *args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, dynamic=True)
+        return self._compiled(x, *args)

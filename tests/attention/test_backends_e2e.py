@@ -1,19 +1,19 @@
 """Every path that can change numerics gives the torch backend's greedy output: the Triton backend
-(in Triton's interpreter on CPU) with prefix caching and chunked prefill, and decode through the
-padded static buffers that CUDA graphs replay."""
+(in Triton's interpreter on CPU, or on a GPU with TRITON_INTERPRET=0) with prefix caching and chunked
+prefill, and decode through the padded static buffers that CUDA graphs replay. float32 throughout, so
+that the comparison is token-exact on either device."""
 
 import pytest
 import torch
+from conftest import PROMPTS, triton_test_device
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
+from nanovllm.runner.cuda_graph import DecodeGraphs, graph_batch_sizes
 
 pytest.importorskip("triton")
 
-PROMPTS = ["Paris is the capital of", "The quick brown fox jumps over the lazy dog.", "hello",
-           "A paged KV cache splits memory into fixed-size blocks"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-OPTIONS = dict(kvcache_block_size=4, max_model_len=128, max_num_seqs=8)
+OPTIONS = dict(kvcache_block_size=4, max_model_len=128, max_num_seqs=8, dtype="float32", enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
@@ -24,28 +24,29 @@ def reference(qwen3_dir):
 
 @pytest.mark.parametrize("extra", [{}, {"max_num_batched_tokens": 7}], ids=["plain", "chunked"])
 def test_triton_backend_matches_torch(qwen3_dir, reference, extra):
+    triton_test_device()  # skips where Triton can run neither interpreted nor on a GPU
     llm = LLM(qwen3_dir, attention_backend="triton", **{**OPTIONS, **extra})
-    assert llm.model_runner.backend.name == "triton"
+    assert llm.engine.model_runner.backend.name == "triton"
     first = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert first == reference
-    hits = llm.scheduler.block_manager.num_cache_hit_tokens
+    hits = llm.engine.scheduler.block_manager.num_cache_hit_tokens
     second = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert llm.scheduler.block_manager.num_cache_hit_tokens > hits  # prefill over a cached prefix
+    assert llm.engine.scheduler.block_manager.num_cache_hit_tokens > hits  # prefill over a cached prefix
     assert second == reference
 
 
 def test_backend_env_var_applies_when_option_is_auto(qwen3_dir, monkeypatch):
     monkeypatch.setenv("NANOVLLM_ATTENTION_BACKEND", "torch")
-    assert LLM(qwen3_dir, **OPTIONS).model_runner.backend.name == "torch"
+    assert LLM(qwen3_dir, **OPTIONS).engine.model_runner.backend.name == "torch"
     monkeypatch.setenv("NANOVLLM_ATTENTION_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="unknown attention backend 'bogus'"):
+    with pytest.raises(ValueError, match="attention_backend must be one of .* got 'bogus'"):
         LLM(qwen3_dir, **OPTIONS)
 
 
 def test_gpu_only_backends_are_refused_on_cpu(qwen3_dir):
     for name in ("fa3", "flash-attn"):
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
-            LLM(qwen3_dir, attention_backend=name, **OPTIONS)
+            LLM(qwen3_dir, attention_backend=name, device="cpu", **OPTIONS)
 
 
 def test_graph_batch_ladder_covers_the_scheduler_limit():
@@ -58,15 +59,17 @@ def test_graph_batch_ladder_covers_the_scheduler_limit():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_padded_static_buffer_decode_matches(qwen3_dir, reference, backend):
     """The CUDA-graph decode path (batch padded to a captured size, static buffers), run eagerly."""
+    if backend == "triton":
+        triton_test_device()
     llm = LLM(qwen3_dir, attention_backend=backend, **OPTIONS)
-    runner = llm.model_runner
+    runner = llm.engine.model_runner
     # Captured sizes [1, 4]: batches of 2 and 3 rows run padded to 4 (3 prompts, then one that
     # arrives with them: the 4-row batch fits exactly).
     runner.decode_graphs = DecodeGraphs(runner.model, 4, 128 // 4, runner.config.hf_config.hidden_size,
                                         runner.dtype, runner.device, use_cuda_graph=False, batch_sizes=[1, 4])
     graphs, padded_batches = runner.decode_graphs, []
     plain_run = graphs.run
-    graphs.run = lambda seqs: padded_batches.append(len(seqs)) or plain_run(seqs)
+    graphs.run = lambda batch: padded_batches.append(batch.num_seqs) or plain_run(batch)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 6, 9)]
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)  # 3 rows, then 2, then 1
     assert {3, 2, 1} <= set(padded_batches)
@@ -75,10 +78,10 @@ def test_padded_static_buffer_decode_matches(qwen3_dir, reference, backend):
 
 
 def test_float32_picks_triton_and_flash_attention_refuses_it():
-    from nanovllm.attention.backend import _auto_backend, select_backend
+    from nanovllm.attention.registry import auto_backend, select_backend
 
     cuda = torch.device("cuda")  # only its type is read before the dtype check: no GPU needed
-    assert _auto_backend(cuda, 16, torch.float32) == "triton"
+    assert auto_backend(cuda, 16, torch.float32) == "triton"
     for name in ("fa3", "flash-attn"):
         with pytest.raises(ValueError, match="bfloat16/float16 only"):
-            select_backend(name, cuda, 256, torch.float32)
+            select_backend(name, cuda, 256, torch.float32, max_num_seqs=8, num_kv_heads=2)

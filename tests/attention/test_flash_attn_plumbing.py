@@ -7,11 +7,17 @@ import types
 
 import pytest
 import torch
+from conftest import triton_test_device
+from paged_case import make_paged_cache, seq_slots
+from transformers import Qwen3Config
 
+from nanovllm.attention.backend import QKNorm
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.rotary import RotaryEmbedding
 from nanovllm.attention.torch_backend import TorchBackend, gather_kv
 
-pytest.importorskip("triton")  # the store kernel runs in Triton's interpreter here
+pytest.importorskip("triton")  # the fused norm + rotary + store kernel runs in Triton's interpreter here
+DEVICE = triton_test_device()
 
 
 def _attend(q, k, v, scale, causal=True):
@@ -20,7 +26,8 @@ def _attend(q, k, v, scale, causal=True):
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     if causal:
-        mask = torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]
+        keys, queries = torch.arange(lk, device=q.device), torch.arange(lk - lq, lk, device=q.device)
+        mask = keys[None, :] <= queries[:, None]
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
 
@@ -90,40 +97,34 @@ def backend(request, monkeypatch):
     return flash_attn_backend.FlashAttention3Backend()
 
 
-H, HKV, D, BS, NUM_BLOCKS = 4, 2, 16, 4, 16
+H, HKV, D, BS = 4, 2, 16, 4
 
 
 def make_case(q_lens, ctx_lens, is_prefill):
-    """A batch where sequence i computes its last q_lens[i] of ctx_lens[i] tokens; blocks shuffled."""
+    """A layer and a batch where sequence i computes its last q_lens[i] of ctx_lens[i] tokens."""
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen)
-    v_cache = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen)
-    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    tables, slots, next_block = [], [], 0
+    k_cache, v_cache, tables = make_paged_cache(ctx_lens, BS, HKV, D, torch.float32, seed=0, device=DEVICE,
+                                                 unowned=0.0)  # the references mask after multiplying
+    slots = torch.cat([seq_slots(t, ctx, BS)[ctx - q:] for t, q, ctx in zip(tables, q_lens, ctx_lens)])
+    positions = torch.cat([torch.arange(ctx - q, ctx) for q, ctx in zip(q_lens, ctx_lens)])
+    cu_q, cu_k = [0], [0]
     for q_len, ctx in zip(q_lens, ctx_lens, strict=True):
-        n = -(-ctx // BS)
-        tables.append(perm[next_block:next_block + n])
-        next_block += n
-        slots += [tables[-1][p // BS] * BS + p % BS for p in range(ctx - q_len, ctx)]
-    width = max(map(len, tables))
-    total = sum(q_lens)
-    cu_q = [0]
-    for q_len in q_lens:
         cu_q.append(cu_q[-1] + q_len)
-    cu_k = [0]
-    for ctx in ctx_lens:
         cu_k.append(cu_k[-1] + ctx)
     meta = AttentionMetadata(
-        is_prefill=is_prefill, slot_mapping=torch.tensor(slots),
-        seqlens_k=torch.tensor(ctx_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
-        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
+        is_prefill=is_prefill, slot_mapping=slots.to(DEVICE),
+        seqlens_k=torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE), block_tables=tables,
+        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=DEVICE),
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=DEVICE),
         max_seqlen_q=max(q_lens), max_seqlen_k=max(ctx_lens),
         has_prefix=any(q < c for q, c in zip(q_lens, ctx_lens, strict=True)),
         cu_seqlens_q_host=cu_q, seqlens_k_host=list(ctx_lens))
-    qkv = [torch.randn(total, h, D, generator=gen) for h in (H, HKV, HKV)]
-    return (*qkv, k_cache, v_cache, meta)
+    norm = QKNorm(torch.randn(D, generator=gen).to(DEVICE), torch.randn(D, generator=gen).to(DEVICE), 1e-6)
+    rotary = RotaryEmbedding(Qwen3Config(head_dim=D), D, max_position=64).to(DEVICE)
+    layer = types.SimpleNamespace(num_heads=H, num_kv_heads=HKV, head_dim=D, scale=D**-0.5, rotary=rotary,
+                                  qk_norm=norm, k_cache=k_cache, v_cache=v_cache)
+    qkv = [torch.randn(sum(q_lens), h, D, generator=gen).to(DEVICE) for h in (H, HKV, HKV)]
+    return layer, qkv, positions.to(DEVICE), meta
 
 
 @pytest.mark.parametrize("q_lens, ctx_lens, is_prefill", [
@@ -132,10 +133,12 @@ def make_case(q_lens, ctx_lens, is_prefill):
     ([1, 1, 1], [13, 4, 7], False),  # decode
 ], ids=["prefill", "prefill-prefix", "decode"])
 def test_flash_attn_backends_match_torch_backend(backend, q_lens, ctx_lens, is_prefill):
-    q, k, v, k_cache, v_cache, meta = make_case(q_lens, ctx_lens, is_prefill)
-    ref_cache = (k_cache.clone(), v_cache.clone())
-    expected = TorchBackend().forward(q, k, v, *ref_cache, meta, D**-0.5)
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    layer, (q, k, v), positions, meta = make_case(q_lens, ctx_lens, is_prefill)
+    reference = types.SimpleNamespace(**vars(layer))
+    reference.k_cache, reference.v_cache = layer.k_cache.clone(), layer.v_cache.clone()
+    expected = TorchBackend().forward(reference, q, k, v, positions, meta)
+    out = backend.forward(layer, q, k, v, positions, meta)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k_cache, ref_cache[0])  # new K/V stored into the same slots
-    torch.testing.assert_close(v_cache, ref_cache[1])
+    # new K/V (k normed and rotated) stored into the same slots
+    torch.testing.assert_close(layer.k_cache, reference.k_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.v_cache, reference.v_cache)

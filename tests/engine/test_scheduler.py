@@ -10,9 +10,8 @@ EOS = 0
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64):
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             num_kvcache_blocks=num_blocks, kvcache_block_size=block_size,
-                             enable_prefix_caching=True)
-    return Scheduler(config, StopChecker((EOS,), max_model_len=1000))
+                             kvcache_block_size=block_size, enable_prefix_caching=True)
+    return Scheduler(config, num_blocks, StopChecker((EOS,), max_model_len=1000))
 
 
 def make_seq(n, max_tokens=100, block_size=4, start=1):

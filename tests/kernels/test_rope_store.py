@@ -1,4 +1,4 @@
-"""The fused q/k-norm + rotary + KV-store kernel against the unfused PyTorch path it replaces, on CPU
+"""The fused q/k-norm + rotary + KV-store kernel against the reference backend's PyTorch path, on CPU
 tensors through the Triton interpreter (or on CUDA with TRITON_INTERPRET=0)."""
 
 import pytest
@@ -9,9 +9,10 @@ pytest.importorskip("triton")
 
 from transformers import Qwen3Config  # noqa: E402
 
+from nanovllm.attention.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from nanovllm.attention.torch_backend import store_kvcache_torch  # noqa: E402
 from nanovllm.kernels.rope_store import norm_rope_store  # noqa: E402
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary, qk_norm_rotary  # noqa: E402
+from nanovllm.utils.norm import rms_norm  # noqa: E402
 
 DEVICE = triton_test_device()
 EPS = 1e-6
@@ -33,11 +34,11 @@ def run_both(num_heads, num_kv_heads, head_dim, dtype, with_norm, block_size=16,
 
     cache_shape = (4, block_size, num_kv_heads, head_dim)
     ref_caches = [torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(2)]
-    if with_norm:  # the reference computes in float32 throughout
-        ref_q, ref_k = qk_norm_rotary(q.float(), k.float(), positions, rope.cos, rope.sin,
-                                      weights[0][0].float(), weights[1][0].float(), EPS, EPS)
-    else:
-        ref_q, ref_k = apply_rotary(q.float(), k.float(), positions, rope.cos, rope.sin)
+    ref_q, ref_k = q.float(), k.float()  # the reference computes in float32 throughout
+    if with_norm:
+        ref_q = rms_norm(ref_q, weights[0][0].float(), EPS)
+        ref_k = rms_norm(ref_k, weights[1][0].float(), EPS)
+    ref_q, ref_k = apply_rotary(ref_q, ref_k, positions, rope.cos, rope.sin)
     store_kvcache_torch(ref_k.to(dtype), v, *ref_caches, slots)
 
     caches = [torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(2)]

@@ -1,6 +1,6 @@
 """skinny_linear against float32 PyTorch on CPU tensors through the Triton interpreter (or on CUDA when
-TRITON_INTERPRET=0): both inner products (GEMV at M == 1, tl.dot above), ragged N and K, split-K, bias,
-strided x and out, and the argument checks."""
+TRITON_INTERPRET=0): the one-row GEMV, ragged N and K, split-K, bias, strided x and out, and the argument
+checks."""
 
 import pytest
 import torch
@@ -8,18 +8,12 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels.skinny_gemm import (  # noqa: E402
-    MAX_SKINNY_M,
-    SkinnyConfig,
-    skinny_config,
-    skinny_linear,
-)
+from nanovllm.kernels.skinny_gemm import SkinnyConfig, skinny_config, skinny_linear  # noqa: E402
 
 DEVICE = triton_test_device()
 
 # (N, K): one tile or a few; (96, 80) is a multiple of neither the column nor the K tile.
 SHAPES = [(64, 32), (96, 80), (256, 128)]
-M_VALUES = [1, 3, 8, 16]
 # The interpreter computes in float32 numpy, so float32 matches to rounding; float16 rounds the output.
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -49,15 +43,14 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", M_VALUES)
-def test_matches_reference(m: int, n: int, k: int, dtype: torch.dtype):
-    x, weight, bias = make_inputs(m, n, k, dtype)
+def test_matches_reference(n: int, k: int, dtype: torch.dtype):
+    x, weight, bias = make_inputs(1, n, k, dtype)
     assert_close(skinny_linear(x, weight), reference(x, weight, None), dtype)
     assert_close(skinny_linear(x, weight, bias), reference(x, weight, bias), dtype)
 
 
-@pytest.mark.parametrize("m", [1, 5])
-def test_strided_x_and_out(m: int):
+def test_strided_x_and_out():
+    m = 1
     # x is a column slice of a wider activation (as q of a fused qkv), out a slice of a wider buffer.
     n, k, dtype = 96, 80, torch.float32
     _, weight, bias = make_inputs(m, n, k, dtype)
@@ -75,52 +68,45 @@ def test_strided_x_and_out(m: int):
 # Configs the shape heuristic does not pick for test-sized shapes: K split over 2-5 programs (a ragged
 # last split included), several K tiles per program, and wide column tiles mostly past N.
 FORCED_CONFIGS = [
-    SkinnyConfig(use_dot=True, block_n=16, block_k=16, split_k=3, num_warps=2, num_stages=3),
-    SkinnyConfig(use_dot=True, block_n=64, block_k=32, split_k=2, num_warps=4, num_stages=2),
-    SkinnyConfig(use_dot=True, block_n=32, block_k=16, split_k=1, num_warps=4, num_stages=4),
-    SkinnyConfig(use_dot=False, block_n=8, block_k=16, split_k=5, num_warps=4, num_stages=3),
-    SkinnyConfig(use_dot=False, block_n=4, block_k=32, split_k=1, num_warps=4, num_stages=3),
+    SkinnyConfig(block_n=16, block_k=16, split_k=3, num_warps=2, num_stages=3),
+    SkinnyConfig(block_n=64, block_k=32, split_k=2, num_warps=4, num_stages=2),
+    SkinnyConfig(block_n=8, block_k=16, split_k=5, num_warps=4, num_stages=3),
+    SkinnyConfig(block_n=4, block_k=32, split_k=1, num_warps=4, num_stages=3),
 ]
 
 
 @pytest.mark.parametrize("config", FORCED_CONFIGS)
-@pytest.mark.parametrize("m", [1, 7])
-def test_forced_configs(config: SkinnyConfig, m: int):
-    if not config.use_dot and m > 1:
-        pytest.skip("the GEMV path is for a single row")
+def test_forced_configs(config: SkinnyConfig):
     n, k, dtype = 96, 80, torch.float32
-    x, weight, bias = make_inputs(m, n, k, dtype)
+    x, weight, bias = make_inputs(1, n, k, dtype)
     assert_close(skinny_linear(x, weight, bias, config=config), reference(x, weight, bias), dtype)
 
 
 def test_split_k_is_deterministic():
-    config = SkinnyConfig(use_dot=True, block_n=16, block_k=16, split_k=4, num_warps=2, num_stages=3)
-    x, weight, bias = make_inputs(4, 64, 128, torch.float32)
+    config = SkinnyConfig(block_n=16, block_k=16, split_k=4, num_warps=2, num_stages=3)
+    x, weight, bias = make_inputs(1, 64, 128, torch.float32)
     first = skinny_linear(x, weight, bias, config=config)
     assert torch.equal(first, skinny_linear(x, weight, bias, config=config))
 
 
 def test_default_configs_for_qwen3_shapes():
     # The heuristic's choices for real shapes, as skinny_config documents them (retuning updates both):
-    # two programs per SM where N allows, the GEMV path only at M == 1, no split-K, deeper pipelines
-    # where fewer programs run.
-    assert skinny_config(1, 6144, 1024, 2, 132) == SkinnyConfig(False, 16, 256, 1, 4, 3)
-    assert skinny_config(1, 1024, 3072, 2, 132) == SkinnyConfig(False, 4, 1024, 1, 4, 3)
-    assert skinny_config(8, 1024, 2048, 2, 132) == SkinnyConfig(True, 16, 256, 1, 2, 8)
-    assert skinny_config(16, 4096, 1024, 2, 132) == SkinnyConfig(True, 16, 256, 1, 2, 3)
+    # two programs per SM where N allows, no split-K.
+    assert skinny_config(6144, 1024, 2, 132) == SkinnyConfig(16, 256, 1, 4, 3)
+    assert skinny_config(1024, 3072, 2, 132) == SkinnyConfig(4, 1024, 1, 4, 3)
 
 
 def test_empty_batch_and_empty_k():
     _, weight, bias = make_inputs(1, 64, 32, torch.float32)
     assert skinny_linear(torch.empty(0, 32, device=DEVICE), weight).shape == (0, 64)
-    x = torch.empty(2, 0, device=DEVICE)
-    torch.testing.assert_close(skinny_linear(x, torch.empty(64, 0, device=DEVICE), bias), bias.expand(2, 64))
+    x = torch.empty(1, 0, device=DEVICE)
+    torch.testing.assert_close(skinny_linear(x, torch.empty(64, 0, device=DEVICE), bias), bias.expand(1, 64))
 
 
 def test_rejects_bad_arguments():
-    x, weight, bias = make_inputs(2, 64, 32, torch.float32)
-    with pytest.raises(ValueError, match="at most"):
-        skinny_linear(torch.zeros(MAX_SKINNY_M + 1, 32, device=DEVICE), weight)
+    x, weight, bias = make_inputs(1, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match="at most one row"):
+        skinny_linear(torch.zeros(2, 32, device=DEVICE), weight)
     with pytest.raises(ValueError, match="must be"):
         skinny_linear(x, weight[:, :16].contiguous())  # K mismatch
     with pytest.raises(ValueError, match="must be"):
@@ -132,10 +118,8 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="bias has shape"):
         skinny_linear(x, weight, bias[:10])
     with pytest.raises(ValueError, match="contiguous last"):
-        skinny_linear(x.T.contiguous().T, weight)  # column-major x
+        skinny_linear(torch.zeros(32, 2, device=DEVICE)[:, 0][None], weight)  # x strided along K
     with pytest.raises(ValueError, match="out must be"):
-        skinny_linear(x, weight, out=torch.empty(2, 63, device=DEVICE))
+        skinny_linear(x, weight, out=torch.empty(1, 63, device=DEVICE))
     with pytest.raises(ValueError, match="not float16"):
         skinny_linear(x.double(), weight.double())
-    with pytest.raises(ValueError, match="GEMV"):
-        skinny_linear(x, weight, config=SkinnyConfig(False, 4, 32))

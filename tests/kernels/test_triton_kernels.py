@@ -4,20 +4,20 @@ Cache slots that no sequence owns are filled with NaN (and block-table padding p
 so a kernel that reads a position it should have masked produces NaN and fails the comparison.
 """
 
-import math
 
 import pytest
 import torch
 from conftest import triton_test_device
+from paged_case import make_paged_cache, seq_slots
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels.decode_attention import MAX_NUM_SPLITS, decode_num_splits  # noqa: E402
-from nanovllm.kernels.paged_attention import (  # noqa: E402
-    paged_decode_attention,
-    paged_prefill_attention,
-    store_kvcache,
+from nanovllm.kernels.decode_attention import (  # noqa: E402
+    MAX_NUM_SPLITS,
+    decode_num_splits,
+    paged_decode_attention,  # noqa: E402
 )
+from nanovllm.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
 DEVICE = triton_test_device()
 
@@ -28,38 +28,6 @@ HEAD_DIM = 32
 # 256 is a multiple of the key tile, so it takes the one-lookup-per-tile path.
 BLOCK_SIZES = [1, 12, 16, 256]
 HEAD_LAYOUTS = [(4, 2), (2, 2)]  # (num_heads, num_kv_heads): GQA and plain multi-head
-
-
-def make_paged_cache(
-    kv_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """k_cache, v_cache and block_tables for sequences of kv_lens tokens, blocks scattered at random.
-    Unowned slots hold NaN; block 0 is never owned and pads every block-table row."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(n / block_size) for n in kv_lens]
-    num_blocks = 1 + sum(blocks_per_seq) + 2  # poison block 0, owned blocks, two spare
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    block_tables = torch.zeros(len(kv_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
-    for b, (kv_len, num_seq_blocks) in enumerate(zip(kv_lens, blocks_per_seq, strict=True)):
-        block_tables[b, :num_seq_blocks] = torch.tensor(free[:num_seq_blocks], dtype=torch.int32)
-        free = free[num_seq_blocks:]
-        slots = seq_slots(block_tables[b], kv_len, block_size)
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
-            kv_len, num_kv_heads, head_dim, generator=gen
-        ).to(dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
-            kv_len, num_kv_heads, head_dim, generator=gen
-        ).to(dtype)
-    return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE)
-
-
-def seq_slots(block_table: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
-    # slot = block_table[pos // block_size] * block_size + pos % block_size
-    pos = torch.arange(kv_len)
-    return block_table.cpu()[pos // block_size].long() * block_size + pos % block_size
 
 
 def reference_attention(
@@ -91,38 +59,6 @@ def reference_attention(
     return out
 
 
-@pytest.mark.parametrize("block_size", [1, 12, 16])
-@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
-def test_store_kvcache_writes_slots_skips_padding_and_reads_strided_views(
-    block_size: int, slot_dtype: torch.dtype
-) -> None:
-    num_tokens, num_heads, num_kv_heads, num_blocks = 10, 4, 2, 12
-    gen = torch.Generator().manual_seed(0)
-    # key/value are column slices of a fused qkv projection: stride(0) is the full qkv width.
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * HEAD_DIM, generator=gen)
-    _, key, value = qkv.split(
-        [num_heads * HEAD_DIM, num_kv_heads * HEAD_DIM, num_kv_heads * HEAD_DIM], dim=-1
-    )
-    key = key.view(num_tokens, num_kv_heads, HEAD_DIM)
-    value = value.view(num_tokens, num_kv_heads, HEAD_DIM)
-    assert not key.is_contiguous()
-    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slot_mapping[[2, 7]] = -1  # padding tokens
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen)
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    keep = slot_mapping >= 0
-    expected_k.view(-1, num_kv_heads, HEAD_DIM)[slot_mapping[keep]] = key[keep]
-    expected_v.view(-1, num_kv_heads, HEAD_DIM)[slot_mapping[keep]] = value[keep]
-
-    key, value, k_cache, v_cache = (t.to(DEVICE) for t in (key, value, k_cache, v_cache))
-    store_kvcache(key, value, k_cache, v_cache, slot_mapping.to(device=DEVICE, dtype=slot_dtype))
-
-    expected_k, expected_v = expected_k.to(DEVICE), expected_v.to(DEVICE)
-    assert torch.equal(k_cache, expected_k)  # written slots hold the keys; every other slot unchanged
-    assert torch.equal(v_cache, expected_v)
-
-
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("cached_prefix", [False, True])
@@ -133,7 +69,7 @@ def test_paged_prefill_attention_matches_reference(
     q_lens = [5, 70, 1]
     kv_lens = [5 + 19, 70 + 30, 1 + 130] if cached_prefix else q_lens
     k_cache, v_cache, block_tables = make_paged_cache(
-        kv_lens, block_size, num_kv_heads, HEAD_DIM, torch.float32, 1
+        kv_lens, block_size, num_kv_heads, HEAD_DIM, torch.float32, 1, device=DEVICE
     )
     q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     cu_seqlens_q = torch.tensor(
@@ -154,7 +90,9 @@ def test_paged_prefill_attention_matches_reference(
 def test_paged_prefill_attention_reads_strided_q() -> None:
     # q sliced out of a fused qkv tensor: rows are strided, heads are not contiguous with the next row.
     num_heads, num_kv_heads, q_lens, kv_lens = 4, 2, [9, 3], [9, 20]
-    k_cache, v_cache, block_tables = make_paged_cache(kv_lens, 16, num_kv_heads, HEAD_DIM, torch.float32, 3)
+    k_cache, v_cache, block_tables = make_paged_cache(
+        kv_lens, 16, num_kv_heads, HEAD_DIM, torch.float32, 3, device=DEVICE
+    )
     qkv = torch.randn(
         sum(q_lens), (num_heads + 2 * num_kv_heads) * HEAD_DIM, generator=torch.Generator().manual_seed(4)
     )
@@ -171,15 +109,14 @@ def test_paged_prefill_attention_reads_strided_q() -> None:
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
-@pytest.mark.parametrize("fused_reduce", [True, False], ids=["one-kernel", "two-kernels"])
 def test_paged_decode_attention_matches_reference(
-    block_size: int, num_heads: int, num_kv_heads: int, num_splits: int | None, fused_reduce: bool
+    block_size: int, num_heads: int, num_kv_heads: int, num_splits: int | None
 ) -> None:
     # 300 tokens span several 64-token tiles and, with 4 splits, three chunks plus an empty one;
     # 0 is a CUDA-graph padding row whose block table points only at NaN blocks.
     kv_lens = [300, 0, 37, 129]
     k_cache, v_cache, block_tables = make_paged_cache(
-        [max(n, 1) for n in kv_lens], block_size, num_kv_heads, HEAD_DIM, torch.float32, 5
+        [max(n, 1) for n in kv_lens], block_size, num_kv_heads, HEAD_DIM, torch.float32, 5, device=DEVICE
     )
     block_tables[1] = 0  # the padding row owns nothing
     q = torch.randn(len(kv_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(6)).to(DEVICE)
@@ -188,7 +125,7 @@ def test_paged_decode_attention_matches_reference(
 
     counters = torch.zeros(len(kv_lens) * num_kv_heads, dtype=torch.int32, device=DEVICE)
     out = paged_decode_attention(q, k_cache, v_cache, seqlens_k, block_tables, scale, num_splits=num_splits,
-                                 fused_reduce=fused_reduce, counters=counters)
+                                 counters=counters)
 
     assert not counters.any()  # left ready for the next call
     expected = reference_attention(q, k_cache, v_cache, [1] * len(kv_lens), kv_lens, block_tables, scale)
@@ -199,7 +136,9 @@ def test_paged_decode_attention_matches_reference(
 
 def test_paged_decode_attention_writes_into_given_out_and_workspace() -> None:
     num_heads, num_kv_heads, kv_lens, num_splits = 4, 1, [70, 5], 2
-    k_cache, v_cache, block_tables = make_paged_cache(kv_lens, 16, num_kv_heads, HEAD_DIM, torch.float32, 7)
+    k_cache, v_cache, block_tables = make_paged_cache(
+        kv_lens, 16, num_kv_heads, HEAD_DIM, torch.float32, 7, device=DEVICE
+    )
     q = torch.randn(2, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
@@ -227,7 +166,9 @@ def test_half_precision_prefill_and_decode_stay_close_to_float32_reference(dtype
         # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those integers.
         pytest.skip("Triton's interpreter computes bf16 tl.dot on the raw bits; runs on CUDA only")
     num_heads, num_kv_heads, q_lens, kv_lens = 4, 2, [3, 1], [40, 17]
-    k_cache, v_cache, block_tables = make_paged_cache(kv_lens, 16, num_kv_heads, HEAD_DIM, dtype, 9)
+    k_cache, v_cache, block_tables = make_paged_cache(
+        kv_lens, 16, num_kv_heads, HEAD_DIM, dtype, 9, device=DEVICE
+    )
     q = torch.randn(4, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(10)).to(dtype).to(DEVICE)
     cu_seqlens_q = torch.tensor([0, 3, 4], dtype=torch.int32, device=DEVICE)
     seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)

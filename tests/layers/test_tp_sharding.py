@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import make_model_dir
 
+from nanovllm.layers.parallel import use_tp_group
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
-from nanovllm.utils.distributed import use_tp_group
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 TP = 2

@@ -6,20 +6,13 @@ import re
 
 import pytest
 import torch
-from conftest import hf_greedy, make_model_dir
+from conftest import MAX_TOKENS, hf_greedy, make_model_dir
+from conftest import PROMPTS as ALL_PROMPTS
 from transformers import AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention.metadata import forward_context
-from nanovllm.engine.model_inputs import prepare_prefill
-from nanovllm.engine.sequence import Sequence
 
-PROMPTS = [
-    "Paris is the capital of",
-    "The quick brown fox jumps over the lazy dog. A paged KV cache splits memory",
-    "hello",
-]
-MAX_TOKENS = 24
+PROMPTS = ALL_PROMPTS[:3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -34,18 +27,6 @@ VARIANTS = {
     "qwen2": dict(arch="qwen2"),
     "qwen2-tied": dict(arch="qwen2", tie=True),
 }
-
-
-def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """The engine model's next-token logits after a whole prompt, without sampling."""
-    runner = llm.model_runner
-    seq = Sequence(ids, block_size=4)
-    seq.num_scheduled_tokens, seq.block_table = len(ids), [0] * seq.num_blocks
-    inputs = prepare_prefill([seq], runner.device)
-    inputs.meta.slot_mapping.fill_(-1)  # nothing is cached: store nothing
-    with torch.no_grad(), forward_context(inputs.meta):
-        hidden = runner.model(inputs.input_ids, inputs.positions)
-    return runner.model.compute_logits(hidden[-1:])[0]
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -69,13 +50,13 @@ def test_logits_match_transformers(family):
     ids = tok.encode(PROMPTS[1])
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
-    torch.testing.assert_close(engine_logits(llm, ids), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(llm.engine.prompt_logits(ids), ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama3-rope"], indirect=True)
 def test_llama3_rope_scaling_changes_the_rotation(family):
     name, hf, llm, tok = family
-    rotary = llm.model_runner.model.model.layers[0].self_attn.rotary_emb
+    rotary = llm.engine.model_runner.model.model.layers[0].self_attn.attn.rotary
     positions = torch.arange(rotary.cos.shape[0], dtype=torch.float)[:, None]
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16))
     unscaled = torch.cat([positions * inv_freq] * 2, -1).cos()
@@ -101,7 +82,7 @@ def test_mistral_without_sliding_window_runs_as_llama(tmp_path):
     config = MistralConfig(**TINY, sliding_window=None, architectures=["MistralForCausalLM"])
     llm = LLM(_save_config(tmp_path, config), load_format="dummy", skip_tokenizer_init=True,
               kvcache_block_size=4, max_model_len=64, num_kvcache_blocks=8)
-    assert type(llm.model_runner.model).__name__ == "LlamaForCausalLM"
+    assert type(llm.engine.model_runner.model).__name__ == "LlamaForCausalLM"
     assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == MAX_TOKENS
 
 

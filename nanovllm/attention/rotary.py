@@ -1,12 +1,11 @@
-"""Rotary position embedding (neox style: rotate halves) with a precomputed cos/sin table. The
-inverse frequencies come from the model config, including transformers' scaled RoPE types."""
+"""Rotary position embedding (neox style: rotate halves): the cos/sin tables, one per model and shared
+by its layers, with the inverse frequencies from the model config (transformers' scaled RoPE types
+included), and `apply_rotary`, the plain PyTorch rotation the reference backend uses (the GPU
+backends rotate inside nanovllm.kernels.rope_store)."""
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-
-from nanovllm.layers.layernorm import rms_norm
-from nanovllm.utils.compile import gpu_compiled
 
 
 def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -38,28 +37,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                qk_norms: tuple[nn.Module, nn.Module] | None = None):
-        """q: [T, H, D], k: [T, Hkv, D] -> rotated (q, k), each RMSNorm'ed first when qk_norms are given."""
-        if qk_norms is None:
-            return apply_rotary(q, k, positions, self.cos, self.sin)
-        q_norm, k_norm = qk_norms
-        return qk_norm_rotary(q, k, positions, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps,
-                              k_norm.eps)
 
-
-@gpu_compiled
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                  sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D], k: [T, Hkv, D] -> both rotated to their positions."""
     cos = cos_table[positions].unsqueeze(1).to(q.dtype)
     sin = sin_table[positions].unsqueeze(1).to(q.dtype)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-@gpu_compiled
-def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
-                   sin_table: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                   q_eps: float, k_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q and k followed by the rotation (Qwen3), fused into one kernel on GPU."""
-    return apply_rotary.__wrapped__(rms_norm(q, q_weight, q_eps), rms_norm(k, k_weight, k_eps), positions,
-                                    cos_table, sin_table)

@@ -1,30 +1,28 @@
-"""Tensor-parallel groups as the layers see them.
+"""Tensor-parallel communicators: one `TPGroup` per engine, the store its ranks meet through, and
+their teardown. The layers reach the current group through nanovllm.layers.parallel.
 
 Each engine owns one `TPGroup`: its own TCP store and its own gloo (CPU) or NCCL (CUDA) communicator.
 The groups are built directly rather than through torch.distributed's process-wide default group:
 rank 0 of every engine lives in the caller's process, so two engines alive at once would otherwise
 fight over the one default group.
 
-`use_tp_group(group)` makes a group current for the code it wraps: the layers read the rank and size
-while they are built and call `all_reduce` / `gather_to_rank0` in forward. Outside any group they see
-rank 0 of 1 and communicate with no one."""
+"""
 
 import datetime
 import logging
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 # How long a rank waits for the others in a collective before it gives up. Generous, because ranks
 # load weights and capture CUDA graphs at their own pace; a rank that dies is noticed long before
-# this (see nanovllm.engine.tp_worker), this only bounds a rank that hangs while alive.
+# this (see nanovllm.distributed.worker), this only bounds a rank that hangs while alive.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 LOCALHOST = "127.0.0.1"
 NCCL_ERROR_HANDLING_VAR = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}
 
 logger = logging.getLogger("nanovllm")
 
@@ -64,10 +62,10 @@ class TPGroup:
         else:
             self._backend = dist.ProcessGroupGloo(self._store, rank, world_size, COLLECTIVE_TIMEOUT)
 
-    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In place; on CUDA the wait only orders the current stream after the collective."""
         options = dist.AllreduceOptions()
-        options.reduceOp = op
+        options.reduceOp = REDUCE_OPS[op]
         self._backend.allreduce([x], options).wait()
         return x
 
@@ -104,50 +102,3 @@ class TPGroup:
         elif not healthy:
             self.abort()
         del self._backend, self._store
-
-
-_current: ContextVar[TPGroup | None] = ContextVar("nanovllm_tp_group", default=None)
-
-
-@contextmanager
-def use_tp_group(group: TPGroup | None) -> Iterator[TPGroup | None]:
-    """Make `group` the one the layers build for and communicate over, until the block ends."""
-    token = _current.set(group)
-    try:
-        yield group
-    finally:
-        _current.reset(token)
-
-
-def get_tp_group() -> TPGroup | None:
-    return _current.get()
-
-
-def get_tp_rank() -> int:
-    group = _current.get()
-    return 0 if group is None else group.rank
-
-
-def get_tp_size() -> int:
-    group = _current.get()
-    return 1 if group is None else group.world_size
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    group = _current.get()
-    return x if group is None or group.world_size == 1 else group.all_reduce(x)
-
-
-def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-    """Concatenate each rank's x along dim on rank 0; other ranks get None."""
-    group = _current.get()
-    return x if group is None or group.world_size == 1 else group.gather_to_rank0(x, dim)
-
-
-def min_across_ranks(value: int) -> int:
-    """The smallest of every rank's value (each rank passes its own); a no-op without a group."""
-    group = _current.get()
-    if group is None or group.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=group.device)
-    return int(group.all_reduce(t, dist.ReduceOp.MIN).item())

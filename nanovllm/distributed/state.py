@@ -1,7 +1,7 @@
 """Rank 0's record of one engine's tensor-parallel group: the worker processes, the step channel and
 the communicator; whether the group failed and why; a watchdog thread that notices a worker's death
 the moment its process ends; and the release of all of it. It holds no reference to the engine, so
-that a finalizer can own it (see nanovllm.engine.tp_worker for the semantics)."""
+that a finalizer can own it (see nanovllm.distributed.worker for the semantics)."""
 
 import multiprocessing
 import signal
@@ -14,8 +14,8 @@ from multiprocessing.process import BaseProcess
 
 import torch.distributed as dist
 
-from nanovllm.engine.step_channel import StepChannel
-from nanovllm.utils.distributed import COLLECTIVE_TIMEOUT, TPGroup
+from nanovllm.distributed.channel import StepChannel
+from nanovllm.distributed.group import COLLECTIVE_TIMEOUT, TPGroup
 
 # Workers get this long to leave after the exit message, and then this long after SIGTERM.
 EXIT_TIMEOUT_S = 10.0

@@ -2,8 +2,8 @@
 ModelRunner (its shard of the weights and of the KV cache). Rank 0 is the engine's own ModelRunner,
 in the caller's process; `TPWorkers` is its handle on the others.
 
-Each step, rank 0 sends the step's payload (nanovllm.engine.step_payload) through the engine's
-StepChannel; every worker rebuilds the same inputs, runs the same forward and meets rank 0 in its
+Each step, rank 0 sends the step's StepBatch record (nanovllm.runner.batch) through the engine's
+StepChannel; every worker builds the same inputs from it, runs the same forward and meets rank 0 in its
 collectives. Only rank 0 samples.
 
 Failures never hang and never leak:
@@ -36,20 +36,20 @@ import torch
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner, resolve_device
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_channel import ChannelHandle, StepChannel
-from nanovllm.engine.step_payload import pack_step, unpack_step
-from nanovllm.engine.tp_state import DEATH_GRACE_S, TPGroupState, TPWorkerError
-from nanovllm.utils.distributed import TPGroup, create_store, use_tp_group
+from nanovllm.distributed.channel import ChannelHandle, StepChannel
+from nanovllm.distributed.group import TPGroup, create_store
+from nanovllm.distributed.state import DEATH_GRACE_S, TPGroupState, TPWorkerError
+from nanovllm.layers.parallel import use_tp_group
+from nanovllm.runner.batch import StepBatch
+from nanovllm.runner.model_runner import ModelRunner, runner_device
 
 # Workers log at this level (e.g. INFO) to stderr when it is set; they are silent otherwise.
 LOG_LEVEL_ENV_VAR = "NANOVLLM_WORKER_LOG_LEVEL"
 
-# Upper bounds for sizing the channel: a pickled int takes at most 9 bytes, and a sequence's tuple
-# and list headers well under 64.
+# Upper bounds for sizing the channel: a pickled int or float takes at most 9 bytes, and a sequence's
+# list headers and per-sequence fields well under 128.
 PICKLED_INT_BYTES = 9
-PICKLED_SEQ_OVERHEAD = 64
+PICKLED_SEQ_OVERHEAD = 128
 CHANNEL_SLACK_BYTES = 64 * 1024
 # A worker's traceback goes through a pipe before the worker exits; keep it under the pipe's buffer
 # (64 KiB on Linux) so that sending it can never block a dying worker.
@@ -64,10 +64,11 @@ def threads_per_rank(world_size: int) -> int:
 
 
 def channel_size(config: Config) -> int:
-    """Bytes of the largest step message: a prefill step carries at most max_num_batched_tokens token
-    ids, and at most max_num_seqs block tables of at most max_model_len / block_size entries."""
+    """Bytes of the largest StepBatch: per token its id, position and slot (at most
+    max_num_batched_tokens of them), per sequence its block table (at most max_model_len / block_size
+    entries), its lengths and its sampling parameters (at most max_num_seqs of them)."""
     max_blocks = math.ceil(config.max_model_len / config.kvcache_block_size)
-    num_ints = config.max_num_batched_tokens + config.max_num_seqs * (max_blocks + 2)
+    num_ints = 3 * config.max_num_batched_tokens + config.max_num_seqs * (max_blocks + 8)
     return num_ints * PICKLED_INT_BYTES + config.max_num_seqs * PICKLED_SEQ_OVERHEAD + CHANNEL_SLACK_BYTES
 
 
@@ -94,7 +95,7 @@ def _worker_main(config: Config, rank: int, store_port: int, handle: ChannelHand
     group = channel = None
     healthy = True
     try:
-        device = resolve_device(config, rank)
+        device = runner_device(config, rank)
         if device.type == "cpu":
             torch.set_num_threads(threads_per_rank(config.tensor_parallel_size))
         else:
@@ -112,7 +113,7 @@ def _worker_main(config: Config, rank: int, store_port: int, handle: ChannelHand
                 if method == "exit":
                     break
                 assert method == "run", f"unknown step method {method!r}"
-                runner.run(*unpack_step(args[0], config.kvcache_block_size))
+                runner.run(*args)
     except BaseException:
         healthy = False
         try:
@@ -134,7 +135,7 @@ class TPWorkers:
     def __init__(self, config: Config) -> None:
         ctx = mp.get_context("spawn")
         world_size = config.tensor_parallel_size
-        self.device = resolve_device(config, 0)
+        self.device = runner_device(config, 0)
         self.num_threads = threads_per_rank(world_size)
         self._state = state = TPGroupState()
         # The finalizer holds the state, never self, so that dropping the engine collects this object.
@@ -201,11 +202,11 @@ class TPWorkers:
         finally:
             torch.set_num_threads(threads)
 
-    def run(self, runner: ModelRunner, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
+    def run(self, runner: ModelRunner, batch: StepBatch) -> list[int] | None:
         """One step on every rank; `runner` is rank 0's own. Returns what runner.run returns."""
         with self.scope():
-            self._state.channel.send("run", pack_step(seqs, is_prefill), check=self._state.raise_if_failed)
-            return runner.run(seqs, is_prefill)
+            self._state.channel.send("run", batch, check=self._state.raise_if_failed)
+            return runner.run(batch)
 
     def shutdown(self) -> None:
         """Stop the workers, destroy rank 0's communicator, unlink the shared memory. Idempotent."""

@@ -1,4 +1,5 @@
-"""The paged KV-cache layout in Triton: where a token's key/value lives, and the kernel that writes them.
+"""What the Triton kernels share: the paged KV-cache layout (where a token's key/value lives), the online
+softmax step of the attention kernels, argument checks, the tl.dot precision and the SM count.
 
 Per layer, `k_cache` and `v_cache` are contiguous `[num_blocks, block_size, num_kv_heads, head_dim]`.
 A token at flat slot `s` lives in block `s // block_size` at offset `s % block_size`:
@@ -6,11 +7,12 @@ A token at flat slot `s` lives in block `s // block_size` at offset `s % block_s
     slot = block_table[pos // block_size] * block_size + pos % block_size
     element offset of (slot, kv_head, d) = slot * num_kv_heads * head_dim + kv_head * head_dim + d
 
-`store_kvcache` writes token i's key/value to slot `slot_mapping[i]` and skips slot -1 (padding).
-`paged_kv_offsets` is the same address computation for the attention kernels; any block_size works.
-The attention wrappers also share `check_paged_attention_args` and `dot_precision` from here, so the
-prefill and decode modules depend on this one and not on each other.
+`paged_kv_offsets` is that address computation for the attention kernels (any block_size works); the
+KV store itself is fused into nanovllm.kernels.rope_store. The prefill and decode modules depend on this
+one and not on each other.
 """
+
+import functools
 
 import torch
 import triton
@@ -43,93 +45,6 @@ def paged_kv_offsets(
     offs_d = tl.arange(0, HEAD_DIM)
     # int64 slots: num_blocks * block_size * num_kv_heads * head_dim can pass 2**31 elements per layer.
     return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
-
-
-@triton.jit
-def _store_kvcache_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    key_stride_n,
-    key_stride_h,
-    value_stride_n,
-    value_stride_h,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    # One program per token: it copies that token's [num_kv_heads, head_dim] key and value.
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
-    key = tl.load(
-        key_ptr + token * key_stride_n + offs_h[:, None] * key_stride_h + offs_d[None, :], mask=mask
-    )
-    value = tl.load(
-        value_ptr + token * value_stride_n + offs_h[:, None] * value_stride_h + offs_d[None, :], mask=mask
-    )
-    cache_offs = slot * (NUM_KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(k_cache_ptr + cache_offs, key, mask=mask)
-    tl.store(v_cache_ptr + cache_offs, value, mask=mask)
-
-
-def store_kvcache(
-    key: torch.Tensor,  # [N, num_kv_heads, head_dim], last dim contiguous (may be a slice of fused qkv)
-    value: torch.Tensor,  # [N, num_kv_heads, head_dim], last dim contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
-    v_cache: torch.Tensor,  # same as k_cache
-    slot_mapping: torch.Tensor,  # [N] int32/int64, -1 = padding
-) -> None:
-    """Write key[i]/value[i] into the cache at flat slot slot_mapping[i]; slot -1 writes nothing.
-    No host sync, so it can run inside a captured CUDA graph."""
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if value.shape != key.shape:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
-    if (
-        k_cache.shape != v_cache.shape
-        or k_cache.dim() != 4
-        or tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim)
-    ):
-        raise ValueError(
-            f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} must both be "
-            f"[num_blocks, block_size, {num_kv_heads}, {head_dim}] to hold keys of shape {tuple(key.shape)}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous; the kernels address them by slot")
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        raise ValueError(
-            "key and value need a contiguous last (head_dim) dimension; other dims may be strided"
-        )
-    if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
-        raise ValueError(
-            f"key/value dtype {key.dtype}/{value.dtype} must match the cache dtype {k_cache.dtype}"
-        )
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}; expected ({num_tokens},)")
-    if num_tokens == 0:
-        return
-    _store_kvcache_kernel[(num_tokens,)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-    )
 
 
 def check_paged_attention_args(
@@ -168,7 +83,36 @@ def check_paged_attention_args(
     return num_heads, num_kv_heads, head_dim, block_size
 
 
+@triton.jit
+def online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One K/V tile of flash attention in base 2: scores q @ k^T (masked where not `visible`), then the
+    running max m_i, softmax sum l_i and output acc updated for it. The caller guarantees that some key
+    of the first tile is visible to every row, so m_i is finite afterwards and exp2 never sees
+    -inf - -inf."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot input precision: float32 caches get exact IEEE products (the default, tf32, keeps only
     10 mantissa bits); 16-bit inputs are exact either way, so they keep the default."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# SM count assumed off-GPU (the Triton interpreter, ahead-of-time compiles): an H100/H200 has 132.
+DEFAULT_NUM_SMS = 132
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`, which the kernels size their grids by."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count

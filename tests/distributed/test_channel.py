@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from nanovllm.engine.step_channel import StepChannel
+from nanovllm.distributed.channel import StepChannel
 
 
 @pytest.fixture

@@ -1,84 +1,80 @@
 """Model runner: one per tensor-parallel rank. Builds the model on its device, loads the weights,
-sizes and allocates the paged KV cache, and runs one scheduled step (rank 0 also samples)."""
+sizes and allocates the paged KV cache, captures the decode CUDA graphs, and runs one step from its
+StepBatch record (rank 0 also samples)."""
 
+import gc
 import logging
 import math
 
 import torch
 from torch import nn
 
-from nanovllm.attention.backend import select_backend
-from nanovllm.attention.metadata import forward_context
+from nanovllm.attention.layer import Attention
+from nanovllm.attention.registry import select_backend
 from nanovllm.config import Config
-from nanovllm.engine.cuda_graph import DecodeGraphs
-from nanovllm.engine.model_inputs import ModelInputs, prepare_decode, prepare_prefill, prepare_sampling
-from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.attention import Attention
+from nanovllm.layers.options import KernelOptions, use_kernel_options
+from nanovllm.layers.parallel import get_tp_rank, min_across_ranks
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
-from nanovllm.utils.distributed import get_tp_rank, min_across_ranks
+from nanovllm.runner.batch import SamplingBatch, StepBatch
+from nanovllm.runner.cuda_graph import DecodeGraphs
+from nanovllm.runner.inputs import model_inputs, sampling_tensors
 from nanovllm.utils.gguf_loader import gguf_weights
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
 logger = logging.getLogger("nanovllm")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def resolve_device(config: Config, rank: int = 0) -> torch.device:
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
-        return torch.device("cuda", rank)
-    return torch.device("cpu")
-
-
-def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
-    if config.dtype != "auto":
-        return DTYPES[config.dtype]
-    if device.type == "cpu":
-        return torch.float32  # CPU matmuls in half precision are slow and inexact
-    dtype = getattr(config.hf_config, "dtype", None) or getattr(config.hf_config, "torch_dtype", None)
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+def runner_device(config: Config, rank: int) -> torch.device:
+    """Rank r of a CUDA engine runs on GPU r; every rank of a CPU engine on the CPU."""
+    return torch.device("cuda", rank) if config.device_type == "cuda" else torch.device("cpu")
 
 
 class ModelRunner:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.rank = get_tp_rank()
-        self.device = resolve_device(config, self.rank)
-        self.dtype = resolve_dtype(config, self.device)
+        self.device = runner_device(config, self.rank)
+        self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
         hf = config.hf_config
         self.vocab_size = hf.vocab_size
-        if self.device.type == "cuda":
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                self.model: nn.Module = get_model_class(hf)(hf)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, std=getattr(hf, "initializer_range", 0.02), seed=config.seed)
-        elif config.load_format == "gguf":
-            load_weights(self.model, gguf_weights(config.gguf_path, hf, self.dtype), config.gguf_path)
-        else:
-            load_model(self.model, config.model)
-        self.model.eval()
-        logger.info("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
-        self.backend = select_backend(config.attention_backend, self.device, self.block_size, self.dtype)
+        self.model = self._build_model(KernelOptions(torch_compile=on_gpu and config.torch_compile,
+                                                     skinny_gemm=on_gpu and config.skinny_gemm))
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        layer = self.attention_layers[0]
+        self.backend = select_backend(config.attention_backend, self.device, self.block_size, self.dtype,
+                                      config.max_num_seqs, layer.num_kv_heads)
         for layer in self.attention_layers:
             layer.backend = self.backend
-        self.sampler = Sampler()
+        self.sampler = Sampler(compiled=on_gpu and config.torch_compile)
         self.decode_graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if on_gpu and not config.enforce_eager:
             self._capture_decode_graphs()
+
+    def _build_model(self, options: KernelOptions) -> nn.Module:
+        config, hf = self.config, self.config.hf_config
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device), use_kernel_options(options):
+                model: nn.Module = get_model_class(hf)(hf)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":
+            init_dummy_weights(model, std=getattr(hf, "initializer_range", 0.02), seed=config.seed)
+        elif config.load_format == "gguf":
+            load_weights(model, gguf_weights(config.gguf_path, hf, self.dtype), config.gguf_path)
+        else:
+            load_model(model, config.model)
+        logger.info("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
+        return model.eval()
 
     def _capture_decode_graphs(self) -> None:
         if not self.backend.supports_cuda_graph:
@@ -138,7 +134,7 @@ class ModelRunner:
 
     def _release_kv_cache(self) -> None:
         for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = torch.tensor([])
+            layer.k_cache = layer.v_cache = torch.empty(0)
         del self.kv_cache
 
     @torch.inference_mode()
@@ -149,19 +145,20 @@ class ModelRunner:
         num_tokens = config.max_num_batched_tokens
         num_seqs = max(1, min(config.max_num_seqs, num_tokens // config.max_model_len))
         seq_len = min(config.max_model_len, num_tokens // num_seqs)
-        seqs, next_block = [], 0
-        for _ in range(num_seqs):
-            seq = Sequence([0] * seq_len, block_size=self.block_size)
-            seq.num_scheduled_tokens = seq_len
-            seq.block_table = list(range(next_block, next_block + seq.num_blocks))
-            next_block += seq.num_blocks
-            seqs.append(seq)
-        self._allocate_kv_cache(next_block)
-        inputs = prepare_prefill(seqs, self.device)
+        blocks_per_seq = math.ceil(seq_len / self.block_size)
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+        self._allocate_kv_cache(num_seqs * blocks_per_seq)
+        batch = StepBatch(
+            is_prefill=True, input_ids=[0] * (num_seqs * seq_len), positions=list(range(seq_len)) * num_seqs,
+            slot_mapping=[-1] * (num_seqs * seq_len),
+            cu_seqlens_q=list(range(0, num_seqs * seq_len + 1, seq_len)),
+            seqlens_k=[seq_len] * num_seqs, block_tables=tables, sample_rows=list(range(num_seqs)),
+            sampling=SamplingBatch([0.0] * num_seqs, [-1] * num_seqs, [1.0] * num_seqs, [0.0] * num_seqs,
+                                   [None] * num_seqs))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._forward(inputs, seqs)
+        self._forward(batch)
         # The largest decode batch samples from full-vocabulary logits (top-p sorts them): its peak too.
         max_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
         hidden = torch.zeros(max_batch, config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
@@ -175,31 +172,38 @@ class ModelRunner:
         return activation_peak
 
     # ---- one step ----
-    def _forward(self, inputs: ModelInputs, seqs: list[Sequence]) -> torch.Tensor | None:
-        with forward_context(inputs.meta):
-            hidden = self.model(inputs.input_ids, inputs.positions)
-        return self._sample(hidden[inputs.logits_indices], [seqs[row] for row in inputs.sample_rows])
-
-    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
-        if not seqs:
-            return None
-        logits = self.model.compute_logits(hidden)
-        if logits is None:  # not rank 0
-            return None
-        return self.sampler(logits, prepare_sampling(seqs, self.vocab_size, self.device))
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        """The hidden states of the sampling rows' last tokens: [len(batch.sample_rows), hidden]."""
+        if not batch.is_prefill and self.decode_graphs and self.decode_graphs.can_run(batch.num_seqs):
+            return self.decode_graphs.run(batch)  # decode: every row samples
+        inputs = model_inputs(batch, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return hidden[inputs.logits_indices]
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
-        """Run one step; returns the new token of each sequence whose computation reached its end
-        (None for sequences that only computed a chunk of their prompt, and on ranks other than 0)."""
-        if not is_prefill and self.decode_graphs and self.decode_graphs.can_run(len(seqs)):
-            tokens = self._sample(self.decode_graphs.run(seqs), seqs)
-            sample_rows = range(len(seqs))
-        else:
-            inputs = (prepare_prefill if is_prefill else prepare_decode)(seqs, self.device)
-            tokens, sample_rows = self._forward(inputs, seqs), inputs.sample_rows
-        result: list[int | None] = [None] * len(seqs)
-        if tokens is not None:
-            for row, token in zip(sample_rows, tokens.tolist(), strict=True):
-                result[row] = token
-        return result
+    def logits(self, batch: StepBatch) -> torch.Tensor | None:
+        """Run the step's forward pass; returns the logits of the sampling rows [rows, vocab] on rank 0,
+        None on the other ranks (every rank must call it: the LM head gathers across them)."""
+        hidden = self._forward(batch)
+        if not batch.sample_rows:
+            return hidden.new_empty(0, self.vocab_size) if self.rank == 0 else None
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> list[int] | None:
+        """Run one step; returns the new token of each sampling row (batch.sample_rows order) on rank 0,
+        None on the other ranks."""
+        logits = self.logits(batch)
+        if logits is None or not batch.sample_rows:
+            return None if logits is None else []
+        return self.sampler(logits, sampling_tensors(batch.sampling, self.vocab_size, self.device)).tolist()
+
+    def release(self) -> None:
+        """Free the model and its KV cache now (the layers' weight loaders form reference cycles)."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+        del self.model, self.attention_layers
+        self.kv_cache = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the memory back, e.g. to the next engine in this process

@@ -11,9 +11,9 @@ import logging
 import torch
 from torch import nn
 
-from nanovllm.attention.metadata import AttentionMetadata, forward_context
-from nanovllm.engine.sequence import Sequence
-from nanovllm.utils.distributed import get_tp_group
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.layers.parallel import get_tp_group
+from nanovllm.runner.batch import StepBatch
 
 logger = logging.getLogger("nanovllm")
 
@@ -69,8 +69,8 @@ class DecodeGraphs:
         )
 
     def _run_model(self, batch_size: int) -> None:
-        with forward_context(self._meta(batch_size)):
-            self.hidden[:batch_size] = self.model(self.input_ids[:batch_size], self.positions[:batch_size])
+        meta = self._meta(batch_size)
+        self.hidden[:batch_size] = self.model(self.input_ids[:batch_size], self.positions[:batch_size], meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -102,21 +102,19 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch_size and (bool(self.graphs) or not self.use_cuda_graph)
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Decode seqs through the graph of the smallest captured size >= their number; returns the
-        hidden states [len(seqs), hidden]."""
-        n, b, width = len(seqs), self.max_batch_size, self.width
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Decode the batch through the graph of the smallest captured size >= its number of sequences;
+        returns the hidden states [num_seqs, hidden]."""
+        n, b, width = batch.num_seqs, self.max_batch_size, self.width
         padded = next(size for size in self.batch_sizes if size >= n)
         host = self.host_np
-        for i, seq in enumerate(seqs):
-            pos = len(seq) - 1
-            host[i] = seq.token_ids[-1]
-            host[b + i] = pos
-            # slot = block_table[pos // block_size] * block_size + pos % block_size
-            host[2 * b + i] = seq.block_table[-1] * seq.block_size + pos % seq.block_size
-            host[3 * b + i] = pos + 1
+        host[:n] = batch.input_ids
+        host[b : b + n] = batch.positions
+        host[2 * b : 2 * b + n] = batch.slot_mapping
+        host[3 * b : 3 * b + n] = batch.seqlens_k
+        for i, table in enumerate(batch.block_tables):
             row = 4 * b + i * width
-            host[row : row + len(seq.block_table)] = seq.block_table
+            host[row : row + len(table)] = table
         host[2 * b + n : 2 * b + padded] = -1  # padded rows store nothing ...
         host[3 * b + n : 3 * b + padded] = 0  # ... and attend to nothing
         used = 4 * b + padded * width

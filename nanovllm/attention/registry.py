@@ -1,0 +1,77 @@
+"""The choice of attention backend for an engine: the `attention_backend` option, else the fastest
+one available (fa3 on Hopper, flash-attn, triton on other GPUs and for float32, torch on CPU). Backend
+modules are imported only when chosen, so CPU-only installs never import Triton or FlashAttention."""
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from nanovllm.attention.backend import AttentionBackend
+
+logger = logging.getLogger("nanovllm")
+
+BACKENDS = ("torch", "triton", "flash-attn", "fa3")
+# FlashAttention-2 reads a paged cache only when a page holds a multiple of this many tokens.
+FLASH_ATTN2_PAGE_MULTIPLE = 256
+# Both FlashAttention versions compute in half precision only.
+FLASH_ATTN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def auto_backend(device: torch.device, block_size: int, dtype: torch.dtype) -> str:
+    if device.type != "cuda":
+        return "torch"
+    if dtype not in FLASH_ATTN_DTYPES:
+        return "triton"
+    if _has_module("flash_attn_interface") and torch.cuda.get_device_capability(device)[0] == 9:
+        return "fa3"
+    if _has_module("flash_attn") and block_size % FLASH_ATTN2_PAGE_MULTIPLE == 0:
+        return "flash-attn"
+    return "triton"
+
+
+def _check(name: str, device: torch.device, block_size: int, dtype: torch.dtype) -> None:
+    # Triton kernels also run on CPU tensors in its interpreter (used by the tests).
+    interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    if name != "torch" and device.type != "cuda" and not interpreted:
+        raise ValueError(f"attention backend {name!r} needs a CUDA GPU; use attention_backend='torch' on CPU")
+    if name in ("fa3", "flash-attn") and dtype not in FLASH_ATTN_DTYPES:
+        raise ValueError(f"attention backend {name!r} computes in bfloat16/float16 only, not {dtype}; "
+                         "set dtype='bfloat16', or use attention_backend='triton' or 'torch'")
+    if name == "fa3" and not _has_module("flash_attn_interface"):
+        raise ValueError("attention_backend='fa3' needs FlashAttention-3 (`flash_attn_interface`, Hopper "
+                         "GPUs); install it or use 'triton'")
+    if name == "flash-attn":
+        if not _has_module("flash_attn"):
+            raise ValueError("attention_backend='flash-attn' needs `pip install flash-attn`; or use 'triton'")
+        if block_size % FLASH_ATTN2_PAGE_MULTIPLE:
+            raise ValueError(f"flash-attn reads paged KV only in blocks of a multiple of "
+                             f"{FLASH_ATTN2_PAGE_MULTIPLE} tokens; set kvcache_block_size=256 "
+                             f"(got {block_size}) or use 'fa3'/'triton'")
+
+
+def select_backend(requested: str, device: torch.device, block_size: int, dtype: torch.dtype,
+                   max_num_seqs: int, num_kv_heads: int) -> AttentionBackend:
+    name = auto_backend(device, block_size, dtype) if requested == "auto" else requested
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; valid: {list(BACKENDS)}")
+    _check(name, device, block_size, dtype)
+    if name == "torch":
+        from nanovllm.attention.torch_backend import TorchBackend
+        backend: AttentionBackend = TorchBackend()
+    elif name == "triton":
+        from nanovllm.attention.triton_backend import TritonBackend
+        backend = TritonBackend(max_num_seqs, num_kv_heads, device)
+    elif name == "fa3":
+        from nanovllm.attention.flash_attn_backend import FlashAttention3Backend
+        backend = FlashAttention3Backend()
+    else:
+        from nanovllm.attention.flash_attn_backend import FlashAttention2Backend
+        backend = FlashAttention2Backend()
+    logger.info("attention backend: %s", backend.name)
+    return backend

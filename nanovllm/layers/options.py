@@ -1,0 +1,32 @@
+"""Kernel choices a layer makes once, when it is built: whether its elementwise work goes through
+torch.compile and whether one-token matmuls use the skinny GEMM kernel. The model runner makes its
+engine's options current while it builds the model (a ContextVar: per engine and per thread); layers
+read them in __init__ and never again."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOptions:
+    torch_compile: bool = False  # fuse RMSNorm(+residual), SiLU-mul and sampling (CUDA tensors only)
+    skinny_gemm: bool = False  # one-token matmuls through nanovllm.kernels.skinny_gemm (CUDA only)
+
+
+# KernelOptions is frozen: the shared default cannot be mutated.
+_current: ContextVar[KernelOptions] = ContextVar("nanovllm_kernel_options", default=KernelOptions())  # noqa: B039
+
+
+@contextmanager
+def use_kernel_options(options: KernelOptions) -> Iterator[KernelOptions]:
+    token = _current.set(options)
+    try:
+        yield options
+    finally:
+        _current.reset(token)
+
+
+def kernel_options() -> KernelOptions:
+    return _current.get()

@@ -1,0 +1,66 @@
+"""Turns a StepBatch into device tensors: token ids, positions, the attention metadata, the hidden
+rows to sample from and the sampler's per-row parameters. Copied host -> device once per field, from
+pinned memory on CUDA so the copies do not block the host."""
+
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.layers.sampler import SamplingTensors
+from nanovllm.runner.batch import SamplingBatch, StepBatch
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # the token whose hidden state each sampled row uses
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    pin = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+
+
+def _block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(table) for table in tables)
+    return to_device([table + [0] * (width - len(table)) for table in tables], torch.int32, device)
+
+
+def model_inputs(batch: StepBatch, device: torch.device) -> ModelInputs:
+    cu_q, seqlens_k = batch.cu_seqlens_q, batch.seqlens_k
+    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    cu_k = [0]
+    for seqlen in seqlens_k:
+        cu_k.append(cu_k[-1] + seqlen)
+    meta = AttentionMetadata(
+        is_prefill=batch.is_prefill, slot_mapping=to_device(batch.slot_mapping, torch.int64, device),
+        seqlens_k=to_device(seqlens_k, torch.int32, device),
+        block_tables=_block_tables(batch.block_tables, device),
+        max_seqlen_q=max(q_lens), max_seqlen_k=max(seqlens_k), seqlens_k_host=seqlens_k,
+        has_prefix=any(k > q for k, q in zip(seqlens_k, q_lens)))
+    if batch.is_prefill:
+        meta.cu_seqlens_q = to_device(cu_q, torch.int32, device)
+        meta.cu_seqlens_k = to_device(cu_k, torch.int32, device)
+        meta.cu_seqlens_q_host = cu_q
+    return ModelInputs(to_device(batch.input_ids, torch.int64, device),
+                       to_device(batch.positions, torch.int64, device), meta,
+                       to_device(batch.logits_indices, torch.int64, device))
+
+
+def sampling_tensors(sampling: SamplingBatch, vocab_size: int, device: torch.device) -> SamplingTensors:
+    temperatures = sampling.temperatures
+    if all(t == 0 for t in temperatures):
+        return SamplingTensors(None, all_greedy=True)
+    tensors = SamplingTensors(to_device(temperatures, torch.float32, device), all_greedy=False)
+    top_ks = [k if k > 0 else vocab_size for k in sampling.top_ks]
+    if min(top_ks) < vocab_size:
+        tensors.top_ks, tensors.max_top_k = to_device(top_ks, torch.int64, device), max(top_ks)
+    if any(p < 1.0 for p in sampling.top_ps):
+        tensors.top_ps = to_device(sampling.top_ps, torch.float32, device)
+    if any(p > 0.0 for p in sampling.min_ps):
+        tensors.min_ps = to_device(sampling.min_ps, torch.float32, device)
+    tensors.seeded_rows = [(row, seed) for row, seed in enumerate(sampling.seeds) if seed is not None] or None
+    return tensors

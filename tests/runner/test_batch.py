@@ -1,0 +1,65 @@
+"""The per-step batch record: what each scheduled sequence computes, where its K/V goes, which rows
+sample, and that the largest record fits the tensor-parallel step channel."""
+
+import pickle
+from types import SimpleNamespace
+
+from nanovllm.distributed.worker import CHANNEL_SLACK_BYTES, channel_size
+from nanovllm.engine.sequence import Sequence
+from nanovllm.runner.batch import build_batch, slots
+from nanovllm.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def scheduled(n_tokens: int, computed: int, scheduled_tokens: int, block_table: list[int],
+              **params) -> Sequence:
+    seq = Sequence(list(range(100, 100 + n_tokens)), SamplingParams(**params), block_size=BLOCK)
+    seq.num_computed_tokens, seq.num_scheduled_tokens = computed, scheduled_tokens
+    seq.block_table = block_table
+    return seq
+
+
+def test_prefill_with_cached_prefix_and_a_partial_chunk():
+    seqs = [scheduled(10, computed=4, scheduled_tokens=6, block_table=[7, 3, 9]),  # prefix hit, completes
+            scheduled(13, computed=0, scheduled_tokens=5, block_table=[1, 2, 5, 6])]  # first chunk: no sample
+    batch = build_batch(seqs, is_prefill=True)
+    assert batch.input_ids == list(range(104, 110)) + list(range(100, 105))
+    assert batch.positions == [4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
+    # slot = block_table[pos // 4] * 4 + pos % 4
+    assert batch.slot_mapping == [12, 13, 14, 15, 36, 37, 4, 5, 6, 7, 8]
+    assert batch.cu_seqlens_q == [0, 6, 11] and batch.seqlens_k == [10, 5]
+    assert batch.sample_rows == [0] and batch.logits_indices == [5]
+
+
+def test_decode_computes_the_last_token_and_mixes_seeds_with_the_token_index():
+    seqs = [scheduled(9, computed=8, scheduled_tokens=1, block_table=[0, 4, 2], seed=5, temperature=0.7),
+            scheduled(4, computed=3, scheduled_tokens=1, block_table=[7], top_k=3)]
+    seqs[0].num_prompt_tokens = 6  # three completion tokens so far
+    batch = build_batch(seqs, is_prefill=False)
+    assert batch.input_ids == [108, 103] and batch.positions == [8, 3]
+    assert batch.slot_mapping == [8, 31] and batch.seqlens_k == [9, 4]
+    assert batch.sample_rows == [0, 1] and batch.logits_indices == [0, 1]
+    assert batch.sampling.temperatures == [0.7, 1.0] and batch.sampling.top_ks == [-1, 3]
+    other_step = build_batch([scheduled(9, 8, 1, [0, 4, 2], seed=5)], is_prefill=False)
+    assert batch.sampling.seeds[0] != other_step.sampling.seeds[0] and batch.sampling.seeds[1] is None
+
+
+def test_slots_cross_block_boundaries():
+    assert slots([5, 2], 2, 7, block_size=4) == [22, 23, 8, 9, 10]
+    assert slots([5, 2], 7, 8, block_size=4) == [11]
+
+
+def test_the_largest_step_fits_the_channel():
+    config = SimpleNamespace(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=256,
+                             kvcache_block_size=1)
+    seqs = []
+    for i in range(config.max_num_seqs):  # every sequence at full length, ids as large as they get
+        seq = Sequence([2**31 - 1] * config.max_model_len,
+                       SamplingParams(temperature=0.123456789, top_p=0.987654321, seed=2**62), block_size=1)
+        seq.num_computed_tokens = config.max_model_len - config.max_num_batched_tokens // config.max_num_seqs
+        seq.num_scheduled_tokens = config.max_num_batched_tokens // config.max_num_seqs
+        seq.block_table = [2**31 - 1 - i] * config.max_model_len
+        seqs.append(seq)
+    message = pickle.dumps(("run", (build_batch(seqs, True),)), protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(message) <= channel_size(config) - CHANNEL_SLACK_BYTES  # fits without the slack
