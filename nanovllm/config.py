@@ -10,7 +10,9 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.utils.config_checks import check_model_config, check_option_types
 from nanovllm.utils.gguf_loader import GGUF_SUFFIX, load_gguf_config
+from nanovllm.utils.hf_options import HF_LOCAL_ONLY
 
 DOWNLOAD_HINT = (
     "download a model first, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
@@ -59,8 +61,15 @@ class Config:
         return cls(model, **options)
 
     def __post_init__(self) -> None:
-        self.model = os.path.expanduser(str(self.model))
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path (str), got {type(self.model).__name__} {self.model!r}")
+        self.model = os.path.expanduser(os.fspath(self.model))
+        for name in ("tokenizer", "gguf_file"):  # a pathlib.Path is as good as a str here
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        check_option_types(self)
         self._check_ranges()
+        self._check_tokenizer_path()
         self.gguf_path = self._find_gguf()
         if self.load_format == "auto":
             self.load_format = "safetensors" if self.gguf_path is None else "gguf"
@@ -78,7 +87,11 @@ class Config:
                         "is a file, not a model folder or a .gguf file" if os.path.isfile(self.model) else
                         "has no config.json")
                 raise ValueError(f"model path {self.model!r} {what}; {DOWNLOAD_HINT}")
-            self.hf_config = AutoConfig.from_pretrained(self.model)
+            try:
+                self.hf_config = AutoConfig.from_pretrained(self.model, **HF_LOCAL_ONLY)
+            except Exception as e:  # transformers' own validators raise several kinds (not only ValueError)
+                raise ValueError(f"cannot read {os.path.join(self.model, 'config.json')!r}: {e}") from e
+        check_model_config(self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -111,6 +124,16 @@ class Config:
             if n > num_gpus:
                 raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs but {num_gpus} are visible; "
                                  "lower it, or expose more GPUs (CUDA_VISIBLE_DEVICES)")
+
+    def _check_tokenizer_path(self) -> None:
+        """A tokenizer is read from a local folder or file only: a hub name fails here, at once."""
+        if self.tokenizer is None:
+            return
+        self.tokenizer = os.path.expanduser(self.tokenizer)
+        if not os.path.exists(self.tokenizer):
+            raise ValueError(f"tokenizer {self.tokenizer!r} is not a local folder or file; nanovllm never "
+                             "downloads from the Hugging Face Hub: download it first (e.g. `huggingface-cli "
+                             "download NAME --local-dir DIR`) and pass that folder")
 
     def _find_gguf(self) -> str | None:
         """The GGUF file the options name, or None when the model is a Hugging Face folder."""

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from nanovllm.utils.hf_options import HF_LOCAL_ONLY
+
 GGUF_SUFFIX = ".gguf"
 INSTALL_HINT = "pip install 'nanovllm[gguf]' (or: pip install gguf)"
 
@@ -30,7 +32,7 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     require_gguf()
     folder, name = _split(path)
     try:
-        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, **HF_LOCAL_ONLY)
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"cannot read {path!r} as a GGUF model that transformers supports: {e}") from e
     if not getattr(hf_config, "architectures", None):
@@ -44,7 +46,7 @@ def load_gguf_config(path: str) -> PretrainedConfig:
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     folder, name = _split(path)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name, **HF_LOCAL_ONLY)
 
 
 class _TopLevelNames:
@@ -73,7 +75,7 @@ def gguf_weights(path: str, hf_config: PretrainedConfig,
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     with torch.device("meta"):  # only the parameter names are needed: allocate nothing
-        hf_model = AutoModelForCausalLM.from_config(hf_config)
+        hf_model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
     options = {}
     # transformers >= 5 casts each tensor right after dequantizing it, so a bfloat16 run never holds
     # the whole model in float32; with older versions the copy into the model casts.
