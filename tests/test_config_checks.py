@@ -64,7 +64,8 @@ def _copy_with_config(src: str, dst, **changes) -> str:
     (dict(intermediate_size=0), "intermediate_size must be a positive integer"),
     (dict(rms_norm_eps=-1.0), "rms_norm_eps"),
 ])
-def test_impossible_model_configs_are_refused_before_loading(qwen3_dir, tmp_path, monkeypatch, changes, match):
+def test_impossible_model_configs_are_refused_before_loading(qwen3_dir, tmp_path, monkeypatch, changes,
+                                                             match):
     import nanovllm.engine.model_runner as model_runner
     monkeypatch.setattr(model_runner, "load_model", lambda *a: pytest.fail("weights were loaded"))
     path = _copy_with_config(qwen3_dir, tmp_path / "model", **changes)
@@ -123,7 +124,8 @@ def test_folder_without_tokenizer_files_is_refused(qwen3_dir, tmp_path):
                                                                    "special_tokens*", "chat_template*"))
     with pytest.raises(ValueError, match="holds no tokenizer files.*skip_tokenizer_init=True"):
         LLM(str(path))
-    llm = LLM(str(path), skip_tokenizer_init=True, kvcache_block_size=4, num_kvcache_blocks=8, max_model_len=32)
+    llm = LLM(str(path), skip_tokenizer_init=True, kvcache_block_size=4, num_kvcache_blocks=8,
+              max_model_len=32)
     assert llm.tokenizer is None
 
 
