@@ -33,7 +33,7 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     folder, name = _split(path)
     try:
         hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, **HF_LOCAL_ONLY)
-    except (ValueError, OSError, KeyError) as e:
+    except Exception as e:  # a truncated or corrupt file fails deep in gguf's reader, with any error type
         raise ValueError(f"cannot read {path!r} as a GGUF model that transformers supports: {e}") from e
     if not getattr(hf_config, "architectures", None):
         # A GGUF names its model type ("llama"), not the class; take the class transformers would
@@ -81,8 +81,11 @@ def gguf_weights(path: str, hf_config: PretrainedConfig,
     # the whole model in float32; with older versions the copy into the model casts.
     if "torch_dtype" in inspect.signature(load_gguf_checkpoint).parameters:
         options["torch_dtype"] = dtype
-    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=_TopLevelNames(hf_model),
-                                  **options)
+    try:
+        parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=_TopLevelNames(hf_model),
+                                      **options)
+    except Exception as e:  # as in load_gguf_config: name the file whatever the reader raised
+        raise ValueError(f"cannot read the weights of GGUF file {path!r} (truncated or corrupt?): {e}") from e
     tensors: dict[str, torch.Tensor] = parsed["tensors"]
     while tensors:  # pop as we go, so each tensor is freed once the model holds its copy
         name, tensor = tensors.popitem()
