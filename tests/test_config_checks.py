@@ -146,3 +146,26 @@ def test_malformed_chat_messages(llm, conversation, error, match):
     with pytest.raises(error, match=match):
         llm.chat(conversation, use_tqdm=False)
     assert llm.is_finished()
+
+
+def test_type_checks_follow_the_declared_field_types():
+    """Fields other engineers add (lists, Literals, postponed annotations) are checked or left alone,
+    never crash the check."""
+    from dataclasses import dataclass, field
+    from typing import Literal
+
+    from nanovllm.utils.config_checks import check_option_types
+
+    @dataclass
+    class Options:
+        model: str
+        names: list[str] = field(default_factory=list)
+        mode: Literal["a", "b"] = "a"
+        later: "int" = 0
+        ratio: float = 1.0
+
+    check_option_types(Options("m", ["x"], "b", 3, 2))  # an int is a valid float
+    with pytest.raises(TypeError, match="names must be list, got tuple"):
+        check_option_types(Options("m", ("x",)))
+    with pytest.raises(ValueError, match="ratio must be a finite number"):
+        check_option_types(Options("m", ratio=math.inf))

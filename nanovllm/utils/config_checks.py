@@ -35,9 +35,10 @@ def _matches(value: Any, tp: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is type(None):
         return value is None
-    if isinstance(tp, str):  # a postponed annotation: not checked here
+    origin = typing.get_origin(tp) or tp  # list[int] checks the list, not its items
+    if not isinstance(origin, type):  # a postponed (string) annotation, Literal, ...: checked elsewhere
         return True
-    return isinstance(value, typing.get_origin(tp) or tp)  # list[int] checks the list, not its items
+    return isinstance(value, origin)
 
 
 def check_option_types(config: Any) -> None:
