@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.utils.config_checks import check_model_config, check_option_types
 from nanovllm.utils.gguf_loader import GGUF_SUFFIX, load_gguf_config
+from nanovllm.utils.hf_options import HF_LOCAL_ONLY
 
 DOWNLOAD_HINT = (
     "download a model first, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
@@ -85,9 +87,16 @@ class Config:
         return cls(model, **options)
 
     def __post_init__(self) -> None:
-        self.model = os.path.expanduser(str(self.model))
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path (str), got {type(self.model).__name__} {self.model!r}")
+        self.model = os.path.expanduser(os.fspath(self.model))
+        for name in ("tokenizer", "gguf_file"):  # a pathlib.Path is as good as a str here
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        check_option_types(self)
         self._check_ranges()
         self.device_type = self._resolve_device()
+        self._check_tokenizer_path()
         self.gguf_path = self._find_gguf()
         if self.load_format == "auto":
             self.load_format = "safetensors" if self.gguf_path is None else "gguf"
@@ -105,7 +114,11 @@ class Config:
                         "is a file, not a model folder or a .gguf file" if os.path.isfile(self.model) else
                         "has no config.json")
                 raise ValueError(f"model path {self.model!r} {what}; {DOWNLOAD_HINT}")
-            self.hf_config = AutoConfig.from_pretrained(self.model)
+            try:
+                self.hf_config = AutoConfig.from_pretrained(self.model, **HF_LOCAL_ONLY)
+            except Exception as e:  # transformers' own validators raise several kinds (not only ValueError)
+                raise ValueError(f"cannot read {os.path.join(self.model, 'config.json')!r}: {e}") from e
+        check_model_config(self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.torch_dtype = self._resolve_dtype()
         eos = getattr(self.hf_config, "eos_token_id", None)
@@ -154,6 +167,15 @@ class Config:
             return torch.float32  # CPU matmuls in half precision are slow and inexact
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    def _check_tokenizer_path(self) -> None:
+        """A tokenizer is read from a local folder or file only: a hub name fails here, at once."""
+        if self.tokenizer is None:
+            return
+        self.tokenizer = os.path.expanduser(self.tokenizer)
+        if not os.path.exists(self.tokenizer):
+            raise ValueError(f"tokenizer {self.tokenizer!r} is not a local folder or file; nanovllm never "
+                             "downloads from the Hugging Face Hub: download it first (e.g. `huggingface-cli "
+                             "download NAME --local-dir DIR`) and pass that folder")
 
     def _find_gguf(self) -> str | None:
         """The GGUF file the options name, or None when the model is a Hugging Face folder."""
@@ -186,10 +208,6 @@ class Config:
                              f"got {self.num_kvcache_blocks}")
         if self.cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
-        for name in ("torch_compile", "skinny_gemm", "enforce_eager", "enable_prefix_caching",
-                     "skip_tokenizer_init"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         choices = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
                    "attention_backend": VALID_ATTENTION_BACKENDS}
         for name, valid in choices.items():

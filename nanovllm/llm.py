@@ -14,6 +14,23 @@ Message = dict[str, str]
 BAR_REFRESH_S = 0.5
 
 
+def check_conversation(conversation: object) -> None:
+    """A conversation is a non-empty list of {"role": str, "content": str} dicts; anything else would
+    reach the chat template and fail there with an error that names neither the message nor the key."""
+    if not isinstance(conversation, list) or not conversation:
+        raise TypeError(f"a conversation must be a non-empty list of messages, got {conversation!r:.80}")
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            raise TypeError(f"message {i} must be a dict with 'role' and 'content', got "
+                            f"{type(message).__name__}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"message {i} has no {key!r}; every message needs 'role' and 'content', "
+                                 f"e.g. {{'role': 'user', 'content': 'Hello'}}")
+            if not isinstance(message[key], str):
+                raise TypeError(f"message {i}'s {key!r} must be a string, got {type(message[key]).__name__}")
+
+
 class LLM:
     def __init__(self, model: str, **options) -> None:
         self.engine = LLMEngine(model, **options)
@@ -106,6 +123,8 @@ class LLM:
         if not isinstance(messages, list) or not messages:
             raise TypeError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else messages
+        for conversation in conversations:
+            check_conversation(conversation)
         prompts = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False,

@@ -11,6 +11,7 @@ fight over the one default group.
 import datetime
 import logging
 import os
+import socket
 from collections.abc import Callable
 
 import torch
@@ -21,17 +22,53 @@ import torch.distributed as dist
 # this (see nanovllm.distributed.worker), this only bounds a rank that hangs while alive.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 LOCALHOST = "127.0.0.1"
+# Pending connections the store's listening socket queues: one per rank is all a rendezvous needs.
+STORE_BACKLOG = 128
 NCCL_ERROR_HANDLING_VAR = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}
 
 logger = logging.getLogger("nanovllm")
 
 
+def _loopback_listener() -> tuple[int, int]:
+    """A TCP socket listening on 127.0.0.1 only, as (file descriptor, port); the caller owns the fd."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOCALHOST, 0))  # port 0: the OS picks a free one, so two engines never race for it
+        sock.listen(STORE_BACKLOG)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach(), port
+
+
 def create_store(rank: int, world_size: int, port: int = 0) -> dist.TCPStore:
-    """Rank 0 hosts the store (port 0: the OS picks a free port, read it back from `store.port`, so
-    two engines never race for one); the other ranks connect to that port."""
-    return dist.TCPStore(LOCALHOST, port, world_size, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT,
-                         wait_for_workers=False)
+    """Rank 0 hosts the store (read its port back from `store.port`); the other ranks connect to it.
+
+    NOTE: TCPStore(host_name=...) names where clients connect, not where the server listens: its own
+    socket listens on every interface (`::`), unauthenticated. Rank 0 therefore binds a socket to
+    127.0.0.1 itself and hands the store the listening fd (`master_listen_fd`; the store owns and
+    closes it from then on)."""
+    if rank != 0:
+        return dist.TCPStore(LOCALHOST, port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    assert port == 0, "rank 0 picks the store's port itself"
+    fd, port = _loopback_listener()
+    try:
+        return dist.TCPStore(LOCALHOST, port, world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _gloo_options(timeout: datetime.timedelta) -> dist.ProcessGroupGloo._Options:
+    """Gloo's default device listens on the address the host name resolves to, which may be a LAN
+    interface; the ranks of one engine share a host, so pin it to loopback."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOCALHOST)]
+    return options
 
 
 class TPGroup:
@@ -60,7 +97,8 @@ class TPGroup:
                 if own_setting:
                     del os.environ[NCCL_ERROR_HANDLING_VAR]
         else:
-            self._backend = dist.ProcessGroupGloo(self._store, rank, world_size, COLLECTIVE_TIMEOUT)
+            self._backend = dist.ProcessGroupGloo(self._store, rank, world_size,
+                                                  _gloo_options(COLLECTIVE_TIMEOUT))
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In place; on CUDA the wait only orders the current stream after the collective."""

@@ -1,8 +1,10 @@
 """Rank 0's record of one engine's tensor-parallel group: the worker processes, the step channel and
 the communicator; whether the group failed and why; a watchdog thread that notices a worker's death
-the moment its process ends; and the release of all of it. It holds no reference to the engine, so
+the moment its process ends, and a worker that stops responding (stopped by SIGSTOP, hung) within
+HEARTBEAT_TIMEOUT_S; and the release of all of it. It holds no reference to the engine, so
 that a finalizer can own it (see nanovllm.distributed.worker for the semantics)."""
 
+import ctypes
 import multiprocessing
 import signal
 import threading
@@ -25,8 +27,28 @@ KILL_TIMEOUT_S = 2.0
 DEATH_GRACE_S = 5.0
 # How often rank 0 looks for the workers while they start.
 JOIN_POLL_S = 0.02
+# Each worker stamps time.monotonic() (one clock for every process of the host) into its slot of a
+# shared array this often, from a thread of its own; rank 0's watchdog looks every HEARTBEAT_POLL_S.
+# A worker whose stamp is older than HEARTBEAT_TIMEOUT_S has stopped responding: the group fails
+# naming it, and it is killed so that the other ranks' collectives return (instead of waiting for the
+# 10-minute COLLECTIVE_TIMEOUT). 30 s leaves room for a loaded host; the interval is far below it.
+HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_POLL_S = 0.5
+HEARTBEAT_TIMEOUT_S = 30.0
+# A watchdog poll that took this much longer than asked means rank 0 itself was suspended (Ctrl-Z, a
+# debugger): the workers' stamps are then stale through no fault of theirs, so they get a fresh start.
+SUSPENDED_SLACK_S = 2.0
 SPAWN_HINT = ("Workers are started with the 'spawn' method, which re-imports your main script: create the "
               "LLM under `if __name__ == '__main__':`.")
+
+
+def _process_state(pid: int | None) -> str | None:
+    """The one-letter state of a Linux process ("T": stopped), or None where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 class TPWorkerError(RuntimeError):
@@ -41,7 +63,8 @@ class WorkerHandle:
 
 
 class TPGroupState:
-    def __init__(self) -> None:
+    def __init__(self, heartbeats: "ctypes.Array[ctypes.c_double] | None" = None) -> None:
+        self.heartbeats = heartbeats  # worker i (rank i + 1) stamps heartbeats[i]; 0.0 until it starts
         self.workers: list[WorkerHandle] = []
         self.channel: StepChannel | None = None
         self.group: TPGroup | None = None
@@ -105,13 +128,44 @@ class TPGroupState:
         self._watchdog.start()
 
     def _watch(self) -> None:
-        ready = wait([*(worker.process.sentinel for worker in self.workers), self._stop_reader])
-        if self._stop_reader in ready:
-            return
-        self.dead_worker_report(0)
+        waitables = [*(worker.process.sentinel for worker in self.workers), self._stop_reader]
+        awake_since = last = time.monotonic()
+        while True:
+            ready = wait(waitables, HEARTBEAT_POLL_S)
+            if self._stop_reader in ready:
+                return
+            if ready:  # a worker's process ended
+                self.dead_worker_report(0)
+                break
+            now = time.monotonic()
+            if now - last > HEARTBEAT_POLL_S + SUSPENDED_SLACK_S:
+                awake_since = now
+            last = now
+            stalled = self._stalled_worker(awake_since)
+            if stalled is not None:
+                worker, report = stalled
+                self.fail(report)
+                worker.process.kill()  # works on a stopped process too; its sockets close, gloo returns
+                break
         group = self.group
         if group is not None:  # NCCL would wait for the dead rank forever: make rank 0's wait end
             group.abort()
+
+    def _stalled_worker(self, awake_since: float) -> tuple[WorkerHandle, str] | None:
+        """The first worker whose heartbeat is older than HEARTBEAT_TIMEOUT_S, and why; else None.
+        A worker that has not stamped yet is still starting (wait_until_joined bounds that)."""
+        if self.heartbeats is None:
+            return None
+        now = time.monotonic()
+        for index, worker in enumerate(self.workers):
+            beat = self.heartbeats[index]
+            if beat > 0.0 and now - max(beat, awake_since) > HEARTBEAT_TIMEOUT_S:
+                pid = worker.process.pid
+                how = "is stopped (SIGSTOP?)" if _process_state(pid) == "T" else "may be hung"
+                return worker, (f"tensor-parallel worker rank {worker.rank} (pid {pid}) stopped responding: "
+                                f"no heartbeat for {now - beat:.1f} s (limit {HEARTBEAT_TIMEOUT_S} s); "
+                                f"it {how}, and was killed so that the other ranks stop waiting for it")
+        return None
 
     # ---- startup ----
     def wait_until_joined(self, store: dist.Store) -> None:

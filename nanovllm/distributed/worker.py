@@ -19,12 +19,14 @@ Failures never hang and never leak:
   rest, destroys rank 0's communicator and unlinks the shared memory. It also runs when the TPWorkers
   object is garbage-collected and at interpreter exit (weakref.finalize). Idempotent."""
 
+import ctypes
 import logging
 import math
 import os
 import signal
 import sys
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -38,7 +40,7 @@ import torch.multiprocessing as mp
 from nanovllm.config import Config
 from nanovllm.distributed.channel import ChannelHandle, StepChannel
 from nanovllm.distributed.group import TPGroup, create_store
-from nanovllm.distributed.state import DEATH_GRACE_S, TPGroupState, TPWorkerError
+from nanovllm.distributed.state import DEATH_GRACE_S, HEARTBEAT_INTERVAL_S, TPGroupState, TPWorkerError
 from nanovllm.layers.parallel import use_tp_group
 from nanovllm.runner.batch import StepBatch
 from nanovllm.runner.model_runner import ModelRunner, runner_device
@@ -85,13 +87,25 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
 
 
+def _start_heartbeat(heartbeats: "ctypes.Array[ctypes.c_double]", index: int) -> None:
+    """Stamp this worker's heartbeat slot from a thread of its own (see tp_state.HEARTBEAT_TIMEOUT_S):
+    it beats whatever the main thread is doing, and stops only when the whole process stops."""
+    def beat() -> None:
+        while True:
+            heartbeats[index] = time.monotonic()
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    threading.Thread(target=beat, name="nanovllm-heartbeat", daemon=True).start()
+
+
 def _worker_main(config: Config, rank: int, store_port: int, handle: ChannelHandle,
-                 errors: Connection) -> None:
+                 errors: Connection, heartbeats: "ctypes.Array[ctypes.c_double]") -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it shuts us down
     if os.environ.get(LOG_LEVEL_ENV_VAR):  # spawned: the caller's logging setup does not reach us
         logging.basicConfig(level=os.environ[LOG_LEVEL_ENV_VAR],
                             format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     _exit_with_parent()
+    _start_heartbeat(heartbeats, rank - 1)
     group = channel = None
     healthy = True
     try:
@@ -137,7 +151,9 @@ class TPWorkers:
         world_size = config.tensor_parallel_size
         self.device = runner_device(config, 0)
         self.num_threads = threads_per_rank(world_size)
-        self._state = state = TPGroupState()
+        # One heartbeat slot per worker; lock=False: each slot has one writer, and a torn read of a
+        # double cannot happen on the platforms torch supports.
+        self._state = state = TPGroupState(ctx.Array("d", world_size - 1, lock=False))
         # The finalizer holds the state, never self, so that dropping the engine collects this object.
         self._finalizer = weakref.finalize(self, state.release)
         try:
@@ -147,7 +163,7 @@ class TPWorkers:
                 errors, errors_writer = ctx.Pipe(duplex=False)
                 process = ctx.Process(target=_worker_main, name=f"nanovllm-tp{rank}", daemon=True,
                                       args=(config, rank, store.port, state.channel.handle(rank - 1),
-                                            errors_writer))
+                                            errors_writer, state.heartbeats))
                 process.start()
                 errors_writer.close()
                 state.add_worker(rank, process, errors)

@@ -11,7 +11,7 @@ from collections.abc import Sequence as SequenceLike
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from nanovllm.config import Config
 from nanovllm.distributed.worker import TPWorkers
@@ -22,7 +22,8 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.runner.batch import build_batch
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.gguf_loader import load_gguf_tokenizer
+from nanovllm.utils.hf_options import HF_LOCAL_ONLY
+from nanovllm.utils.tokenizer import load_tokenizer
 
 Prompt = str | list[int]
 
@@ -39,10 +40,9 @@ class LLMEngine:
         self.config = config = Config.from_options(model, **options)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
-            if config.tokenizer is None and config.gguf_path is not None:
-                self.tokenizer = load_gguf_tokenizer(config.gguf_path)
-            else:
-                self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            gguf_only = config.tokenizer is None and config.gguf_path is not None
+            self.tokenizer = load_tokenizer(None if gguf_only else config.tokenizer or config.model,
+                                            config.gguf_path)
         # Ranks 1..N-1 start loading in their own processes while rank 0 loads here.
         self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None
@@ -64,7 +64,7 @@ class LLMEngine:
         # may hold another model's generation_config.json, so it is not read.
         if self.config.gguf_path is None:
             try:
-                eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+                eos = GenerationConfig.from_pretrained(self.config.model, **HF_LOCAL_ONLY).eos_token_id
                 ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
             except OSError:
                 pass

@@ -31,6 +31,20 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Drop a waiting or running request and free its KV blocks (full blocks stay in the prefix
+        cache); returns it, finished with finish_reason "abort", or None if it is not queued. Only
+        between steps: a sequence of the step in flight must come back through postprocess."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    if seq.block_table:
+                        self.block_manager.deallocate(seq)
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                    return seq
+        return None
+
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick the sequences of the next step and how many tokens each computes
         (seq.num_scheduled_tokens). Returns (sequences, is_prefill)."""

@@ -20,6 +20,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expected = (self.num_embeddings, *param.shape[1:])
+        if tuple(loaded.shape) != expected:  # slicing would silently take a short or long vocabulary
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit the vocabulary "
+                             f"{expected}")
         shard = loaded[self.vocab_start:self.vocab_start + self.num_per_partition]
         param.data[:shard.shape[0]].copy_(shard)
         param.data[shard.shape[0]:].zero_()

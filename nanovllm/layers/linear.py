@@ -55,7 +55,17 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def _check_shape(self, param: nn.Parameter, loaded: torch.Tensor,
+                     shard_id: int | str | None = None) -> None:
+        """The whole checkpoint tensor must have its expected shape: copy_ would broadcast one row over
+        the weight, and narrow would silently take a prefix of a too-large tensor."""
+        expected = self.checkpoint_shapes(param)[shard_id]
+        if tuple(loaded.shape) != tuple(expected):
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                             f"{tuple(expected)}")
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        self._check_shape(param, loaded)
         if self.tp_dim is not None and param.dim() > self.tp_dim:
             size = param.shape[self.tp_dim]
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
@@ -89,6 +99,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        self._check_shape(param, loaded, shard_id)
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         shard = loaded.narrow(0, self.tp_rank * size, size)
@@ -120,6 +131,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         LinearBase.__init__(self, hidden_size, output_size, bias, tp_dim=0)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        self._check_shape(param, loaded, shard_id)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
             offset, size, start = 0, q_size, self.tp_rank * q_size

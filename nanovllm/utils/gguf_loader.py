@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from nanovllm.utils.hf_options import HF_LOCAL_ONLY
+
 GGUF_SUFFIX = ".gguf"
 INSTALL_HINT = "pip install 'nanovllm[gguf]' (or: pip install gguf)"
 
@@ -30,8 +32,8 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     require_gguf()
     folder, name = _split(path)
     try:
-        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    except (ValueError, OSError, KeyError) as e:
+        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, **HF_LOCAL_ONLY)
+    except Exception as e:  # a truncated or corrupt file fails deep in gguf's reader, with any error type
         raise ValueError(f"cannot read {path!r} as a GGUF model that transformers supports: {e}") from e
     if not getattr(hf_config, "architectures", None):
         # A GGUF names its model type ("llama"), not the class; take the class transformers would
@@ -44,7 +46,7 @@ def load_gguf_config(path: str) -> PretrainedConfig:
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     folder, name = _split(path)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name, **HF_LOCAL_ONLY)
 
 
 class _TopLevelNames:
@@ -73,14 +75,17 @@ def gguf_weights(path: str, hf_config: PretrainedConfig,
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     with torch.device("meta"):  # only the parameter names are needed: allocate nothing
-        hf_model = AutoModelForCausalLM.from_config(hf_config)
+        hf_model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
     options = {}
     # transformers >= 5 casts each tensor right after dequantizing it, so a bfloat16 run never holds
     # the whole model in float32; with older versions the copy into the model casts.
     if "torch_dtype" in inspect.signature(load_gguf_checkpoint).parameters:
         options["torch_dtype"] = dtype
-    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=_TopLevelNames(hf_model),
-                                  **options)
+    try:
+        parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=_TopLevelNames(hf_model),
+                                      **options)
+    except Exception as e:  # as in load_gguf_config: name the file whatever the reader raised
+        raise ValueError(f"cannot read the weights of GGUF file {path!r} (truncated or corrupt?): {e}") from e
     tensors: dict[str, torch.Tensor] = parsed["tensors"]
     while tensors:  # pop as we go, so each tensor is freed once the model holds its copy
         name, tensor = tensors.popitem()

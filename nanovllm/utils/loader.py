@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanovllm.utils.weight_tracker import WeightTracker, checkpoint_shapes, default_weight_loader
+
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -25,52 +27,49 @@ def safetensors_files(path: str) -> list[str]:
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape "
-                         f"{tuple(param.shape)}")
-    param.data.copy_(loaded)
+def _read_safetensors(file: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A file's tensors; a truncated or corrupt file raises ValueError naming it (safetensors' own
+    errors name neither the file nor, for a short read, the tensor)."""
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            for name in names:
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"cannot read tensor {name!r} of {file!r} (truncated or corrupt?): "
+                                     f"{e}") from e
+                yield name, tensor
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"cannot read safetensors file {file!r} (truncated or corrupt?): {e}") from e
 
 
-def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, file) for every tensor of every shard."""
     files = safetensors_files(path)
     if not files:
         raise ValueError(f"no *.safetensors weights in {path!r}; download the full model, or pass "
                          "load_format='dummy' to run on random weights")
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        for name, tensor in _read_safetensors(file):
+            yield name, tensor, file
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-    """Copy (Hugging Face name, tensor) pairs into the model, through `packed_modules_mapping` onto
-    fused parameters and each parameter's `weight_loader`; raises if the model is left incomplete."""
-    packed = getattr(model, "packed_modules_mapping", {})
-    params = dict(model.named_parameters(remove_duplicate=False))
-    skip = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
-    loaded: set[str] = set()
-    for name, tensor in weights:
-        if name in skip:
-            continue
-        target, shard_id = name, None
-        for ckpt_name, (fused_name, fused_shard) in packed.items():
-            if f".{ckpt_name}." in name:
-                target, shard_id = name.replace(ckpt_name, fused_name), fused_shard
-                break
-        param = params.get(target)
-        if param is None:
-            continue  # e.g. rotary inv_freq buffers saved by old checkpoints
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        if shard_id is None:
-            loader(param, tensor)
-        else:
-            loader(param, tensor, shard_id)
-        loaded.add(target)
-    missing = sorted(set(dict(model.named_parameters()).keys()) - loaded - skip)
-    if missing:
-        raise ValueError(f"checkpoint {source!r} lacks {len(missing)} weights the model needs, "
-                         f"e.g. {missing[:5]}; is it the model its config describes?")
+# (Hugging Face name, tensor) or (Hugging Face name, tensor, the file it came from).
+WeightItem = tuple[str, torch.Tensor] | tuple[str, torch.Tensor, str]
+
+
+def load_weights(model: nn.Module, weights: Iterable[WeightItem], source: str) -> None:
+    """Copy (Hugging Face name, tensor[, file]) items into the model, through `packed_modules_mapping`
+    onto fused parameters and each parameter's `weight_loader`. Every tensor's full shape is checked
+    before it is copied, and every part of every parameter (each of q/k/v, gate/up) must arrive:
+    otherwise ValueError naming the file and the tensor."""
+    tracker = WeightTracker(model)
+    for name, tensor, *file in weights:
+        tracker.load(name, tensor, file[0] if file else source)
+    tracker.check_complete(source)
 
 
 def load_model(model: nn.Module, path: str) -> None:
@@ -90,11 +89,7 @@ def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> No
     the parameter's device, and goes through the parameter's weight loader like a checkpoint tensor:
     every tensor_parallel_size then shards the very same model."""
     for name, param in model.named_parameters():  # tied weights appear once
-        module = model.get_submodule(name.rpartition(".")[0])
-        if hasattr(module, "checkpoint_shapes"):
-            shapes = module.checkpoint_shapes(param)
-        else:
-            shapes = {None: tuple(param.shape)}
+        shapes = checkpoint_shapes(model, name, param)
         loader = getattr(param, "weight_loader", default_weight_loader)
         for shard_id, shape in shapes.items():
             if name.endswith("norm.weight"):

@@ -1,0 +1,86 @@
+"""Checks that make a bad `LLM(...)` option or an impossible model config fail at construction,
+before any weight is loaded, with a message that says what to change.
+
+- `check_option_types(config)`: every option has the type its Config field declares. A string is
+  never taken for a bool (`enforce_eager="no"` is truthy), a bool never for an int (True == 1), and
+  a float option must be a finite number.
+- `check_model_config(hf_config)`: the sizes the model is built from are positive integers that fit
+  together (heads divide the hidden size when the config has no head_dim, query heads are a multiple
+  of key/value heads), so that `num_attention_heads=0` is refused here instead of at the first step."""
+
+import math
+import types
+import typing
+from dataclasses import fields
+from typing import Any
+
+from transformers import PretrainedConfig
+
+# Model-config sizes that must be positive integers, and whether a config may leave them out.
+REQUIRED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
+
+
+def _type_name(tp: Any) -> str:
+    return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """isinstance with the strictness options need: bool is not an int, an int is a float."""
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is type(None):
+        return value is None
+    origin = typing.get_origin(tp) or tp  # list[int] checks the list, not its items
+    if not isinstance(origin, type):  # a postponed (string) annotation, Literal, ...: checked elsewhere
+        return True
+    return isinstance(value, origin)
+
+
+def check_option_types(config: Any) -> None:
+    """Raise TypeError for an option whose value is not of its field's declared type, ValueError for
+    a float option that is NaN or infinite."""
+    for f in fields(config):
+        if not f.init or f.name == "model":
+            continue
+        value = getattr(config, f.name)
+        tp = f.type
+        allowed = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+        if not any(_matches(value, t) for t in allowed):
+            expected = " or ".join(_type_name(t) for t in allowed)
+            hint = " (a string is not a bool: pass True or False)" if bool in allowed else ""
+            raise TypeError(f"option {f.name} must be {expected}, got {type(value).__name__} {value!r}{hint}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"option {f.name} must be a finite number, got {value!r}")
+
+
+def _size(hf_config: PretrainedConfig, name: str, required: bool) -> int | None:
+    value = getattr(hf_config, name, None)
+    if value is None and not required:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"the model config's {name} must be a positive integer, got {value!r}; "
+                         "fix config.json (or the GGUF metadata) of this checkpoint")
+    return value
+
+
+def check_model_config(hf_config: PretrainedConfig) -> None:
+    """Raise ValueError if the model this config describes cannot be built or run."""
+    sizes = {name: _size(hf_config, name, True) for name in REQUIRED_SIZES}
+    sizes.update({name: _size(hf_config, name, False) for name in OPTIONAL_SIZES})
+    num_heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+    if sizes["head_dim"] is None and hidden % num_heads:
+        raise ValueError(f"the model config has no head_dim and hidden_size {hidden} is not divisible by "
+                         f"num_attention_heads {num_heads}; fix config.json or give head_dim")
+    num_kv_heads = sizes["num_key_value_heads"] or num_heads
+    if num_kv_heads > num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"the model config's num_attention_heads ({num_heads}) must be a multiple of "
+                         f"num_key_value_heads ({num_kv_heads}); fix config.json")
+    eps = getattr(hf_config, "rms_norm_eps", None)
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
+                            or not math.isfinite(eps) or eps <= 0):
+        raise ValueError(f"the model config's rms_norm_eps must be a positive finite number, got {eps!r}")

@@ -1,0 +1,35 @@
+"""The engine's tokenizer: from the GGUF file, or from a local folder that really holds tokenizer
+files. transformers, given a folder without any, builds a near-empty tokenizer without a word; a
+model served through that one would read every prompt as unknown tokens, so it is refused here."""
+
+import os
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from nanovllm.utils.gguf_loader import load_gguf_tokenizer
+from nanovllm.utils.hf_options import HF_LOCAL_ONLY
+
+# Files one of which a Hugging Face tokenizer folder holds (fast tokenizers, BPE and SentencePiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tekken.json")
+# A real vocabulary has more tokens than this; fewer means transformers built a placeholder.
+MIN_VOCAB_SIZE = 2
+
+
+def load_tokenizer(path: str, gguf_path: str | None) -> PreTrainedTokenizerBase:
+    """`path` is the tokenizer option or the model folder; `gguf_path` the model's GGUF file, whose
+    own tokenizer is used when no tokenizer folder was given (path is then None)."""
+    if path is None:
+        return load_gguf_tokenizer(gguf_path)
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"{path!r} holds no tokenizer files (one of {list(TOKENIZER_FILES)}); copy the "
+                         "model's tokenizer into it, pass tokenizer='FOLDER', or skip_tokenizer_init=True "
+                         "and give token ids")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL_ONLY)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+    if len(tokenizer) < MIN_VOCAB_SIZE:
+        raise ValueError(f"the tokenizer in {path!r} has {len(tokenizer)} token(s); is it the model's "
+                         "tokenizer? pass tokenizer='FOLDER' or skip_tokenizer_init=True")
+    return tokenizer

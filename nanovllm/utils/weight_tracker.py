@@ -1,0 +1,86 @@
+"""What a checkpoint must provide, and whether it did: for every model parameter, the full
+(unsharded) checkpoint tensors it is loaded from, by shard id (q/k/v of a fused QKV projection,
+gate/up of a fused MLP projection, None for a plain parameter), and their shapes.
+
+`WeightTracker.load` checks each tensor's shape before its weight loader copies it (a copy would
+broadcast a one-row LM head over the vocabulary, a narrow would take a prefix of a too-large
+tensor), and `check_complete` refuses a checkpoint that left any part of any parameter unloaded.
+Every error names the file and the tensor, and both shapes for a mismatch."""
+
+import torch
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape "
+                         f"{tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def checkpoint_shapes(model: nn.Module, name: str, param: nn.Parameter) -> dict:
+    """{shard id: full checkpoint shape} of the parameter called `name`."""
+    module = model.get_submodule(name.rpartition(".")[0])
+    if hasattr(module, "checkpoint_shapes"):
+        return module.checkpoint_shapes(param)
+    return {None: tuple(param.shape)}
+
+
+class WeightTracker:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules_mapping", {})
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        # A tied LM head is the embedding: the checkpoint's copy (if any) is not loaded twice.
+        self.skip = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
+        self.expected = {(name, shard_id): shape
+                         for name, param in model.named_parameters()  # tied weights appear once
+                         for shard_id, shape in checkpoint_shapes(model, name, param).items()}
+        self.loaded: set[tuple[str, int | str | None]] = set()
+
+    def _target(self, name: str) -> tuple[str, int | str | None]:
+        for ckpt_name, (fused_name, shard_id) in self.packed.items():
+            if f".{ckpt_name}." in name:
+                return name.replace(ckpt_name, fused_name), shard_id
+        return name, None
+
+    def _checkpoint_name(self, target: str, shard_id: int | str | None) -> str:
+        """The checkpoint's name for one part of a (possibly fused) parameter."""
+        for ckpt_name, (fused_name, fused_shard) in self.packed.items():
+            if fused_shard == shard_id and f".{fused_name}." in target:
+                return target.replace(fused_name, ckpt_name)
+        return target
+
+    def load(self, name: str, tensor: torch.Tensor, file: str) -> None:
+        if name in self.skip:
+            return
+        target, shard_id = self._target(name)
+        param = self.params.get(target)
+        if param is None:
+            return  # e.g. rotary inv_freq buffers saved by old checkpoints
+        key = (target, shard_id)
+        shape = self.expected.get(key)
+        if shape is None:  # a tied duplicate under another name, or a shard this parameter lacks
+            shape = checkpoint_shapes(self.model, target, param).get(shard_id)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{file!r}: tensor {name!r} has shape {tuple(tensor.shape)} but the model "
+                             f"expects {tuple(shape)}; is this checkpoint the model its config describes?")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"{file!r}: cannot load tensor {name!r} of shape {tuple(tensor.shape)}: "
+                             f"{e}") from e
+        self.loaded.add(key)
+
+    def check_complete(self, source: str) -> None:
+        missing = sorted(self._checkpoint_name(target, shard_id)
+                         for target, shard_id in self.expected.keys() - self.loaded
+                         if target not in self.skip)
+        if missing:
+            raise ValueError(f"checkpoint {source!r} lacks {len(missing)} tensors the model needs: "
+                             f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; is it the model its config "
+                             "describes, and are all its files complete?")
