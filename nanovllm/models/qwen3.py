@@ -6,6 +6,7 @@ The Llama and Qwen2 families are this decoder with different `AttentionOptions` 
 models/qwen2.py). Every family attends to the whole context: a config with an active sliding window
 is rejected here rather than run with the wrong attention."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,10 +86,10 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions) -> None:
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config, options)
-        self.mlp = Qwen3MLP(config)
+        self.mlp = Qwen3MLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -104,11 +105,12 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions) -> None:
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions,
+                 build_mlp: Callable[[PretrainedConfig, int], nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, options)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, options, build_mlp and build_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -134,6 +136,11 @@ class Qwen3ForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionOptions(qk_norm=True, qkv_bias=bias, o_bias=bias)
 
+    @classmethod
+    def build_mlp(cls, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer `layer_idx` (families with MoE layers override this)."""
+        return Qwen3MLP(config)
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         window = sliding_window_in_use(config)
@@ -141,7 +148,7 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError(f"this {type(self).__name__} config uses sliding-window attention "
                              f"(sliding_window={window}), which nanovllm does not implement; use a "
                              "checkpoint whose config.json has \"sliding_window\": null")
-        self.model = Qwen3Model(config, self.attention_options(config))
+        self.model = Qwen3Model(config, self.attention_options(config), self.build_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

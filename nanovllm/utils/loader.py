@@ -7,6 +7,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -14,6 +15,9 @@ from safetensors import safe_open
 from torch import nn
 
 INDEX_FILE = "model.safetensors.index.json"
+# An MoE expert weight: one expert's ("...mlp.experts.3.gate_proj.weight") or every expert's stacked
+# ("...mlp.experts.gate_up_proj", as transformers names GGUF expert tensors).
+EXPERT_NAME = re.compile(r"(?P<prefix>.*\.experts)\.(?:(?P<expert>\d+)\.)?(?P<proj>\w+?)(?:\.weight)?")
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -47,11 +51,25 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     """Copy (Hugging Face name, tensor) pairs into the model, through `packed_modules_mapping` onto
     fused parameters and each parameter's `weight_loader`; raises if the model is left incomplete."""
     packed = getattr(model, "packed_modules_mapping", {})
+    # MoE checkpoint projection name -> (stacked parameter, part): see layers/fused_moe.py
+    experts = getattr(model, "expert_params_mapping", {})
     params = dict(model.named_parameters(remove_duplicate=False))
     skip = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
     loaded: set[str] = set()
     for name, tensor in weights:
         if name in skip:
+            continue
+        match = EXPERT_NAME.fullmatch(name) if experts else None
+        if match and match["proj"] in experts:
+            param_name, part = experts[match["proj"]]
+            target = f"{match['prefix']}.{param_name}"
+            param = params.get(target)
+            if param is None:
+                continue
+            expert = None if match["expert"] is None else int(match["expert"])
+            param.weight_loader(param, tensor, (expert, part))
+            # Stacked parameters count as loaded piece by piece: a missing expert is reported.
+            loaded.update(f"{target}:{piece}" for piece in _expert_pieces(param, expert, part))
             continue
         target, shard_id = name, None
         for ckpt_name, (fused_name, fused_shard) in packed.items():
@@ -67,10 +85,28 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         else:
             loader(param, tensor, shard_id)
         loaded.add(target)
-    missing = sorted(set(dict(model.named_parameters()).keys()) - loaded - skip)
+    missing = sorted(_required_pieces(model) - loaded - skip)
     if missing:
         raise ValueError(f"checkpoint {source!r} lacks {len(missing)} weights the model needs, "
                          f"e.g. {missing[:5]}; is it the model its config describes?")
+
+
+def _expert_pieces(param: nn.Parameter, expert: int | None, part: str) -> list[str]:
+    parts = part.split("_")  # "gate_up" fills both the gate and the up rows
+    experts = range(param.shape[0]) if expert is None else (expert,)
+    return [f"{e}.{p}" for e in experts for p in parts]
+
+
+def _required_pieces(model: nn.Module) -> set[str]:
+    """Every parameter name, a stacked expert parameter as one `name:expert.part` per piece."""
+    required = set()
+    for name, param in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        if hasattr(module, "checkpoint_parts"):
+            required.update(f"{name}:{piece}" for piece in module.checkpoint_parts(param))
+        else:
+            required.add(name)
+    return required
 
 
 def load_model(model: nn.Module, path: str) -> None:
