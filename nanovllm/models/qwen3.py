@@ -86,7 +86,8 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config, options)
         self.mlp = Qwen3MLP(config) if mlp is None else mlp
