@@ -71,30 +71,27 @@ class MoEExperts(nn.Module):
         """shard_id = (expert, part): one expert's [rows, cols] checkpoint tensor, or with expert None
         every expert's, stacked on a leading dim. Parts: gate, up, gate_up ([gate; up] rows), down."""
         expert, part = shard_id
+        i, rank, h = self.intermediate_size, self.tp_rank, self.hidden_size
+        full = i * self.tp_size
+        expected = {GATE: (full, h), UP: (full, h), GATE_UP: (2 * full, h), DOWN: (h, full)}[part]
+        if expert is None:
+            expected = (self.num_experts, *expected)
+        elif not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert} but the config has {self.num_experts}")
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"checkpoint expert tensor ({part}) of shape {tuple(loaded.shape)} does not fit "
+                             f"{expected}; is it the model its config describes?")
         if expert is not None:
-            if not 0 <= expert < self.num_experts:
-                raise ValueError(f"checkpoint has expert {expert} but the config has {self.num_experts}")
             loaded = loaded.unsqueeze(0)
         target = param.data if expert is None else param.data[expert : expert + 1]
-        i, rank = self.intermediate_size, self.tp_rank
         if part == DOWN:  # row-parallel: this rank's slice of the input (intermediate) dim
-            self._copy(target, loaded.narrow(2, rank * i, i))
+            target.copy_(loaded.narrow(2, rank * i, i))
         elif part == GATE_UP:
-            full = loaded.shape[1] // 2
-            self._copy(target[:, :i], loaded.narrow(1, rank * i, i))
-            self._copy(target[:, i:], loaded.narrow(1, full + rank * i, i))
-        elif part in (GATE, UP):  # column-parallel: this rank's slice of the output (intermediate) dim
+            target[:, :i].copy_(loaded.narrow(1, rank * i, i))
+            target[:, i:].copy_(loaded.narrow(1, full + rank * i, i))
+        else:  # column-parallel: this rank's slice of the output (intermediate) dim
             offset = 0 if part == GATE else i
-            self._copy(target[:, offset : offset + i], loaded.narrow(1, rank * i, i))
-        else:
-            raise AssertionError(f"unknown expert weight part {part!r}")
-
-    @staticmethod
-    def _copy(target: torch.Tensor, shard: torch.Tensor) -> None:
-        if target.shape != shard.shape:
-            raise ValueError(f"checkpoint expert tensor shard of shape {tuple(shard.shape)} does not fit "
-                             f"{tuple(target.shape)}; is it the model its config describes?")
-        target.copy_(shard)
+            target[:, offset : offset + i].copy_(loaded.narrow(1, rank * i, i))
 
     def checkpoint_parts(self, param: nn.Parameter) -> list[str]:
         """The (expert, part) pieces a checkpoint must provide for `param`, as `expert.part` names:

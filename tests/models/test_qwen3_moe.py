@@ -116,3 +116,58 @@ def test_dummy_weights_and_tensor_parallel_sizes(moe, tmp_path):
         json.dump({**config, "moe_intermediate_size": 30}, f)
     with pytest.raises(ValueError, match=r"moe_intermediate_size 30.*valid sizes: \[1, 2\]"):
         LLM(str(tmp_path / "odd"), tensor_parallel_size=4, skip_tokenizer_init=True, load_format="dummy")
+
+
+# Hugging Face parameter (under model.layers.N.) -> llama.cpp tensor (under blk.N.)
+GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                    "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+
+
+def write_qwen3moe_gguf(hf, path: str) -> None:
+    """A float32 GGUF of `hf` as llama.cpp's converter writes a Qwen3-MoE model (no tokenizer)."""
+    gguf = pytest.importorskip("gguf")
+    c, sd = hf.config, {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        for hf_name, gguf_name in GGUF_LAYER_NAMES.items():
+            w.add_tensor(f"blk.{i}.{gguf_name}.weight", sd[f"model.layers.{i}.{hf_name}.weight"])
+        gate_up, width = sd[f"model.layers.{i}.mlp.experts.gate_up_proj"], c.moe_intermediate_size
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :width].copy())
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", gate_up[:, width:].copy())
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", sd[f"model.layers.{i}.mlp.experts.down_proj"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_matches_transformers(tmp_path):
+    """transformers reads qwen3moe GGUF files but not the experts' width; nanovllm takes it from the
+    file (32 here, not Qwen3MoeConfig's default 768). llama.cpp's qwen3moe has no dense layers."""
+    moe = {k: v for k, v in MOE.items() if k != "mlp_only_layers"}
+    hf = make_model_dir(str(tmp_path), **{**moe, "num_hidden_layers": 2})
+    hf.generation_config.eos_token_id = None
+    write_qwen3moe_gguf(hf, str(tmp_path / "tiny.gguf"))
+    prompts = [[5, 17, 99, 3, 250], [7]]
+    llm = LLM(str(tmp_path / "tiny.gguf"), skip_tokenizer_init=True, **ENGINE)
+    assert llm.config.hf_config.moe_intermediate_size == 32
+    assert token_ids(llm, prompts) == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
