@@ -71,6 +71,27 @@ def test_tp2_matches_transformers(moe):
         assert token_ids(llm) == reference
 
 
+def test_triton_path_matches_transformers(moe, monkeypatch):
+    """The GPU path (Triton kernels, here in the interpreter on CPU tensors) inside the whole engine."""
+    pytest.importorskip("triton")
+    from nanovllm.kernels.fused_moe import fused_moe
+    from nanovllm.layers.fused_moe import MoEExperts
+
+    calls = []
+
+    def triton_forward(self, x, topk_weights, topk_ids):
+        calls.append(x.shape[0])
+        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    monkeypatch.setattr(MoEExperts, "forward", triton_forward)
+    path, reference = moe
+    llm = LLM(path, **ENGINE)
+    few = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)  # the interpreter is slow
+    outputs = llm.generate(PROMPTS[:2], few, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == [ref[:8] for ref in reference[:2]]
+    assert calls and max(calls) > 16  # the prefill batch spans several 16-row blocks
+
+
 def _rewrite_checkpoint(src: str, dst: str, rewrite) -> None:
     shutil.copytree(src, dst)
     file = os.path.join(dst, "model.safetensors")
