@@ -44,13 +44,16 @@ def random_routing(num_tokens: int, top_k: int, seed: int = 0) -> tuple[torch.Te
     return x, topk_weights, topk_ids
 
 
-def test_alignment_groups_slots_by_expert_in_order():
-    # 37 tokens x top-2 = 74 slots in 5 align chunks of 16; experts 1 and 6 get no slot.
+# block_s None: one launch; 16: 37 tokens x top-2 = 74 slots in 5 chunks, 13 programs labelling rows.
+@pytest.mark.parametrize("block_s", [None, 16], ids=["one-launch", "chunked"])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_alignment_groups_slots_by_expert_in_order(block_s: int | None, block_m: int):
+    # Experts 1 and 6 get no slot.
     gen = torch.Generator().manual_seed(3)
     used = torch.tensor([0, 2, 3, 4, 5, 7])
     topk_ids = torch.stack([used[torch.randperm(6, generator=gen)[:2]] for _ in range(37)])
-    block_m, num_slots = 16, topk_ids.numel()
-    align = moe_align(topk_ids.to(DEVICE), NUM_EXPERTS, block_m, block_s=16)
+    num_slots = topk_ids.numel()
+    align = moe_align(topk_ids.to(DEVICE), NUM_EXPERTS, block_m, block_s=block_s)
     sorted_ids, expert_ids = align.sorted_ids.cpu(), align.expert_ids.cpu()
     assert expert_ids.numel() == max_num_blocks(num_slots, NUM_EXPERTS, block_m)
     flat = topk_ids.flatten()

@@ -81,7 +81,10 @@ def cases() -> dict:
                              WRITE_PARTIAL=True, DOT_PRECISION="tf32", NUM_STAGES=3)),
         "split-k-reduce": (skinny_gemm._split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
         "moe-count": (fused_moe._count_kernel, dict(E_PAD=128, BLOCK_S=32)),
-        "moe-scatter": (fused_moe._scatter_kernel, dict(E_PAD=128, BLOCK_M=16, BLOCK_S=32, LABEL_BLOCK=64)),
+        "moe-scatter": (fused_moe._scatter_kernel,
+                        dict(E_PAD=128, BLOCK_M=16, BLOCK_S=32, LABEL_ROWS=32, COUNT_HERE=False)),
+        "moe-align-one-launch": (fused_moe._scatter_kernel,
+                                 dict(E_PAD=128, BLOCK_M=16, BLOCK_S=64, LABEL_ROWS=32, COUNT_HERE=True)),
         "moe-gate-up": (fused_moe._grouped_gemm_kernel,
                         dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False, BLOCK_M=16,
                              BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32")),
@@ -124,7 +127,7 @@ def compile_all() -> dict[str, str]:
 DTYPES = ("bf16", "fp32")
 CASE_NAMES = ("store", "prefill", "decode-one-kernel", "decode-split", "decode-reduce", "rope-store-qk-norm",
               "rope-store", "skinny-gemm", "split-k-reduce", "moe-count", "moe-scatter", "moe-gate-up",
-              "moe-down")
+              "moe-down", "moe-align-one-launch")
 
 
 @pytest.fixture(scope="module")
