@@ -29,8 +29,12 @@ GATE, UP, DOWN, GATE_UP = "gate", "up", "down", "gate_up"
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights float32 [T, top_k], topk_ids int64 [T, top_k]) from router logits [T, E], as
-    transformers computes them: softmax in float32, top-k (ties to the lower expert id), renormalised."""
+    """(topk_weights float32 [T, top_k], topk_ids [T, top_k]) from router logits [T, E], as transformers
+    computes them: softmax in float32, top-k, renormalised if norm_topk_prob. On CUDA one Triton kernel
+    (int32 ids; equal probabilities go to the lower expert id); elsewhere torch (int64 ids)."""
+    if router_logits.is_cuda:
+        from nanovllm.kernels.moe_routing import topk_softmax
+        return topk_softmax(router_logits, top_k, norm_topk_prob)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:

@@ -1,7 +1,7 @@
 """The Triton MoE kernels against the torch path (layers.fused_moe.torch_moe), on CPU tensors through
 the Triton interpreter (or on CUDA with TRITON_INTERPRET=0): the expert alignment's layout, and the
 fused output for 1, a few and more-than-a-block tokens, empty experts, one expert taking every token,
-and routing ties."""
+and routing ties; the one-kernel routing (softmax, top-k, renormalisation) against torch's."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from conftest import triton_test_device
 pytest.importorskip("triton")
 
 from nanovllm.kernels.fused_moe import MoeConfig, fused_moe, max_num_blocks, moe_align  # noqa: E402
+from nanovllm.kernels.moe_routing import topk_softmax  # noqa: E402
 from nanovllm.layers.fused_moe import route, torch_moe  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -110,3 +111,24 @@ def test_routing_ties():
     assert (topk_weights == 0.5).all()
     assert set(topk_ids[10:].flatten().tolist()) == {3, 6}
     check(x, topk_weights, topk_ids)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize",
+                         [(1, 8, 2, True), (37, 8, 3, False), (70, 60, 8, True), (5, 3, 3, True)])
+def test_topk_softmax_matches_torch_route(num_tokens: int, num_experts: int, top_k: int, renormalize: bool):
+    # 70 tokens x 60 experts: more tokens than one program's rows, a non-power-of-two expert count.
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_tokens))
+    weights, ids = topk_softmax(logits.to(DEVICE), top_k, renormalize)
+    ref_weights, ref_ids = route(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert ids.cpu().tolist() == ref_ids.tolist()
+    torch.testing.assert_close(weights.cpu(), ref_weights, atol=1e-6, rtol=1e-5)
+
+
+def test_topk_softmax_ties_go_to_the_lower_expert():
+    logits = torch.zeros(3, NUM_EXPERTS)
+    logits[1, 5] = logits[1, 2] = 1.0  # a tie for the top
+    logits[2, 6] = 2.0  # one winner, then a seven-way tie for second place
+    weights, ids = topk_softmax(logits.to(DEVICE), 2, True)
+    assert ids.cpu().tolist() == [[0, 1], [2, 5], [6, 0]]
+    assert weights[0].tolist() == [0.5, 0.5] and weights[1].tolist() == [0.5, 0.5]

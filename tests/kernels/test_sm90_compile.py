@@ -20,12 +20,14 @@ from triton.compiler import ASTSource  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
-    decode_attention = fused_moe = kv_cache = prefill_attention = rope_store = skinny_gemm = None
+    decode_attention = fused_moe = kv_cache = moe_routing = None
+    prefill_attention = rope_store = skinny_gemm = None
 else:
     from nanovllm.kernels import (
         decode_attention,
         fused_moe,
         kv_cache,
+        moe_routing,
         prefill_attention,
         rope_store,
         skinny_gemm,
@@ -45,7 +47,7 @@ POINTER_TYPES = {
     "partial_out_ptr": "*fp32",
     "partial_lse_ptr": "*fp32",
     "partial_ptr": "*fp32",
-    "topk_ids_ptr": "*i64",
+    "topk_ids_ptr": "*i32",  # as the GPU routing writes them
     "counts_ptr": "*i32",
     "cum_counts_ptr": "*i32",
     "sorted_ids_ptr": "*i32",
@@ -80,6 +82,8 @@ def cases() -> dict:
                         dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=256, USE_DOT=False, HAS_BIAS=True,
                              WRITE_PARTIAL=True, DOT_PRECISION="tf32", NUM_STAGES=3)),
         "split-k-reduce": (skinny_gemm._split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
+        "moe-topk-softmax": (moe_routing._topk_softmax_kernel,
+                             dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=32, RENORMALIZE=True)),
         "moe-count": (fused_moe._count_kernel, dict(E_PAD=128, BLOCK_S=32)),
         "moe-scatter": (fused_moe._scatter_kernel,
                         dict(E_PAD=128, BLOCK_M=16, BLOCK_S=32, LABEL_ROWS=32, COUNT_HERE=False)),
@@ -127,7 +131,7 @@ def compile_all() -> dict[str, str]:
 DTYPES = ("bf16", "fp32")
 CASE_NAMES = ("store", "prefill", "decode-one-kernel", "decode-split", "decode-reduce", "rope-store-qk-norm",
               "rope-store", "skinny-gemm", "split-k-reduce", "moe-count", "moe-scatter", "moe-gate-up",
-              "moe-down", "moe-align-one-launch")
+              "moe-down", "moe-align-one-launch", "moe-topk-softmax")
 
 
 @pytest.fixture(scope="module")

@@ -72,9 +72,12 @@ def test_tp2_matches_transformers(moe):
 
 
 def test_triton_path_matches_transformers(moe, monkeypatch):
-    """The GPU path (Triton kernels, here in the interpreter on CPU tensors) inside the whole engine."""
+    """The GPU path (Triton routing and experts, here in the interpreter on CPU tensors) inside the
+    whole engine."""
     pytest.importorskip("triton")
     from nanovllm.kernels.fused_moe import fused_moe
+    from nanovllm.kernels.moe_routing import topk_softmax
+    from nanovllm.layers import fused_moe as moe_layer
     from nanovllm.layers.fused_moe import MoEExperts
 
     calls = []
@@ -84,6 +87,7 @@ def test_triton_path_matches_transformers(moe, monkeypatch):
         return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
     monkeypatch.setattr(MoEExperts, "forward", triton_forward)
+    monkeypatch.setattr(moe_layer, "route", topk_softmax)
     path, reference = moe
     llm = LLM(path, **ENGINE)
     few = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)  # the interpreter is slow
