@@ -6,7 +6,8 @@ bandwidth beside a plain device-to-device copy. Needs only torch and triton (no 
 
 Bandwidth = bytes of expert weights the batch's routing touches (each expert hit once: its gate, up and
 down rows) / time. Triton is timed as decode runs it, replayed from a CUDA graph, each call reading a
-different layer's weights so they come from HBM, not L2; the torch path (a host sync per call, so no
+different layer's weights so they come from HBM, not L2 ("+routing": the whole block, router matmul and
+routing kernel included, as decode runs it); the torch path (a host sync per call, so no
 graph) is timed eagerly with CUDA events. Routing: softmax top-8 over random router logits, renormalised.
 After the table, a few alternative MoeConfigs per batch are timed, to show where moe_config could be
 tuned. Writes the results as JSON to $OUT/moe_bench.json when $OUT is set.
@@ -18,6 +19,7 @@ import sys
 from dataclasses import astuple
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels.fused_moe import MoeConfig, fused_moe, moe_config  # noqa: E402
@@ -45,18 +47,30 @@ def elapsed_us(fn, iters: int) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
-def triton_us(x, layers, topk_weights, topk_ids, config: MoeConfig | None) -> float:
-    """Microseconds per layer of fused_moe, replayed from a graph that runs it over every layer."""
-    for w13, w2 in layers[:1]:
-        fused_moe(x, w13, w2, topk_weights, topk_ids, config)  # compile outside the capture
+def graph_us(fn, layers) -> float:
+    """Microseconds per layer of fn(layer), replayed from a graph that runs it over every layer."""
+    fn(layers[0])  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [fused_moe(x, w13, w2, topk_weights, topk_ids, config) for w13, w2 in layers]
+        outs = [fn(layer) for layer in layers]
     graph.replay()
     us = elapsed_us(graph.replay, GRAPH_REPLAYS) / len(layers)
     del outs, graph
     return us
+
+
+def triton_us(x, layers, topk_weights, topk_ids, config: MoeConfig | None) -> float:
+    return graph_us(lambda layer: fused_moe(x, layer[0], layer[1], topk_weights, topk_ids, config), layers)
+
+
+def with_routing_us(x, layers, router: torch.Tensor) -> float:
+    """The whole MoE block as decode runs it: router matmul, routing kernel, experts."""
+    def block(layer):
+        topk_weights, topk_ids = route(F.linear(x, router), TOP_K, True)
+        return fused_moe(x, layer[0], layer[1], topk_weights, topk_ids)
+
+    return graph_us(block, layers)
 
 
 def copy_gbps() -> float:
@@ -78,7 +92,8 @@ def main() -> None:
     copy = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:,.0f} GB/s\n")
     print(f"{'batch':>5} {'experts':>7} {'MB':>6} | {'triton us':>9} {'GB/s':>6} {'of copy':>7} | "
-          f"{'torch us':>9} {'GB/s':>6} | {'max |diff|':>10}  config")
+          f"{'torch us':>9} {'GB/s':>6} | {'+routing us':>11} | {'max |diff|':>10}  config")
+    router = torch.randn(NUM_EXPERTS, HIDDEN, **gen) * 0.02
     rows, inputs = [], {}
     for batch in BATCHES:
         x = torch.randn(batch, HIDDEN, **gen)
@@ -87,6 +102,7 @@ def main() -> None:
         touched = torch.unique(topk_ids).numel() * expert_bytes
         config = moe_config(batch * TOP_K, NUM_EXPERTS, DTYPE)
         t_us = triton_us(x, layers, topk_weights, topk_ids, config)
+        block_us = with_routing_us(x, layers, router)
         w13, w2 = layers[0]
         torch_moe(x, w13, w2, topk_weights, topk_ids)
         torch.cuda.synchronize()
@@ -96,11 +112,11 @@ def main() -> None:
                 - torch_moe(x, w13, w2, topk_weights, topk_ids).float()).abs().max().item()
         row = dict(batch=batch, experts=touched // expert_bytes, mb=touched / 1e6, triton_us=t_us,
                    triton_gbps=touched / t_us / 1e3, torch_us=r_us, torch_gbps=touched / r_us / 1e3,
-                   max_abs_diff=diff, config=astuple(config), copy_gbps=copy)
+                   block_us=block_us, max_abs_diff=diff, config=astuple(config), copy_gbps=copy)
         rows.append(row)
         print(f"{batch:>5} {row['experts']:>7} {row['mb']:>6.0f} | {t_us:>9.1f} {row['triton_gbps']:>6.0f} "
-              f"{row['triton_gbps'] / copy:>7.0%} | {r_us:>9.1f} {row['torch_gbps']:>6.0f} | {diff:>10.2e}  "
-              f"{astuple(config)}")
+              f"{row['triton_gbps'] / copy:>7.0%} | {r_us:>9.1f} {row['torch_gbps']:>6.0f} | "
+              f"{block_us:>11.1f} | {diff:>10.2e}  {astuple(config)}")
     print("\nalternative configs (block_m, block_n, block_k, num_warps, num_stages): us per layer")
     for row in rows:
         batch = row["batch"]

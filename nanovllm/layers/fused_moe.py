@@ -10,12 +10,14 @@ stacked tensor per projection (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.exper
 rank holds a slice of every expert's intermediate dimension; the partial outputs are all-reduced
 once, where the dense MLP's down projection does it.
 
-Two implementations of the experts, same math:
+Two implementations of the routing and the experts, same math:
 - `torch_moe`: loops over the experts that received tokens (the reference, and the CPU path). It
   finds them with `nonzero`, a host sync, so it cannot run inside a CUDA graph.
-- `nanovllm.kernels.fused_moe.fused_moe` (CUDA tensors): tokens sorted by expert on the device and
-  one grouped GEMM per projection. All its buffers and grids are sized from the number of tokens,
-  top_k and num_experts alone, never from the routing, so decode steps replay in CUDA graphs."""
+- On CUDA tensors, Triton kernels: `nanovllm.kernels.moe_routing.topk_softmax` (softmax, top-k and
+  renormalisation in one launch) and `nanovllm.kernels.fused_moe.fused_moe` (tokens sorted by expert
+  on the device, one grouped GEMM per projection). Their buffers and grids are sized from the number
+  of tokens, top_k and num_experts alone, never from the routing, and nothing is read back to the
+  host: decode steps replay in CUDA graphs with any routing."""
 
 import torch
 import torch.nn.functional as F
