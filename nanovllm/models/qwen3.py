@@ -110,8 +110,9 @@ class Qwen3Model(nn.Module):
                  build_mlp: Callable[[PretrainedConfig, int], nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, options, build_mlp and build_mlp(config, i))
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, options, build_mlp(config, i) if build_mlp else None)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
