@@ -54,15 +54,24 @@ class MoeConfig:
     num_stages: int = 3
 
 
+# Slots per expert (on average) below which the GEMMs take 16-row, then 32-row blocks; above, 64.
+FEW_SLOTS_PER_EXPERT = 8
+SOME_SLOTS_PER_EXPERT = 32
+# Below this many slots (decode batch < 8 at top-8) few experts are hit: 32-column tiles make twice
+# as many programs as 64-column ones, to keep every SM streaming weights.
+NARROW_TILE_MAX_SLOTS = 64
+
+
 def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype) -> MoeConfig:
     """Few slots per expert (decode): 16-row blocks, so padding wastes little, and narrow column tiles,
     so that the few experts hit still spread over every SM. Many (prefill): larger tiles reuse each
-    weight tile over more rows."""
+    weight tile over more rows. Untuned guesses for Hopper; scripts/moe_bench.py times alternatives."""
     per_expert = num_slots / num_experts
     small_k = 64 if dtype == torch.float32 else 128  # same bytes per tile
-    if per_expert < 8:
-        return MoeConfig(16, 32 if num_slots < 64 else 64, small_k, num_warps=4, num_stages=4)
-    if per_expert < 32:
+    if per_expert < FEW_SLOTS_PER_EXPERT:
+        block_n = 32 if num_slots < NARROW_TILE_MAX_SLOTS else 64
+        return MoeConfig(16, block_n, small_k, num_warps=4, num_stages=4)
+    if per_expert < SOME_SLOTS_PER_EXPERT:
         return MoeConfig(32, 64, small_k // 2, num_warps=4, num_stages=4)
     return MoeConfig(64, 128, small_k // 2, num_warps=8, num_stages=3)
 
@@ -229,7 +238,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     num_programs = max(num_chunks, triton.cdiv(num_rows, label_rows))
     _scatter_kernel[(num_programs,)](ids, counts, cum_counts, sorted_ids, expert_ids, num_slots, num_chunks,
                                      num_rows, num_experts, E_PAD=e_pad, BLOCK_M=block_m, BLOCK_S=block_s,
-                                     LABEL_ROWS=label_rows, COUNT_HERE=one_launch)
+                                     LABEL_ROWS=label_rows, COUNT_HERE=one_launch,
+                                     num_warps=8 if block_s * e_pad > ALIGN_TILE_ELEMENTS else 4)
     return MoeAlignment(sorted_ids, expert_ids)
 
 
