@@ -10,7 +10,8 @@ different layer's weights so they come from HBM, not L2 ("+routing": the whole b
 routing kernel included, as decode runs it); the torch path (a host sync per call, so no
 graph) is timed eagerly with CUDA events. Routing: softmax top-8 over random router logits, renormalised.
 After the table, a few alternative MoeConfigs per batch are timed, to show where moe_config could be
-tuned. Writes the results as JSON to $OUT/moe_bench.json when $OUT is set.
+tuned. Last, an engine check: a tiny random Qwen3-MoE through LLM with CUDA graphs (float32) must give
+transformers' greedy tokens. Writes the results as JSON to $OUT/moe_bench.json when $OUT is set.
 """
 
 import json
@@ -81,6 +82,42 @@ def copy_gbps() -> float:
     return 2 * COPY_BYTES / us / 1e3  # read + write
 
 
+def engine_check() -> dict:
+    """A tiny random Qwen3-MoE (8 experts, top-2, one dense layer) through the whole engine on this GPU
+    with CUDA graphs, in float32: greedy tokens must equal transformers' on the same weights."""
+    import tempfile
+
+    import transformers
+
+    from nanovllm import LLM, SamplingParams
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        mlp_only_layers=[1], norm_topk_prob=True, max_position_embeddings=512, initializer_range=0.25)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(config).float().cuda().eval()
+    prompts = [[(7 * i + j) % 512 for j in range(5 + 9 * i)] for i in range(4)]
+    max_tokens = 32
+    with torch.no_grad():
+        reference = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda"),
+                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    with tempfile.TemporaryDirectory() as path:
+        hf.save_pretrained(path)
+        del hf
+        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kvcache_block_size=16, max_model_len=256,
+                  max_num_seqs=8, gpu_memory_utilization=0.3)
+        graphs = llm.model_runner.decode_graphs is not None and bool(llm.model_runner.decode_graphs.graphs)
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        llm.exit()
+    same = [o["token_ids"] == r for o, r in zip(outputs, reference, strict=True)]
+    print(f"\nengine check (tiny Qwen3-MoE, float32, CUDA graphs captured: {graphs}): greedy tokens equal to "
+          f"transformers for {sum(same)}/{len(same)} prompts")
+    return dict(cuda_graphs=graphs, prompts_equal=sum(same), prompts=len(same))
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("moe_bench.py needs a CUDA GPU")
@@ -126,9 +163,12 @@ def main() -> None:
         best = min(row["alternatives"].items(), key=lambda kv: kv[1])
         print(f"batch {batch:>3}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["alternatives"].items())
               + f"  -> best {best[0]} {best[1]:.1f} us (default {row['triton_us']:.1f})")
+    del layers
+    torch.cuda.empty_cache()
+    engine = engine_check()
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_bench.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"layer": rows, "engine": engine}, f, indent=1)
 
 
 if __name__ == "__main__":
