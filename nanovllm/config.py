@@ -135,18 +135,22 @@ class Config:
         num_heads = hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
         intermediate = getattr(hf, "intermediate_size", None)
+        moe_intermediate = getattr(hf, "moe_intermediate_size", None)  # each expert's (MoE families)
 
         def fits(size: int) -> bool:
             # Query heads and MLP columns split evenly; K/V heads split evenly, or are replicated
             # when there are fewer of them than ranks (each rank then keeps the one it needs).
             kv_ok = num_kv_heads % size == 0 or size % num_kv_heads == 0
-            return num_heads % size == 0 and kv_ok and (intermediate is None or intermediate % size == 0)
+            mlp_ok = all(i is None or i % size == 0 for i in (intermediate, moe_intermediate))
+            return num_heads % size == 0 and kv_ok and mlp_ok
 
         if not fits(n):
             valid = [size for size in range(1, num_heads + 1) if fits(size)]
             raise ValueError(
                 f"tensor_parallel_size={n} does not fit this model ({num_heads} attention heads, "
-                f"{num_kv_heads} key/value heads, intermediate_size {intermediate}): it must divide the "
+                f"{num_kv_heads} key/value heads, intermediate_size {intermediate}"
+                + (f", moe_intermediate_size {moe_intermediate}" if moe_intermediate else "")
+                + "): it must divide the "
                 "attention heads and the intermediate size, and divide or be a multiple of the key/value "
                 f"heads; valid sizes: {valid}")
         if self.device_type == "cuda":

@@ -61,8 +61,9 @@ def make_model_dir(path: str, arch: str = "qwen3", tie: bool = False, shard: boo
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
-    if arch in ("qwen3", "llama"):
+    if arch in ("qwen3", "llama", "qwen3_moe"):
         common.setdefault("head_dim", 16)
     torch.manual_seed(1234)
     model = model_cls(config_cls(**common)).float().eval()

@@ -84,6 +84,13 @@ class LinearBase(nn.Module):
         return linear(x, self.weight, self.bias, self.skinny)
 
 
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight (e.g. an MoE router, whose logits every rank needs)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, _divide(output_size, get_tp_size(), "output size"), bias, tp_dim=0)

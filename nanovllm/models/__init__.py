@@ -10,8 +10,10 @@ def model_registry() -> dict[str, type[nn.Module]]:
     from nanovllm.models.llama import LlamaForCausalLM
     from nanovllm.models.qwen2 import Qwen2ForCausalLM
     from nanovllm.models.qwen3 import Qwen3ForCausalLM
+    from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
     return {
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
         "LlamaForCausalLM": LlamaForCausalLM,
         # Mistral's layers and checkpoint names are Llama's; its sliding window, when the config

@@ -6,6 +6,7 @@ with its own `AttentionOptions` (models/llama.py, qwen2.py, qwen3.py).
 Every family attends to the whole context: a config with an active sliding window is rejected here
 rather than run with the wrong attention. The step's attention metadata is an argument of forward."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,10 +92,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, rotary: RotaryEmbedding,
+                 mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, options, rotary)
-        self.mlp = DecoderMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -110,12 +112,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions) -> None:
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions,
+                 build_mlp: Callable[[PretrainedConfig, int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings)
-        self.layers = nn.ModuleList(DecoderLayer(config, options, rotary)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, options, rotary, build_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -141,6 +144,11 @@ class DecoderForCausalLM(nn.Module):
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         raise NotImplementedError("each family says how its attention differs")
 
+    @classmethod
+    def build_mlp(cls, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer `layer_idx` (families with MoE layers override this)."""
+        return DecoderMLP(config)
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         window = sliding_window_in_use(config)
@@ -148,7 +156,7 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"this {type(self).__name__} config uses sliding-window attention "
                              f"(sliding_window={window}), which nanovllm does not implement; use a "
                              "checkpoint whose config.json has \"sliding_window\": null")
-        self.model = DecoderModel(config, self.attention_options(config))
+        self.model = DecoderModel(config, self.attention_options(config), self.build_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -41,6 +41,16 @@ def load_gguf_config(path: str) -> PretrainedConfig:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type)
         hf_config.architectures = [arch] if arch else [f"{hf_config.model_type} (GGUF)"]
+    if hasattr(hf_config, "moe_intermediate_size"):
+        # transformers does not read the experts' width (llama.cpp's expert_feed_forward_length) and
+        # leaves the config class's default, right for Qwen3-30B-A3B only: take it from the file.
+        from gguf import GGUFReader
+        reader = GGUFReader(path)
+        arch_field = reader.fields.get("general.architecture")
+        arch_name = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+        width = reader.fields.get(f"{arch_name}.expert_feed_forward_length")
+        if width is not None:
+            hf_config.moe_intermediate_size = int(width.parts[width.data[0]][0])
     return hf_config
 
 

@@ -5,10 +5,20 @@ gate/up of a fused MLP projection, None for a plain parameter), and their shapes
 `WeightTracker.load` checks each tensor's shape before its weight loader copies it (a copy would
 broadcast a one-row LM head over the vocabulary, a narrow would take a prefix of a too-large
 tensor), and `check_complete` refuses a checkpoint that left any part of any parameter unloaded.
-Every error names the file and the tensor, and both shapes for a mismatch."""
+Every error names the file and the tensor, and both shapes for a mismatch.
+
+Mixture-of-experts models stack their experts' tensors into one parameter per projection
+(`expert_params_mapping`, see layers/fused_moe.py); such a parameter counts as loaded piece by piece
+(`expert.part`), so one missing expert tensor is named."""
+
+import re
 
 import torch
 from torch import nn
+
+# A per-expert checkpoint name (`...mlp.experts.3.gate_proj.weight`) or an already stacked one
+# (`...mlp.experts.gate_up_proj`, as transformers names GGUF experts).
+EXPERT_NAME = re.compile(r"(?P<prefix>.*\.experts)\.(?:(?P<expert>\d+)\.)?(?P<proj>\w+?)(?:\.weight)?")
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -33,9 +43,15 @@ class WeightTracker:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         # A tied LM head is the embedding: the checkpoint's copy (if any) is not loaded twice.
         self.skip = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
-        self.expected = {(name, shard_id): shape
-                         for name, param in model.named_parameters()  # tied weights appear once
-                         for shard_id, shape in checkpoint_shapes(model, name, param).items()}
+        self.experts: dict[str, tuple[str, str]] = getattr(model, "expert_params_mapping", {})
+        self.expected = {}
+        for name, param in model.named_parameters():  # tied weights appear once
+            module = model.get_submodule(name.rpartition(".")[0])
+            if hasattr(module, "checkpoint_parts"):  # stacked experts: their loader checks shapes
+                self.expected.update({(name, piece): None for piece in module.checkpoint_parts(param)})
+            else:
+                self.expected.update({(name, shard_id): shape for shard_id, shape
+                                      in checkpoint_shapes(model, name, param).items()})
         self.loaded: set[tuple[str, int | str | None]] = set()
 
     def _target(self, name: str) -> tuple[str, int | str | None]:
@@ -45,14 +61,38 @@ class WeightTracker:
         return name, None
 
     def _checkpoint_name(self, target: str, shard_id: int | str | None) -> str:
-        """The checkpoint's name for one part of a (possibly fused) parameter."""
+        """The checkpoint's name for one part of a (possibly fused or stacked) parameter."""
+        if isinstance(shard_id, str) and "." in shard_id:  # a stacked expert piece: `expert.part`
+            expert, part = shard_id.split(".")
+            prefix, _, param_name = target.rpartition(".")
+            proj = next((p for p, mapped in self.experts.items() if mapped == (param_name, part)), None)
+            return f"{prefix}.{expert}.{proj}.weight" if proj else f"{target}:{shard_id}"
         for ckpt_name, (fused_name, fused_shard) in self.packed.items():
             if fused_shard == shard_id and f".{fused_name}." in target:
                 return target.replace(fused_name, ckpt_name)
         return target
 
+    def _load_expert(self, match: re.Match, tensor: torch.Tensor, file: str) -> None:
+        param_name, part = self.experts[match["proj"]]
+        target = f"{match['prefix']}.{param_name}"
+        param = self.params.get(target)
+        if param is None:
+            return
+        expert = None if match["expert"] is None else int(match["expert"])
+        try:
+            param.weight_loader(param, tensor, (expert, part))
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"{file!r}: cannot load tensor {match.string!r}: {e}") from e
+        experts = range(param.shape[0]) if expert is None else (expert,)
+        # "gate_up" fills both the gate and the up rows
+        self.loaded.update((target, f"{e}.{p}") for e in experts for p in part.split("_"))
+
     def load(self, name: str, tensor: torch.Tensor, file: str) -> None:
         if name in self.skip:
+            return
+        match = EXPERT_NAME.fullmatch(name) if self.experts else None
+        if match and match["proj"] in self.experts:
+            self._load_expert(match, tensor, file)
             return
         target, shard_id = self._target(name)
         param = self.params.get(target)

@@ -22,10 +22,17 @@ from triton.compiler import ASTSource  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
-    decode_attention = prefill_attention = rope_store = skinny_gemm = None
+    decode_attention = fused_moe = moe_routing = prefill_attention = rope_store = skinny_gemm = None
 else:
     import nanovllm.kernels
-    from nanovllm.kernels import decode_attention, prefill_attention, rope_store, skinny_gemm
+    from nanovllm.kernels import (
+        decode_attention,
+        fused_moe,
+        moe_routing,
+        prefill_attention,
+        rope_store,
+        skinny_gemm,
+    )
 
 H200 = GPUTarget("cuda", 90, 32)
 # Pointer element types by argument name; other pointers hold the model's dtype.
@@ -41,6 +48,12 @@ POINTER_TYPES = {
     "partial_out_ptr": "*fp32",
     "partial_lse_ptr": "*fp32",
     "partial_ptr": "*fp32",
+    "topk_ids_ptr": "*i32",  # as the GPU routing writes them
+    "counts_ptr": "*i32",
+    "cum_counts_ptr": "*i32",
+    "sorted_ids_ptr": "*i32",
+    "expert_ids_ptr": "*i32",
+    "topk_weights_ptr": "*fp32",
 }
 FLOAT_SCALARS = {"scale_log2", "q_eps", "k_eps"}
 DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=64,
@@ -48,7 +61,7 @@ DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, 
 
 
 def cases() -> dict:
-    """name: (kernel, constexprs), for shapes of Qwen3-0.6B."""
+    """name: (kernel, constexprs), for shapes of Qwen3-0.6B (the MoE kernels: of Qwen3-30B-A3B)."""
     return {
         "prefill": (prefill_attention._prefill_kernel,
                     dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64,
@@ -63,6 +76,19 @@ def cases() -> dict:
         "skinny-gemm": (skinny_gemm._skinny_gemm_kernel,
                         dict(BLOCK_N=64, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True, NUM_STAGES=3)),
         "split-k-reduce": (skinny_gemm._split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
+        "moe-topk-softmax": (moe_routing._topk_softmax_kernel,
+                             dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=32, RENORMALIZE=True)),
+        "moe-count": (fused_moe._count_kernel, dict(E_PAD=128, BLOCK_S=32)),
+        "moe-scatter": (fused_moe._scatter_kernel,
+                        dict(E_PAD=128, BLOCK_M=16, BLOCK_S=32, LABEL_ROWS=32, COUNT_HERE=False)),
+        "moe-align-one-launch": (fused_moe._scatter_kernel,
+                                 dict(E_PAD=128, BLOCK_M=16, BLOCK_S=64, LABEL_ROWS=32, COUNT_HERE=True)),
+        "moe-gate-up": (fused_moe._grouped_gemm_kernel,
+                        dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False, BLOCK_M=16,
+                             BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32")),
+        "moe-down": (fused_moe._grouped_gemm_kernel,
+                     dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True, BLOCK_M=64,
+                          BLOCK_N=128, BLOCK_K=64, DOT_PRECISION="tf32")),
     }
 
 
@@ -114,8 +140,9 @@ def compile_all() -> dict[str, str]:
 
 
 DTYPES = ("bf16", "fp32")
-CASE_NAMES = ("prefill", "decode", "rope-store-qk-norm",
-              "rope-store", "skinny-gemm", "split-k-reduce")
+CASE_NAMES = ("prefill", "decode", "rope-store-qk-norm", "rope-store", "skinny-gemm", "split-k-reduce",
+              "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
+              "moe-topk-softmax")
 
 
 @pytest.fixture(scope="module")

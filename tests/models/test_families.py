@@ -88,7 +88,8 @@ def test_mistral_without_sliding_window_runs_as_llama(tmp_path):
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     config = LlamaConfig(**TINY, architectures=["GPTNeoXForCausalLM"])
-    supported = "['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']"
+    supported = ("['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', "
+                 "'Qwen3MoeForCausalLM']")
     with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*not supported; supported architectures: "
                                          + re.escape(supported)):
         LLM(_save_config(tmp_path, config), load_format="dummy", skip_tokenizer_init=True)

@@ -1,0 +1,176 @@
+"""The MoE layer of Qwen3-30B-A3B (128 experts, top-8, hidden 2048, expert intermediate 768, bf16) on one
+CUDA GPU: the Triton fused path vs the torch path at decode batch 1, 64 and 256, as achieved memory
+bandwidth beside a plain device-to-device copy. Needs only torch and triton (no flash-attn):
+
+    python scripts/moe_bench.py          # about 1-2 minutes on an H200, mostly compiling
+
+Bandwidth = bytes of expert weights the batch's routing touches (each expert hit once: its gate, up and
+down rows) / time. Triton is timed as decode runs it, replayed from a CUDA graph, each call reading a
+different layer's weights so they come from HBM, not L2 ("+routing": the whole block, router matmul and
+routing kernel included, as decode runs it); the torch path (a host sync per call, so no
+graph) is timed eagerly with CUDA events. Routing: softmax top-8 over random router logits, renormalised.
+After the table, a few alternative MoeConfigs per batch are timed, to show where moe_config could be
+tuned. Last, an engine check: a tiny random Qwen3-MoE through LLM with CUDA graphs (float32) must give
+transformers' greedy tokens. Writes the results as JSON to $OUT/moe_bench.json when $OUT is set.
+"""
+
+import json
+import os
+import sys
+from dataclasses import astuple
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanovllm.kernels.fused_moe import MoeConfig, fused_moe, moe_config  # noqa: E402
+from nanovllm.layers.fused_moe import route, torch_moe  # noqa: E402
+
+NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 2048, 768
+BATCHES = [1, 64, 256]
+# Layers' worth of expert weights the graph cycles through: 4 x 1.2 GB, far beyond the 50 MB L2.
+NUM_LAYERS = 4
+GRAPH_REPLAYS = 10
+TORCH_ITERS = 5
+COPY_BYTES = 1 << 30
+DTYPE = torch.bfloat16
+ALTERNATIVES = [MoeConfig(16, 64, 128, 4, 4), MoeConfig(16, 128, 64, 4, 4), MoeConfig(32, 64, 64, 4, 4),
+                MoeConfig(32, 128, 64, 4, 3), MoeConfig(64, 128, 64, 8, 3), MoeConfig(16, 32, 256, 4, 3)]
+
+
+def elapsed_us(fn, iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def graph_us(fn, layers) -> float:
+    """Microseconds per layer of fn(layer), replayed from a graph that runs it over every layer."""
+    fn(layers[0])  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fn(layer) for layer in layers]
+    graph.replay()
+    us = elapsed_us(graph.replay, GRAPH_REPLAYS) / len(layers)
+    del outs, graph
+    return us
+
+
+def triton_us(x, layers, topk_weights, topk_ids, config: MoeConfig | None) -> float:
+    return graph_us(lambda layer: fused_moe(x, layer[0], layer[1], topk_weights, topk_ids, config), layers)
+
+
+def with_routing_us(x, layers, router: torch.Tensor) -> float:
+    """The whole MoE block as decode runs it: router matmul, routing kernel, experts."""
+    def block(layer):
+        topk_weights, topk_ids = route(F.linear(x, router), TOP_K, True)
+        return fused_moe(x, layer[0], layer[1], topk_weights, topk_ids)
+
+    return graph_us(block, layers)
+
+
+def copy_gbps() -> float:
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    us = elapsed_us(lambda: dst.copy_(src), 10)
+    return 2 * COPY_BYTES / us / 1e3  # read + write
+
+
+def engine_check() -> dict:
+    """A tiny random Qwen3-MoE (8 experts, top-2, one dense layer) through the whole engine on this GPU
+    with CUDA graphs, in float32: greedy tokens must equal transformers' on the same weights."""
+    import tempfile
+
+    import transformers
+
+    from nanovllm import LLM, SamplingParams
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        mlp_only_layers=[1], norm_topk_prob=True, max_position_embeddings=512, initializer_range=0.25)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(config).float().cuda().eval()
+    prompts = [[(7 * i + j) % 512 for j in range(5 + 9 * i)] for i in range(4)]
+    max_tokens = 32
+    with torch.no_grad():
+        reference = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda"),
+                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    with tempfile.TemporaryDirectory() as path:
+        hf.save_pretrained(path)
+        del hf
+        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kvcache_block_size=16, max_model_len=256,
+                  max_num_seqs=8, gpu_memory_utilization=0.3)
+        decode_graphs = llm.engine.model_runner.decode_graphs
+        graphs = decode_graphs is not None and bool(decode_graphs.graphs)
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        llm.exit()
+    same = [o["token_ids"] == r for o, r in zip(outputs, reference, strict=True)]
+    print(f"\nengine check (tiny Qwen3-MoE, float32, CUDA graphs captured: {graphs}): greedy tokens equal to "
+          f"transformers for {sum(same)}/{len(same)} prompts")
+    return dict(cuda_graphs=graphs, prompts_equal=sum(same), prompts=len(same))
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("moe_bench.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    gen = dict(device="cuda", dtype=DTYPE)
+    layers = [(torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, **gen) * 0.02,
+               torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, **gen) * 0.02) for _ in range(NUM_LAYERS)]
+    expert_bytes = 3 * INTERMEDIATE * HIDDEN * torch.finfo(DTYPE).bits // 8
+    copy = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:,.0f} GB/s\n")
+    print(f"{'batch':>5} {'experts':>7} {'MB':>6} | {'triton us':>9} {'GB/s':>6} {'of copy':>7} | "
+          f"{'torch us':>9} {'GB/s':>6} | {'+routing us':>11} | {'max |diff|':>10}  config")
+    router = torch.randn(NUM_EXPERTS, HIDDEN, **gen) * 0.02
+    rows, inputs = [], {}
+    for batch in BATCHES:
+        x = torch.randn(batch, HIDDEN, **gen)
+        topk_weights, topk_ids = route(torch.randn(batch, NUM_EXPERTS, device="cuda"), TOP_K, True)
+        inputs[batch] = x, topk_weights, topk_ids
+        touched = torch.unique(topk_ids).numel() * expert_bytes
+        config = moe_config(batch * TOP_K, NUM_EXPERTS, DTYPE)
+        t_us = triton_us(x, layers, topk_weights, topk_ids, config)
+        block_us = with_routing_us(x, layers, router)
+        w13, w2 = layers[0]
+        torch_moe(x, w13, w2, topk_weights, topk_ids)
+        torch.cuda.synchronize()
+        # One layer's weights only: the torch path sees L2 hits the Triton timing does not (favours torch).
+        r_us = elapsed_us(lambda: torch_moe(x, w13, w2, topk_weights, topk_ids), TORCH_ITERS)  # noqa: B023
+        diff = (fused_moe(x, w13, w2, topk_weights, topk_ids).float()
+                - torch_moe(x, w13, w2, topk_weights, topk_ids).float()).abs().max().item()
+        row = dict(batch=batch, experts=touched // expert_bytes, mb=touched / 1e6, triton_us=t_us,
+                   triton_gbps=touched / t_us / 1e3, torch_us=r_us, torch_gbps=touched / r_us / 1e3,
+                   block_us=block_us, max_abs_diff=diff, config=astuple(config), copy_gbps=copy)
+        rows.append(row)
+        print(f"{batch:>5} {row['experts']:>7} {row['mb']:>6.0f} | {t_us:>9.1f} {row['triton_gbps']:>6.0f} "
+              f"{row['triton_gbps'] / copy:>7.0%} | {r_us:>9.1f} {row['torch_gbps']:>6.0f} | "
+              f"{block_us:>11.1f} | {diff:>10.2e}  {astuple(config)}")
+    print("\nalternative configs (block_m, block_n, block_k, num_warps, num_stages): us per layer")
+    for row in rows:
+        batch = row["batch"]
+        x, topk_weights, topk_ids = inputs[batch]
+        row["alternatives"] = {str(astuple(c)): triton_us(x, layers, topk_weights, topk_ids, c)
+                               for c in ALTERNATIVES}
+        best = min(row["alternatives"].items(), key=lambda kv: kv[1])
+        print(f"batch {batch:>3}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["alternatives"].items())
+              + f"  -> best {best[0]} {best[1]:.1f} us (default {row['triton_us']:.1f})")
+    del layers
+    torch.cuda.empty_cache()
+    engine = engine_check()
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "moe_bench.json"), "w") as f:
+            json.dump({"layer": rows, "engine": engine}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
