@@ -28,6 +28,8 @@ VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_DEVICES = ("auto", "cpu", "cuda")
 VALID_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn", "fa3")  # see nanovllm.attention
+# vLLM's names: "auto" keeps the model dtype; "fp8" is e4m3 with per-layer scales.
+VALID_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Environment variables that set a default for the field of the same meaning.
 ENV_DEFAULTS = {
@@ -72,11 +74,16 @@ class Config:
     torch_compile: bool = field(default_factory=lambda: _env_default("torch_compile", True))
     # GPU only: one-token matmuls through nanovllm.kernels.skinny_gemm instead of cuBLAS.
     skinny_gemm: bool = field(default_factory=lambda: _env_default("skinny_gemm", True))
+    kv_cache_dtype: str = "auto"
+    # Decode tokens of running requests and prompt chunks of new ones in one forward pass (vLLM v1's
+    # policy); False: nano-vllm's, where a step either prefills or decodes.
+    mixed_batches: bool = True
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: str | None = field(init=False, default=None)  # the GGUF file, when the model is one
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
     device_type: str = field(init=False, default="cpu")  # "cpu" or "cuda", resolved from `device`
     torch_dtype: torch.dtype = field(init=False, default=torch.float32)  # resolved from `dtype`
+    kv_cache_torch_dtype: torch.dtype = field(init=False, default=torch.float32)  # from kv_cache_dtype
 
     @classmethod
     def from_options(cls, model: str, **options) -> "Config":
@@ -121,6 +128,7 @@ class Config:
         check_model_config(self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.torch_dtype = self._resolve_dtype()
+        self.kv_cache_torch_dtype = self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         self._check_tensor_parallel()
@@ -213,7 +221,7 @@ class Config:
         if self.cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
         choices = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
-                   "attention_backend": VALID_ATTENTION_BACKENDS}
+                   "attention_backend": VALID_ATTENTION_BACKENDS, "kv_cache_dtype": VALID_KV_CACHE_DTYPES}
         for name, valid in choices.items():
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")

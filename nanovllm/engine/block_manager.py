@@ -95,19 +95,21 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def can_append(self, seq: Sequence) -> bool:
-        return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
-
-    def append_slots(self, seq: Sequence) -> None:
-        """Grow seq's block table to cover all its tokens (a decode step needs at most one block)."""
-        while len(seq.block_table) < seq.num_blocks:
-            seq.block_table.append(self._take_free_block())
+    def append_slot(self, seq: Sequence) -> bool:
+        """Make seq's block table cover all its tokens before a decode step (one block at most: only
+        its last token lacks KV). False, changing nothing, when that block is needed and none is free."""
+        if len(seq.block_table) * self.block_size >= len(seq.token_ids):
+            return True
+        if not self.free_blocks:
+            return False
+        seq.block_table.append(self._take_free_block())
+        return True
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed KV, so later sequences can share them."""
-        if not self.enable_prefix_caching:
-            return
         num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full == len(seq.block_hashes):  # the common case
+            return
         for i in range(len(seq.block_hashes), num_full):
             tokens = seq.block(i)
             h = chain_hash(tokens, seq.block_hashes[-1] if seq.block_hashes else None)

@@ -1,10 +1,17 @@
 """Scheduler: continuous batching over WAITING -> RUNNING -> FINISHED.
 
-Each step is either a prefill step or a decode step; prefill goes first. A prefill step first
-continues running sequences whose prompt is only partly computed, then admits waiting sequences,
-all under `max_num_batched_tokens` (the last one chunked to fit). A decode step gives every running
-sequence one token; when KV blocks run out, the most recently admitted sequences are preempted and
-recomputed later. No request is ever dropped."""
+Each step spends a budget of `max_num_batched_tokens` on at most `max_num_seqs` sequences:
+
+- mixed batches (the default, as vLLM v1): running sequences first, oldest first: a decoding one
+  gets its next token, one still prefilling the next chunk of its prompt; then waiting sequences are
+  admitted while blocks and budget last (the last one chunked to fit). New requests thus join the
+  decode batch in the same forward pass instead of stalling it with a step of their own.
+- prefill first (`mixed_batches=False`, nano-vllm's policy): a step either continues and admits
+  prefills, or, when there are none, decodes every running sequence.
+
+A step whose every sequence computes just its last token is a decode step (CUDA graphs replay those).
+When KV blocks run out for a decoding sequence, the most recently admitted sequences are preempted
+and recomputed later. No request is ever dropped."""
 
 from collections import deque
 
@@ -16,6 +23,7 @@ from nanovllm.engine.stop_checker import StopChecker
 
 class Scheduler:
     def __init__(self, config: Config, num_kvcache_blocks: int, stop_checker: StopChecker) -> None:
+        self.mixed_batches = config.mixed_batches
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
@@ -47,11 +55,43 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick the sequences of the next step and how many tokens each computes
-        (seq.num_scheduled_tokens). Returns (sequences, is_prefill)."""
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            return scheduled, True
-        return self._schedule_decode(), False
+        (seq.num_scheduled_tokens). Returns (sequences, is_prefill): is_prefill is False for a decode
+        step, where every sequence computes exactly its last token."""
+        if self.mixed_batches:
+            scheduled, budget = self._schedule_running()
+            scheduled += self._admit(budget)
+        else:
+            scheduled = self._schedule_prefill() or self._schedule_decode()
+        assert scheduled or self.waiting, "the scheduler found nothing to run and nothing waits"
+        is_decode = all(seq.num_scheduled_tokens == 1 and seq.num_uncomputed_tokens == 1 for seq in scheduled)
+        return scheduled, not is_decode
+
+    def _schedule_running(self) -> tuple[list[Sequence], int]:
+        """Every running sequence, oldest first, while budget lasts: its next token, or its next chunk.
+        Returns them and the budget left."""
+        budget, scheduled = self.max_num_batched_tokens, []
+        while self.running and budget > 0:
+            seq = self.running.popleft()
+            if seq.is_prefilling:  # holds the blocks of all its tokens since admission
+                seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
+            elif not self._reserve_decode_slot(seq):
+                continue  # preempted
+            else:
+                seq.num_scheduled_tokens = 1
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled, budget
+
+    def _reserve_decode_slot(self, seq: Sequence) -> bool:
+        """Give seq the block its next token needs, preempting the most recently admitted sequences
+        (seq itself last) until one is free. False when seq was preempted."""
+        while not self.block_manager.append_slot(seq):
+            if not self.running:
+                self._preempt(seq)
+                return False
+            self._preempt(self.running.pop())
+        return True
 
     def _schedule_prefill(self) -> list[Sequence]:
         budget, scheduled = self.max_num_batched_tokens, []
@@ -62,6 +102,11 @@ class Scheduler:
                 seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
                 budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
+        return scheduled + self._admit(budget)
+
+    def _admit(self, budget: int) -> list[Sequence]:
+        """Admit waiting sequences while blocks, `budget` tokens and sequence slots last."""
+        scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
@@ -80,17 +125,9 @@ class Scheduler:
         scheduled: list[Sequence] = []
         while self.running and len(scheduled) < limit:
             seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
-                    break
-            else:
-                self.block_manager.append_slots(seq)
+            if self._reserve_decode_slot(seq):
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-        assert scheduled or self.waiting, "decode found nothing to run and nothing waits"
         self.running.extendleft(reversed(scheduled))
         return scheduled
 
@@ -106,11 +143,13 @@ class Scheduler:
     def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
         """Record a finished step: advance computed tokens, append sampled tokens, retire finished
         sequences. token_ids[i] is None when seqs[i] only computed part of its prompt."""
-        finished = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
+        assert len(seqs) == len(token_ids), "one sampled token (or None) per scheduled sequence"
+        finished, block_size = [], self.block_manager.block_size
+        for seq, token_id in zip(seqs, token_ids):
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.cache_computed_blocks(seq)
+            if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block just filled up
+                self.block_manager.cache_computed_blocks(seq)
             if token_id is None:
                 continue
             seq.token_ids.append(token_id)

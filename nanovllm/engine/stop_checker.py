@@ -17,9 +17,9 @@ class StopChecker:
     def check(self, seq: Sequence) -> str | None:
         """Return "stop" or "length" if seq is finished after its last token, else None."""
         params, token = seq.sampling_params, seq.token_ids[-1]
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if token in self.eos_token_ids and not params.ignore_eos:
             return "stop"
-        if token in params.stop_token_ids:
+        if params.stop_token_ids and token in params.stop_token_ids:
             return "stop"
         if params.stop and self._hit_stop_string(seq):
             return "stop"

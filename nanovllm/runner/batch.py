@@ -75,27 +75,41 @@ def slots(block_table: list[int], start: int, end: int, block_size: int) -> list
 
 
 def _sampling(seqs: list[ScheduledSequence]) -> SamplingBatch:
-    params = [seq.sampling_params for seq in seqs]
-    return SamplingBatch(
-        temperatures=[p.temperature for p in params], top_ks=[p.top_k for p in params],
-        top_ps=[p.top_p for p in params], min_ps=[p.min_p for p in params],
-        seeds=[None if p.seed is None else (p.seed * SEED_STRIDE + seq.num_completion_tokens) & SEED_MASK
-               for p, seq in zip(params, seqs)])
+    batch = SamplingBatch([], [], [], [], [])
+    for seq in seqs:
+        p = seq.sampling_params
+        batch.temperatures.append(p.temperature)
+        batch.top_ks.append(p.top_k)
+        batch.top_ps.append(p.top_p)
+        batch.min_ps.append(p.min_p)
+        batch.seeds.append(None if p.seed is None else
+                           (p.seed * SEED_STRIDE + seq.num_completion_tokens) & SEED_MASK)
+    return batch
 
 
 def build_batch(seqs: list[ScheduledSequence], is_prefill: bool) -> StepBatch:
-    """The record of one step over `seqs`, each computing its `num_scheduled_tokens` next tokens."""
+    """The record of one step over `seqs`, each computing its `num_scheduled_tokens` next tokens.
+    Runs once per step on the host, so the common one-token case takes a short path."""
     input_ids, positions, slot_mapping, cu_q, seqlens_k, sample_rows = [], [], [], [0], [], []
+    num_tokens = 0
     for row, seq in enumerate(seqs):
         start = seq.num_computed_tokens
-        end = start + seq.num_scheduled_tokens
-        input_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
-        slot_mapping.extend(slots(seq.block_table, start, end, seq.block_size))
-        cu_q.append(cu_q[-1] + end - start)
+        num = seq.num_scheduled_tokens
+        end = start + num
+        if num == 1:  # a decode token (or a prompt's last): one position, one slot
+            block_size = seq.block_size
+            input_ids.append(seq.token_ids[start])
+            positions.append(start)
+            slot_mapping.append(seq.block_table[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(slots(seq.block_table, start, end, seq.block_size))
+        num_tokens += num
+        cu_q.append(num_tokens)
         seqlens_k.append(end)
         if end == len(seq):  # the whole sequence is computed: its next token is sampled
             sample_rows.append(row)
+    sampled = seqs if len(sample_rows) == len(seqs) else [seqs[row] for row in sample_rows]
     return StepBatch(is_prefill, input_ids, positions, slot_mapping, cu_q, seqlens_k,
-                     [seq.block_table for seq in seqs], sample_rows,
-                     _sampling([seqs[row] for row in sample_rows]))
+                     [seq.block_table for seq in seqs], sample_rows, _sampling(sampled))

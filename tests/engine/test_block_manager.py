@@ -101,17 +101,25 @@ def test_can_allocate_counts_revived_cached_blocks():
     assert not bm.can_allocate(seq_of([1]))
 
 
-def test_append_slots_grows_by_one_block_at_boundary():
+def test_append_slot_grows_by_one_block_at_boundary():
     bm = BlockManager(num_blocks=4, block_size=4)
     a = seq_of([1, 2, 3, 4])
     bm.allocate(a)
     a.token_ids.append(5)
-    assert bm.can_append(a)
-    bm.append_slots(a)
+    assert bm.append_slot(a)
     assert a.block_table == [0, 1]
     a.token_ids.append(6)
-    bm.append_slots(a)
+    assert bm.append_slot(a)
     assert a.block_table == [0, 1] and bm.num_free_blocks == 2
+
+
+def test_append_slot_refuses_without_a_free_block_and_changes_nothing():
+    bm = BlockManager(num_blocks=1, block_size=4)
+    a = seq_of([1, 2, 3, 4])
+    bm.allocate(a)
+    a.token_ids.append(5)
+    assert not bm.append_slot(a)
+    assert a.block_table == [0] and bm.num_free_blocks == 0
 
 
 def test_deallocate_frees_everything_and_nothing_leaks():

@@ -50,7 +50,7 @@ def workloads(draw):
     config = SimpleNamespace(
         max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.integers(1, 32)),
         num_kvcache_blocks=num_blocks, kvcache_block_size=block_size,
-        enable_prefix_caching=draw(st.booleans()))
+        enable_prefix_caching=draw(st.booleans()), mixed_batches=draw(st.booleans()))
     return config, requests, dict(aborts), draw(st.integers(0, 2**32 - 1))
 
 
@@ -133,7 +133,7 @@ def test_scheduler_and_block_manager_invariants(workload):
 def test_a_small_cache_preempts_and_still_finishes_everything():
     """A fixed example that surely preempts, aborts and shares prefixes (hypothesis may not)."""
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16, num_kvcache_blocks=6,
-                             kvcache_block_size=2, enable_prefix_caching=True)
+                             kvcache_block_size=2, enable_prefix_caching=True, mixed_batches=False)
     requests = [Request(0, [1, 2, 3, 4, 5], 6, True) for _ in range(4)] + [Request(3, [1, 2, 3, 4], 7, True)]
     scheduler = run_workload(config, requests, {5: 4}, seed=0)
     assert scheduler.num_preemptions > 0 and scheduler.block_manager.num_cache_hit_tokens > 0
@@ -141,7 +141,7 @@ def test_a_small_cache_preempts_and_still_finishes_everything():
 
 def test_abort_frees_blocks_and_keeps_the_prefix_cache():
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, num_kvcache_blocks=8,
-                             kvcache_block_size=2, enable_prefix_caching=True)
+                             kvcache_block_size=2, enable_prefix_caching=True, mixed_batches=True)
     scheduler = Scheduler(config, config.num_kvcache_blocks, StopChecker((EOS,), max_model_len=100))
     a = Sequence([1, 2, 3, 4, 5], SamplingParams(max_tokens=4), 2)
     b = Sequence([1, 2, 3, 4, 6], SamplingParams(max_tokens=4), 2)

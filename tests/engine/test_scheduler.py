@@ -8,9 +8,10 @@ from nanovllm.sampling_params import SamplingParams
 EOS = 0
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64):
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, mixed=False):
+    """mixed=False: nano-vllm's prefill-first policy, which most tests here pin down step by step."""
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             kvcache_block_size=block_size, enable_prefix_caching=True)
+                             kvcache_block_size=block_size, enable_prefix_caching=True, mixed_batches=mixed)
     return Scheduler(config, num_blocks, StopChecker((EOS,), max_model_len=1000))
 
 
@@ -39,6 +40,35 @@ def test_prefill_comes_before_decode():
     assert seqs == [b] and is_prefill  # the newcomer is prefilled while a waits
     seqs, is_prefill, scheduled, _ = run_step(sched)
     assert seqs == [a, b] and not is_prefill and scheduled == [1, 1]
+
+
+def test_mixed_step_decodes_the_running_and_admits_the_newcomer_in_one_batch():
+    sched = make_scheduler(mixed=True)
+    a = make_seq(5)
+    sched.add(a)
+    run_step(sched)
+    b = make_seq(3, start=50)
+    sched.add(b)
+    seqs, is_prefill, scheduled, _ = run_step(sched)
+    assert seqs == [a, b] and scheduled == [1, 3] and is_prefill  # not a pure decode step
+    assert a.num_completion_tokens == 2 and b.num_completion_tokens == 1
+    seqs, is_prefill, scheduled, _ = run_step(sched)
+    assert seqs == [a, b] and scheduled == [1, 1] and not is_prefill
+
+
+def test_mixed_step_chunks_the_newcomer_with_what_decode_leaves_of_the_budget():
+    sched = make_scheduler(mixed=True, max_num_batched_tokens=6)
+    a, b = make_seq(4), make_seq(4, start=20)
+    for seq in (a, b):
+        sched.add(seq)
+    run_step(sched)  # both prefilled: 8 tokens exceed 6, so b's prompt is chunked 2 + 2
+    assert b.num_computed_tokens == 2
+    c = make_seq(9, start=50)
+    sched.add(c)
+    seqs, _, scheduled, _ = run_step(sched)
+    assert seqs == [a, b, c] and scheduled == [1, 2, 3]  # a decodes, b finishes its prompt, c gets 3
+    seqs, _, scheduled, _ = run_step(sched)
+    assert seqs == [a, b, c] and scheduled == [1, 1, 4]
 
 
 def test_long_prompt_is_chunked_under_the_token_budget():
