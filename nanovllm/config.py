@@ -21,6 +21,13 @@ VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_DEVICES = ("auto", "cpu", "cuda")
 VALID_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn", "fa3")  # see nanovllm.attention
+# Sets the default of `cpu_threads` (see nanovllm.utils.cpu_threads); read here and nowhere else.
+CPU_THREADS_ENV_VAR = "NANOVLLM_CPU_THREADS"
+
+
+def _default_cpu_threads() -> int | str:
+    value = os.environ.get(CPU_THREADS_ENV_VAR, "auto").strip()
+    return int(value) if value.isdigit() else value
 
 
 @dataclass(slots=True)
@@ -46,6 +53,9 @@ class Config:
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     attention_backend: str = "auto"
+    # Threads of the model's CPU operators: "auto" uses the cores other processes leave free
+    # (nanovllm.utils.cpu_threads), an int fixes the count. Default from NANOVLLM_CPU_THREADS.
+    cpu_threads: int | str = field(default_factory=_default_cpu_threads)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: str | None = field(init=False, default=None)  # the GGUF file, when the model is one
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
@@ -143,6 +153,10 @@ class Config:
                              f"got {self.num_kvcache_blocks}")
         if self.cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
+        threads = self.cpu_threads
+        if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(f"cpu_threads must be 'auto' or a positive integer, got {threads!r} "
+                             f"(the default comes from {CPU_THREADS_ENV_VAR} when it is set)")
         choices = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
                    "attention_backend": VALID_ATTENTION_BACKENDS}
         for name, valid in choices.items():

@@ -16,6 +16,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
+from nanovllm.utils.cpu_threads import CpuThreadPolicy
 from nanovllm.utils.distributed import get_tp_rank, min_across_ranks
 from nanovllm.utils.gguf_loader import gguf_weights
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
@@ -53,6 +54,11 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # Tensor-parallel ranks share the cores out evenly instead (nanovllm.engine.tp_worker).
+        self.cpu_threads: CpuThreadPolicy | None = None
+        if self.device.type == "cpu" and config.tensor_parallel_size == 1:
+            self.cpu_threads = CpuThreadPolicy(config.cpu_threads)
+            self.cpu_threads.apply()
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -192,6 +198,8 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
         """Run one step; returns the new token of each sequence whose computation reached its end
         (None for sequences that only computed a chunk of their prompt, and on ranks other than 0)."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.apply()
         if not is_prefill and self.decode_graphs and self.decode_graphs.can_run(len(seqs)):
             tokens = self._sample(self.decode_graphs.run(seqs), seqs)
             sample_rows = range(len(seqs))
