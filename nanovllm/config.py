@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.utils.gguf_loader import GGUF_SUFFIX, load_gguf_config
+from nanovllm.utils.gguf_loader import GGUF_SUFFIX, GGUFCheckpoint
 
 DOWNLOAD_HINT = (
     "download a model first, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
@@ -58,6 +58,8 @@ class Config:
     cpu_threads: int | str = field(default_factory=_default_cpu_threads)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: str | None = field(init=False, default=None)  # the GGUF file, when the model is one
+    # That file parsed, once: config, tokenizer and weights all come from it.
+    gguf: GGUFCheckpoint | None = field(init=False, default=None, repr=False)
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
 
     @classmethod
@@ -78,7 +80,8 @@ class Config:
             if self.load_format == "safetensors":
                 raise ValueError(f"load_format='safetensors' but the model is the GGUF file "
                                  f"{self.gguf_path!r}; use load_format='auto' or 'gguf'")
-            self.hf_config = load_gguf_config(self.gguf_path)
+            self.gguf = GGUFCheckpoint(self.gguf_path)
+            self.hf_config = self.gguf.hf_config
         else:
             if self.load_format == "gguf":
                 raise ValueError(f"load_format='gguf' needs a .gguf file, but {self.model!r} is not one; "

@@ -24,7 +24,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.engine.tp_worker import TPWorkers
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.gguf_loader import load_gguf_tokenizer
+from nanovllm.utils.log import ensure_default_handler, logger, startup_line
 
 Prompt = str | list[int]
 # Seconds between redraws of the progress bar's live prefill/decode throughput.
@@ -36,8 +36,8 @@ class LLMEngine:
         self.config = config = Config.from_options(model, **options)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
-            if config.tokenizer is None and config.gguf_path is not None:
-                self.tokenizer = load_gguf_tokenizer(config.gguf_path)
+            if config.tokenizer is None and config.gguf is not None:
+                self.tokenizer = config.gguf.tokenizer()
             else:
                 self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         # Ranks 1..N-1 start loading in their own processes while rank 0 loads here.
@@ -52,6 +52,10 @@ class LLMEngine:
         except BaseException:
             self.shutdown()  # no worker outlives a failed constructor
             raise
+        ensure_default_handler()
+        runner = self.model_runner
+        threads = runner.cpu_threads.num_threads if runner.cpu_threads is not None else None
+        logger.info(startup_line(config, runner.device, runner.dtype, runner.backend.name, threads))
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -114,6 +118,7 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. Bad input raises here and leaves the engine untouched."""
+        self._check_alive()
         seq = self._make_sequence(prompt, sampling_params)
         self.scheduler.add(seq)
         return seq.seq_id
@@ -139,10 +144,13 @@ class LLMEngine:
         self.shutdown()
 
     # ---- the loop ----
-    def _run_model(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
+    def _check_alive(self) -> None:
         if self.model_runner is None:
             raise RuntimeError("this LLM is shut down (exit() was called, or a tensor-parallel worker "
                                "failed); create a new one")
+
+    def _run_model(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
+        self._check_alive()
         if self.workers is None:
             return self.model_runner.run(seqs, is_prefill)
         try:
@@ -177,6 +185,7 @@ class LLMEngine:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         """Generate for each prompt; returns one output dict per prompt, in input order."""
+        self._check_alive()  # before any progress bar is drawn
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]

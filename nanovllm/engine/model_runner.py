@@ -18,7 +18,6 @@ from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
 from nanovllm.utils.distributed import get_tp_rank, min_across_ranks
-from nanovllm.utils.gguf_loader import gguf_weights
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
 logger = logging.getLogger("nanovllm")
@@ -70,11 +69,11 @@ class ModelRunner:
         if config.load_format == "dummy":
             init_dummy_weights(self.model, std=getattr(hf, "initializer_range", 0.02), seed=config.seed)
         elif config.load_format == "gguf":
-            load_weights(self.model, gguf_weights(config.gguf_path, hf, self.dtype), config.gguf_path)
+            load_weights(self.model, config.gguf.weights(self.dtype), config.gguf_path)
         else:
             load_model(self.model, config.model)
         self.model.eval()
-        logger.info("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
+        logger.debug("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size, self.dtype)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
@@ -110,7 +109,7 @@ class ModelRunner:
             return config.num_kvcache_blocks
         if self.device.type == "cuda":
             activation_peak = self._warmup()
-            logger.info("warm-up forward done: %.2f GiB of activations at the largest batch",
+            logger.debug("warm-up forward done: %.2f GiB of activations at the largest batch",
                         activation_peak / 2**30)
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
@@ -136,10 +135,14 @@ class ModelRunner:
         layer = self.attention_layers[0]
         shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
                  layer.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # On the CPU, zero-filling GiBs took seconds at start; uninitialised memory costs nothing until
+        # a block is written. Nothing reads a slot before it is written except the torch backend's
+        # padded decode gather, which zeroes those positions itself (attention/torch_backend.py).
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        self.kv_cache = alloc(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
+        logger.debug("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
     def _release_kv_cache(self) -> None:
