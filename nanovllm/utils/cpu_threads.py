@@ -94,10 +94,11 @@ class CpuThreadPolicy:
 
     def others_busy_cores(self) -> float | None:
         """Cores other processes kept busy since the last look (None if too soon to tell)."""
+        wall = self._clock() - self._last[0]
+        if wall < REEVALUATE_S:  # checked first: this runs before every step
+            return None
         now = self._sample()
         wall = now[0] - self._last[0]
-        if wall < REEVALUATE_S:
-            return None
         before, self._last = self._last, now
         if now[1] is None or before[1] is None:
             # No /proc/stat: the load average counts runnable threads, ours included.
