@@ -94,6 +94,11 @@ class GGUFCheckpoint:
         values["tie_word_embeddings"] = "output.weight" not in self.file.tensors
         if "vocab_size" not in values and "tokenizer.ggml.tokens" in self.file.metadata:
             values["vocab_size"] = len(self.file.metadata["tokenizer.ggml.tokens"])
+        # transformers reads no head size for Qwen2/Qwen3 files and falls back to the config class's
+        # default (128, right for every released Qwen3); the file states it, so take it from there.
+        key_length = self.file.metadata.get(f"{self.architecture}.attention.key_length")
+        if "head_dim" not in values and key_length is not None:
+            values["head_dim"] = key_length
         model_type = values.pop("model_type")
         try:
             hf_config = AutoConfig.for_model(model_type, **values)
