@@ -5,7 +5,7 @@ rows put back), so they load through the same path as safetensors.
 
 The config and tokenizer come out as transformers builds them from the same file (its GGUF key
 table and tokenizer converter; tests/models/test_smollm2_gguf.py compares both); the weights are
-dequantized by the gguf package. Model families: those nanovllm runs (llama, qwen2, qwen3)."""
+dequantized by utils/gguf_dequant.py. Model families: those nanovllm runs (llama, qwen2, qwen3)."""
 
 import importlib.util
 import re
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from nanovllm.utils.gguf_dequant import dequantize
 from nanovllm.utils.gguf_reader import GGUFFile, TensorInfo
 
 GGUF_SUFFIX = ".gguf"
@@ -128,7 +129,7 @@ class GGUFCheckpoint:
 
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, dequantized tensor in `dtype`) for every tensor a model here uses."""
-        from gguf import GGML_QUANT_SIZES, dequantize
+        from gguf import GGML_QUANT_SIZES
 
         hf = self.hf_config
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
@@ -137,10 +138,7 @@ class GGUFCheckpoint:
             name = hf_tensor_name(info.name)
             if name is None:
                 continue
-            values = dequantize(self._raw(info, GGML_QUANT_SIZES), info.ggml_type)
-            if not values.flags.writeable:  # float32 tensors come back as views of the read-only file
-                values = values.copy()
-            tensor = torch.from_numpy(values).reshape(info.shape)
+            tensor = dequantize(self._raw(info, GGML_QUANT_SIZES), info.ggml_type, info.shape)
             if permuted and ".attn_q." in info.name:
                 tensor = unpermute_qk(tensor, hf.num_attention_heads)
             elif permuted and ".attn_k." in info.name:
