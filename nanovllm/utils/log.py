@@ -7,9 +7,9 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the engine's bookkeeping imports this module
+    import torch
 
-if TYPE_CHECKING:
     from nanovllm.config import Config
 
 LOGGER_NAME = "nanovllm"
@@ -29,7 +29,7 @@ def ensure_default_handler() -> None:
         logger.setLevel(logging.INFO)
 
 
-def startup_line(config: "Config", device: torch.device, dtype: torch.dtype, backend: str,
+def startup_line(config: "Config", device: "torch.device", dtype: "torch.dtype", backend: str,
                  cpu_threads: int | None) -> str:
     """E.g. "SmolLM2-135M-Instruct.Q4_1.gguf (llama, gguf), float32 on cpu, attention torch,
     KV cache 87,040 tokens, TP 1, CPU threads auto (1 now)"."""
