@@ -9,6 +9,7 @@ dequantized by utils/gguf_dequant.py. Model families: those nanovllm runs (llama
 
 import importlib.util
 import re
+import struct
 from collections.abc import Iterator
 
 import numpy as np
@@ -64,8 +65,8 @@ class GGUFCheckpoint:
         require_gguf()
         try:
             self.file = GGUFFile(path)
-        except (ValueError, OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read {path!r} as a GGUF file: {e}") from e
+        except (ValueError, OSError, UnicodeDecodeError, struct.error) as e:  # struct: a truncated file
+            raise ValueError(f"cannot read {path!r} as a GGUF model: {e}") from e
         self.path = path
         self.architecture: str = self.file.metadata["general.architecture"]
         self.hf_config = self._config()
