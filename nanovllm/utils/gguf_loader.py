@@ -68,6 +68,8 @@ class GGUFCheckpoint:
         except (ValueError, OSError, UnicodeDecodeError, struct.error) as e:  # struct: a truncated file
             raise ValueError(f"cannot read {path!r} as a GGUF model: {e}") from e
         self.path = path
+        if "general.architecture" not in self.file.metadata:
+            raise ValueError(f"{path!r} names no model architecture (general.architecture); is it a model?")
         self.architecture: str = self.file.metadata["general.architecture"]
         self.hf_config = self._config()
 
