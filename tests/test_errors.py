@@ -19,7 +19,7 @@ def test_unknown_option_is_rejected_with_the_valid_ones(qwen3_dir):
 
 @pytest.mark.parametrize("path", ["/nonexistent/model", "/tmp"])
 def test_missing_model_path_says_how_to_get_qwen3(path):
-    with pytest.raises(ValueError, match="huggingface-cli download Qwen/Qwen3-0.6B"):
+    with pytest.raises(ValueError, match="hf download Qwen/Qwen3-0.6B"):
         LLM(path)
 
 

@@ -73,5 +73,5 @@ def select_backend(requested: str, device: torch.device, block_size: int, dtype:
     else:
         from nanovllm.attention.flash_attn_backend import FlashAttention2Backend
         backend = FlashAttention2Backend()
-    logger.info("attention backend: %s", backend.name)
+    logger.debug("attention backend: %s", backend.name)
     return backend

@@ -71,5 +71,10 @@ class TorchBackend(AttentionBackend):
         k = k_cache[tables].flatten(1, 2).transpose(1, 2)
         v = v_cache[tables].flatten(1, 2).transpose(1, 2)
         positions = torch.arange(k.shape[2], device=q.device)
-        mask = (positions[None, :] < meta.seqlens_k[:, None])[:, None, None, :]  # [B, 1, 1, Lk]
-        return _sdpa(q[:, :, None, :], k, v, mask, scale)[:, :, 0, :]
+        valid = positions[None, :] < meta.seqlens_k[:, None]  # [B, Lk]
+        # Slots past a sequence's length (its last block's tail, padded table entries) may never have
+        # been written, and the CPU cache starts uninitialised: any bits, NaN included, where even a
+        # masked-out score turns the row to NaN. The gathered k/v are copies: zero those slots.
+        k.masked_fill_(~valid[:, None, :, None], 0.0)
+        v.masked_fill_(~valid[:, None, :, None], 0.0)
+        return _sdpa(q[:, :, None, :], k, v, valid[:, None, None, :], scale)[:, :, 0, :]

@@ -23,6 +23,7 @@ from nanovllm.runner.batch import build_batch
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.hf_options import HF_LOCAL_ONLY
+from nanovllm.utils.log import ensure_default_handler, logger, startup_line
 from nanovllm.utils.tokenizer import load_tokenizer
 
 Prompt = str | list[int]
@@ -40,9 +41,10 @@ class LLMEngine:
         self.config = config = Config.from_options(model, **options)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
-            gguf_only = config.tokenizer is None and config.gguf_path is not None
-            self.tokenizer = load_tokenizer(None if gguf_only else config.tokenizer or config.model,
-                                            config.gguf_path)
+            if config.tokenizer is None and config.gguf is not None:
+                self.tokenizer = config.gguf.tokenizer()  # from the parse Config already made
+            else:
+                self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         # Ranks 1..N-1 start loading in their own processes while rank 0 loads here.
         self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None
@@ -56,6 +58,11 @@ class LLMEngine:
         except BaseException:
             self.shutdown()  # no worker outlives a failed constructor
             raise
+        ensure_default_handler()
+        runner = self.model_runner
+        threads = runner.cpu_threads.num_threads if runner.cpu_threads is not None else None
+        logger.info(startup_line(config, runner.device, runner.dtype, runner.backend.name, threads,
+                                 self.num_kvcache_blocks))
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)

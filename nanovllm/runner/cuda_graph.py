@@ -88,7 +88,7 @@ class DecodeGraphs:
         group = get_tp_group()
         if group is not None and group.world_size > 1:  # the graphs hold the group's collectives
             group.before_destroy(self.release)
-        logger.info(
+        logger.debug(
             "captured %d decode CUDA graphs for batch sizes up to %d", len(self.graphs), self.max_batch_size
         )
 

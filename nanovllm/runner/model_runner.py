@@ -19,7 +19,7 @@ from nanovllm.models import get_model_class
 from nanovllm.runner.batch import SamplingBatch, StepBatch
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.inputs import model_inputs, sampling_tensors
-from nanovllm.utils.gguf_loader import gguf_weights
+from nanovllm.utils.cpu_threads import CpuThreadPolicy
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
 logger = logging.getLogger("nanovllm")
@@ -42,6 +42,11 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         if on_gpu:
             torch.cuda.set_device(self.device)
+        # Tensor-parallel ranks share the cores out evenly instead (nanovllm.distributed.worker).
+        self.cpu_threads: CpuThreadPolicy | None = None
+        if self.device.type == "cpu" and config.tensor_parallel_size == 1:
+            self.cpu_threads = CpuThreadPolicy(config.cpu_threads)
+            self.cpu_threads.apply()
         torch.manual_seed(config.seed)
         self.model = self._build_model(KernelOptions(torch_compile=on_gpu and config.torch_compile,
                                                      skinny_gemm=on_gpu and config.skinny_gemm))
@@ -70,10 +75,10 @@ class ModelRunner:
         if config.load_format == "dummy":
             init_dummy_weights(model, std=getattr(hf, "initializer_range", 0.02), seed=config.seed)
         elif config.load_format == "gguf":
-            load_weights(model, gguf_weights(config.gguf_path, hf, self.dtype), config.gguf_path)
+            load_weights(model, config.gguf.weights(self.dtype), config.gguf_path)
         else:
             load_model(model, config.model)
-        logger.info("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
+        logger.debug("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
         return model.eval()
 
     def _capture_decode_graphs(self) -> None:
@@ -100,7 +105,7 @@ class ModelRunner:
             return config.num_kvcache_blocks
         if self.device.type == "cuda":
             activation_peak = self._warmup()
-            logger.info("warm-up forward done: %.2f GiB of activations at the largest batch",
+            logger.debug("warm-up forward done: %.2f GiB of activations at the largest batch",
                         activation_peak / 2**30)
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
@@ -126,10 +131,14 @@ class ModelRunner:
         layer = self.attention_layers[0]
         shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
                  layer.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # On the CPU, zero-filling GiBs took seconds at start; uninitialised memory costs nothing until
+        # a block is written. Nothing reads a slot before it is written except the torch backend's
+        # padded decode gather, which zeroes those positions itself (attention/torch_backend.py).
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        self.kv_cache = alloc(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
+        logger.debug("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
     def _release_kv_cache(self) -> None:
@@ -184,6 +193,8 @@ class ModelRunner:
     def logits(self, batch: StepBatch) -> torch.Tensor | None:
         """Run the step's forward pass; returns the logits of the sampling rows [rows, vocab] on rank 0,
         None on the other ranks (every rank must call it: the LM head gathers across them)."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.apply()
         hidden = self._forward(batch)
         if not batch.sample_rows:
             return hidden.new_empty(0, self.vocab_size) if self.rank == 0 else None

@@ -1,12 +1,12 @@
-"""The engine's tokenizer: from the GGUF file, or from a local folder that really holds tokenizer
-files. transformers, given a folder without any, builds a near-empty tokenizer without a word; a
-model served through that one would read every prompt as unknown tokens, so it is refused here."""
+"""The engine's tokenizer from a local folder that really holds tokenizer files (a GGUF model's own
+tokenizer comes from its one parse, nanovllm.utils.gguf_loader.GGUFCheckpoint). transformers, given a
+folder without any, builds a near-empty tokenizer without a word; a model served through that one
+would read every prompt as unknown tokens, so it is refused here."""
 
 import os
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from nanovllm.utils.gguf_loader import load_gguf_tokenizer
 from nanovllm.utils.hf_options import HF_LOCAL_ONLY
 
 # Files one of which a Hugging Face tokenizer folder holds (fast tokenizers, BPE and SentencePiece).
@@ -16,11 +16,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 MIN_VOCAB_SIZE = 2
 
 
-def load_tokenizer(path: str, gguf_path: str | None) -> PreTrainedTokenizerBase:
-    """`path` is the tokenizer option or the model folder; `gguf_path` the model's GGUF file, whose
-    own tokenizer is used when no tokenizer folder was given (path is then None)."""
-    if path is None:
-        return load_gguf_tokenizer(gguf_path)
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """`path` is the tokenizer option or the model folder."""
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise ValueError(f"{path!r} holds no tokenizer files (one of {list(TOKENIZER_FILES)}); copy the "
                          "model's tokenizer into it, pass tokenizer='FOLDER', or skip_tokenizer_init=True "

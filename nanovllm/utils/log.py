@@ -1,0 +1,43 @@
+"""The "nanovllm" logger, and the one line each LLM logs at INFO once it is built: which model file
+and family, dtype and device, attention backend, KV-cache capacity in tokens, tensor-parallel size
+(and CPU threads). The line shows by default; `logging.getLogger("nanovllm").setLevel(
+logging.WARNING)` silences it, and any logging configuration of the program's own takes over."""
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the engine's bookkeeping imports this module
+    import torch
+
+    from nanovllm.config import Config
+
+LOGGER_NAME = "nanovllm"
+logger = logging.getLogger(LOGGER_NAME)
+DEFAULT_FORMAT = "nanovllm: %(message)s"
+
+
+def ensure_default_handler() -> None:
+    """Where the program configured no logging at all (no handler on this logger or the root one),
+    print nanovllm's INFO lines on stderr, as vLLM does; a level set on the logger is kept."""
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(DEFAULT_FORMAT))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+def startup_line(config: "Config", device: "torch.device", dtype: "torch.dtype", backend: str,
+                 cpu_threads: int | None, num_kvcache_blocks: int) -> str:
+    """E.g. "SmolLM2-135M-Instruct.Q4_1.gguf (llama, gguf), float32 on cpu, attention torch,
+    KV cache 87,040 tokens, TP 1, CPU threads auto (1 now)"."""
+    model = os.path.basename((config.gguf_path or config.model).rstrip(os.sep)) or config.model
+    num_kv_tokens = num_kvcache_blocks * config.kvcache_block_size
+    parts = [f"{model} ({config.hf_config.model_type}, {config.load_format})",
+             f"{str(dtype).removeprefix('torch.')} on {device}", f"attention {backend}",
+             f"KV cache {num_kv_tokens:,} tokens", f"TP {config.tensor_parallel_size}"]
+    if cpu_threads is not None:
+        parts.append(f"CPU threads {config.cpu_threads} ({cpu_threads} now)")
+    return ", ".join(parts)
