@@ -31,6 +31,8 @@ class Config:
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # Engines (replicas) in their own processes, each on tensor_parallel_size devices (nanovllm.dp).
+    data_parallel_size: int = 1
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int | None = None
@@ -83,6 +85,7 @@ class Config:
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         self._check_tensor_parallel()
+        self._check_data_parallel()
 
     def _check_tensor_parallel(self) -> None:
         """Before anything is spawned: the sizes the model's layers must split evenly across ranks."""
@@ -112,6 +115,18 @@ class Config:
                 raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs but {num_gpus} are visible; "
                                  "lower it, or expose more GPUs (CUDA_VISIBLE_DEVICES)")
 
+    def _check_data_parallel(self) -> None:
+        """Before any replica is spawned: every replica gets tensor_parallel_size GPUs of its own."""
+        if self.data_parallel_size == 1:
+            return
+        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
+            dp, tp = self.data_parallel_size, self.tensor_parallel_size
+            num_gpus = torch.cuda.device_count()
+            if dp * tp > num_gpus:
+                raise ValueError(f"data_parallel_size={dp} replicas of tensor_parallel_size={tp} need "
+                                 f"{dp * tp} GPUs but {num_gpus} are visible; lower one of them, or expose "
+                                 "more GPUs (CUDA_VISIBLE_DEVICES)")
+
     def _find_gguf(self) -> str | None:
         """The GGUF file the options name, or None when the model is a Hugging Face folder."""
         if self.gguf_file is None and not self.model.endswith(GGUF_SUFFIX):
@@ -131,7 +146,7 @@ class Config:
 
     def _check_ranges(self) -> None:
         positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-                    "kvcache_block_size")
+                    "data_parallel_size", "kvcache_block_size")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

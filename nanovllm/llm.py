@@ -1,4 +1,5 @@
-"""The user-facing facade: `LLM(model_path, **options)` with `generate` and `chat`."""
+"""The user-facing facade: `LLM(model_path, **options)` with `generate` and `chat`. With
+data_parallel_size > 1 it is a nanovllm.dp.llm.DataParallelLLM (a subclass, same API) over N replicas."""
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
@@ -7,6 +8,13 @@ Message = dict[str, str]
 
 
 class LLM(LLMEngine):
+    def __new__(cls, model: str, **options) -> "LLM":
+        if cls is LLM and options.get("data_parallel_size", 1) != 1:
+            from nanovllm.dp.llm import DataParallelLLM  # imports this module: import it when needed
+
+            cls = DataParallelLLM  # Python then runs DataParallelLLM.__init__, not LLMEngine's
+        return super().__new__(cls)
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[dict]:

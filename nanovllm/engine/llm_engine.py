@@ -112,6 +112,23 @@ class LLMEngine:
         self._check_fits(token_ids, params)
         return Sequence(token_ids, params, self.config.kvcache_block_size)
 
+    def _make_sequences(self, prompts: Prompt | list[Prompt],
+                        sampling_params: SamplingParams | list[SamplingParams] | None) -> list[Sequence]:
+        """generate's arguments as validated sequences: one prompt or a list, one SamplingParams for
+        all or one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise TypeError("prompts must be a string, a list of token ids, or a non-empty list of them")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; "
+                                 "pass one for all or one per prompt")
+        else:
+            sampling_params = [sampling_params] * len(prompts)
+        return [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. Bad input raises here and leaves the engine untouched."""
         seq = self._make_sequence(prompt, sampling_params)
@@ -177,19 +194,8 @@ class LLMEngine:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         """Generate for each prompt; returns one output dict per prompt, in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        if not isinstance(prompts, list) or not prompts:
-            raise TypeError("prompts must be a string, a list of token ids, or a non-empty list of them")
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; "
-                                 "pass one for all or one per prompt")
-        else:
-            sampling_params = [sampling_params] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt leaves no half-added batch.
-        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        seqs = self._make_sequences(prompts, sampling_params)
         for seq in seqs:
             self.scheduler.add(seq)
         outputs = self._run_until_done({seq.seq_id for seq in seqs}, use_tqdm)

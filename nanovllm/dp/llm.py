@@ -1,0 +1,63 @@
+"""`DataParallelLLM`: what `LLM(model, data_parallel_size=N, ...)` is when N > 1. The same API as a
+single engine's `LLM` (generate, chat, shutdown/exit, `with`, tokenizer, config), over N replicas.
+
+Everything is checked here, in the caller's process, before any work leaves it: the options once
+(Config) before a replica is spawned, and every prompt of a `generate` call (tokenized here, checked
+against the smallest replica's KV cache) before any replica gets a request, so a bad prompt raises
+ValueError/TypeError and leaves the replicas untouched.
+
+The engine loop (`add_request`, `step`, `is_finished`) drives one engine in the caller's process; a
+DataParallelLLM has N engines running their own loops in their own processes, so those methods
+raise NotImplementedError pointing to `generate`."""
+
+from transformers import AutoTokenizer
+
+from nanovllm.config import Config
+from nanovllm.dp.coordinator import DPCoordinator
+from nanovllm.engine.llm_engine import Prompt
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.gguf_loader import load_gguf_tokenizer
+
+
+class DataParallelLLM(LLM):
+    def __init__(self, model: str, **options) -> None:
+        self.config = config = Config.from_options(model, **options)
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            if config.tokenizer is None and config.gguf_path is not None:
+                self.tokenizer = load_gguf_tokenizer(config.gguf_path)
+            else:
+                self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.coordinator = DPCoordinator(config.model, options, config)
+        config.num_kvcache_blocks = self.coordinator.num_kvcache_blocks
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        """Generate for each prompt on the replicas; returns one output dict per prompt, in input
+        order. The requests are split between the replicas by tokens (prompt + max_tokens)."""
+        seqs = self._make_sequences(prompts, sampling_params)
+        return self.coordinator.generate([(seq.token_ids, seq.sampling_params) for seq in seqs], use_tqdm)
+
+    def shutdown(self) -> None:
+        """Stop every replica (each shuts its own engine down); any later call raises RuntimeError.
+        Idempotent."""
+        self.coordinator.shutdown()
+
+    exit = shutdown
+
+    def _single_engine_only(self, name: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{name}() drives one engine in this process, but with data_parallel_size="
+            f"{self.config.data_parallel_size} each replica runs its own loop in its own process; use "
+            "generate() or chat(), or an LLM with data_parallel_size=1")
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
+        raise self._single_engine_only("add_request")
+
+    def step(self) -> tuple[list[tuple[int, dict]], int]:
+        raise self._single_engine_only("step")
+
+    def is_finished(self) -> bool:
+        raise self._single_engine_only("is_finished")
