@@ -14,6 +14,7 @@ replica is pinned to its share of the cores instead. It ignores Ctrl-C (the coor
 shuts every replica down), takes SIGTERM as a request to clean up and leave, and exits by itself
 when the coordinator's process goes away."""
 
+import gc
 import os
 import signal
 import sys
@@ -85,6 +86,7 @@ def replica_main(index: int, model: str, options: dict, placement: Placement, co
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _leave_on_sigterm)
     _exit_with_parent()
+    exit_code = 0
     engine = None
     try:
         placement.apply()
@@ -97,25 +99,37 @@ def replica_main(index: int, model: str, options: dict, placement: Placement, co
         # sampled on two replicas would come out alike; each replica draws its own stream. (The seed
         # itself stays shared: dummy weights are drawn from it and must be one model everywhere.)
         torch.manual_seed(engine.config.seed + index)
-        workers = getattr(engine, "workers", None)
-        info = ReplicaInfo(engine.config.num_kvcache_blocks)
-        if workers is not None:
-            info.worker_pids = [process.pid for process in workers.processes]
-            info.shm_names = [workers.channel_name]
-        conn.send(("ready", info))
+        conn.send(("ready", _info(engine)))
         while True:
             message = conn.recv()
             if message[0] == "exit" or not _run_batch(engine, conn, message[1]):
                 break
     except BaseException:
+        exit_code = 1
         try:
             conn.send(("error", traceback.format_exc()[-MAX_ERROR_CHARS:]))
         except OSError:
             pass  # the coordinator is gone; nobody is left to tell
-        sys.exit(1)
     finally:
         if engine is not None:
             engine.shutdown()
+    # Everything the engine held is released; collect its last objects so that their finalizers run
+    # (multiprocessing unlinks the tensor-parallel channel's semaphores then), and leave without the
+    # interpreter's teardown of torch, which takes seconds and frees nothing the OS does not.
+    del engine
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def _info(engine) -> ReplicaInfo:
+    info = ReplicaInfo(engine.config.num_kvcache_blocks)
+    workers = getattr(engine, "workers", None)  # its tensor-parallel workers, when it has some
+    if workers is not None:
+        info.worker_pids = [process.pid for process in workers.processes]
+        info.shm_names = [workers.channel_name]
+    return info
 
 
 def _run_batch(engine, conn: Connection, requests: list) -> bool:
