@@ -76,6 +76,11 @@ class DPCoordinator:
             raise
 
     @property
+    def replica_set(self) -> ReplicaSet:
+        """The replicas' record; it outlives the coordinator until it is released."""
+        return self._state
+
+    @property
     def replicas(self) -> list[Replica]:
         return self._state.replicas
 
@@ -146,10 +151,6 @@ class DPCoordinator:
     def shutdown(self) -> None:
         """Stop every replica and free what they hold. Idempotent."""
         self._finalizer()
-
-    @property
-    def is_shut_down(self) -> bool:
-        return self._state.closed
 
 
 class _ProgressBar:

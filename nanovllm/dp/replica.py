@@ -150,7 +150,9 @@ def _run_batch(engine, conn: Connection, requests: list) -> bool:
             conn.send(("progress", finished, num_prefill, num_decode))
             finished, num_prefill, num_decode = [], 0, 0
             last_sent = time.monotonic()
-        if conn.poll():  # the coordinator speaks mid-batch only to stop us (Ctrl-C, a replica died)
+        # Until its last output is sent, the coordinator speaks only to stop us (Ctrl-C, a replica
+        # died); after it, the next message may already be the next batch, read by the caller.
+        if not engine.is_finished() and conn.poll():
             message = conn.recv()
             assert message[0] == "exit", f"unexpected message {message[0]!r} during a batch"
             return False
