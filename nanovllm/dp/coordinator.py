@@ -17,6 +17,8 @@ Failures never hang and never leak:
 import os
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
@@ -34,7 +36,29 @@ BAR_REFRESH_S = 0.5
 SPAWN_HINT = ("Replicas are started with the 'spawn' method, which re-imports your main script: create the "
               "LLM under `if __name__ == '__main__':`.")
 
+CUDA_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
+
 Request = tuple[list[int], SamplingParams]
+
+
+@contextmanager
+def _spawned_with_devices(placement: Placement) -> Iterator[None]:
+    """A spawned child starts with this process's environment: while a replica is started, that
+    environment names the replica's GPUs, so that CUDA, whenever the child first touches it (even in
+    an import before the replica's code runs), sees only those. This process's own CUDA view was
+    fixed when Config counted the GPUs."""
+    if placement.cuda_devices is None:
+        yield
+        return
+    previous = os.environ.get(CUDA_DEVICES_VAR)
+    os.environ[CUDA_DEVICES_VAR] = ",".join(placement.cuda_devices)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[CUDA_DEVICES_VAR]
+        else:
+            os.environ[CUDA_DEVICES_VAR] = previous
 
 
 def placements(config: Config) -> list[Placement]:
@@ -43,7 +67,7 @@ def placements(config: Config) -> list[Placement]:
     if resolve_device(config).type == "cuda":
         import torch
 
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = os.environ.get(CUDA_DEVICES_VAR)
         ids = ([d.strip() for d in visible.split(",") if d.strip()] if visible
                else [str(i) for i in range(torch.cuda.device_count())])
         return [Placement(cuda_devices=replica_devices(i, tp, ids)) for i in range(num_replicas)]
@@ -67,7 +91,8 @@ class DPCoordinator:
                 # Not a daemon: a replica with tensor_parallel_size > 1 starts worker processes itself.
                 process = ctx.Process(target=replica_main, name=f"nanovllm-dp{index}",
                                       args=(index, model, replica_options, placement, replica_conn))
-                process.start()
+                with _spawned_with_devices(placement):
+                    process.start()
                 replica_conn.close()
                 state.replicas.append(Replica(index, process, conn, placement))
             self._wait_until_ready()

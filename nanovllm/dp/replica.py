@@ -9,7 +9,8 @@ Messages, all `(kind, *args)` tuples:
                              ("error", traceback)      just before it exits with code 1
 
 A replica is placed before anything in it touches CUDA: CUDA reads CUDA_VISIBLE_DEVICES once, when
-it initializes, so it is set first thing in the process and then checked. On a CPU-only run the
+it initializes, so the replica starts with it already set (see nanovllm.dp.coordinator), sets it
+again first thing, and checks that CUDA shows exactly its devices. On a CPU-only run the
 replica is pinned to its share of the cores instead. It ignores Ctrl-C (the coordinator decides and
 shuts every replica down), takes SIGTERM as a request to clean up and leave, and exits by itself
 when the coordinator's process goes away."""
