@@ -34,16 +34,19 @@ FINISH_REASON_COLUMN = "finish_reason"
 
 class LLMPredictor:
     """A callable class for `ray.data.Dataset.map_batches`. The constructor takes the LLM's options
-    (as `LLM(model, **options)`), the SamplingParams for every row, and the name of the column that
-    holds the prompts (strings, or token-id lists). A call takes a batch of rows and returns them
-    with generated_text, generated_token_ids and finish_reason columns added."""
+    (as `LLM(model, **options)`), the SamplingParams for every row, the name of the column that
+    holds the prompts (strings, or token-id lists), and whether to send each string prompt as a
+    user message through the chat template (`LLM.chat`) rather than as raw text. A call takes a
+    batch of rows and returns them with generated_text, generated_token_ids and finish_reason
+    columns added."""
 
     def __init__(self, model: str, sampling_params: SamplingParams | None = None,
-                 prompt_column: str = "prompt", **options: Any) -> None:
+                 prompt_column: str = "prompt", apply_chat_template: bool = False, **options: Any) -> None:
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         self.sampling_params = sampling_params
         self.prompt_column = prompt_column
+        self.apply_chat_template = apply_chat_template
         self.llm = LLM(model, **options)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -51,7 +54,16 @@ class LLMPredictor:
             raise KeyError(f"the batch has no {self.prompt_column!r} column (it has {sorted(batch)}); "
                            "pass prompt_column= to LLMPredictor")
         prompts = [_prompt(p) for p in batch[self.prompt_column]]
-        outputs = self.llm.generate(prompts, self.sampling_params, use_tqdm=False) if prompts else []
+        if not prompts:
+            outputs = []
+        elif self.apply_chat_template:
+            if not all(isinstance(p, str) for p in prompts):
+                raise TypeError("apply_chat_template=True needs string prompts; send token ids with "
+                                "apply_chat_template=False")
+            conversations = [[{"role": "user", "content": p}] for p in prompts]
+            outputs = self.llm.chat(conversations, self.sampling_params, use_tqdm=False)
+        else:
+            outputs = self.llm.generate(prompts, self.sampling_params, use_tqdm=False)
         return {
             **batch,
             TEXT_COLUMN: np.array([o["text"] for o in outputs], dtype=object),

@@ -46,11 +46,15 @@ def test_two_actors_give_what_one_llm_gives(local_cluster, qwen3_dir):
         assert list(rows[100 + i]["generated_token_ids"]) == expected[i]["token_ids"]
 
 
-def test_a_missing_prompt_column_says_which_to_pass(qwen3_dir):
-    predictor = LLMPredictor(qwen3_dir, sampling_params=GREEDY, prompt_column="text", **OPTIONS)
+def test_prompt_column_and_chat_template(qwen3_dir):
+    predictor = LLMPredictor(qwen3_dir, sampling_params=GREEDY, prompt_column="text",
+                             apply_chat_template=True, **OPTIONS)
     with pytest.raises(KeyError, match="prompt_column="):
         predictor({"prompt": np.array(["hello"], dtype=object)})
-    batch = predictor({"text": np.array(["hello", PROMPTS[0]], dtype=object)})
-    assert batch["generated_text"].shape == (2,)
-    assert [len(ids) for ids in batch["generated_token_ids"]] == [16, 16]
+    batch = predictor({"text": np.array(["hello", PROMPTS[0]], dtype=object), "id": np.array([7, 8])})
+    expected = predictor.llm.chat([[{"role": "user", "content": p}] for p in ["hello", PROMPTS[0]]], GREEDY,
+                                  use_tqdm=False)
+    assert list(batch["id"]) == [7, 8]  # the input's columns pass through
+    assert [list(ids) for ids in batch["generated_token_ids"]] == [o["token_ids"] for o in expected]
+    assert list(batch["generated_text"]) == [o["text"] for o in expected]
     predictor.llm.shutdown()
