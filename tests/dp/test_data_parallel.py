@@ -146,3 +146,41 @@ def raised(fn) -> BaseException | None:
     except BaseException as e:  # noqa: B036 - handed back to the test
         return e
     return None
+
+
+CTRL_C_SCRIPT = """
+import json, sys
+sys.path.insert(0, {root!r})
+from nanovllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM({model!r}, data_parallel_size=2, **{options!r})
+    print(json.dumps([replica.process.pid for replica in llm.coordinator.replicas]), flush=True)
+    while True:
+        llm.generate(["hello"] * 4, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+"""
+
+
+def test_ctrl_c_in_a_terminal_stops_every_replica(qwen3_dir, tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to every process of the foreground group, replicas included:
+    they ignore it, and the caller's KeyboardInterrupt shuts them all down on its way out."""
+    import json
+    import subprocess
+    import sys
+
+    from nanovllm.dp.replica_set import _is_running
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_SCRIPT.format(root=root, model=qwen3_dir, options=OPTIONS))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        pids = json.loads(process.stdout.readline())
+        time.sleep(1)  # generating
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert "KeyboardInterrupt" in stderr, stderr[-2000:]
+    assert len(pids) == 2 and not any(_is_running(pid) for pid in pids)
