@@ -143,7 +143,10 @@ class DPCoordinator:
         try:
             for replica, part in zip(self.replicas, parts):
                 if part:
-                    replica.conn.send(("generate", [requests[i] for i in part]))
+                    try:
+                        replica.conn.send(("generate", [requests[i] for i in part]))
+                    except OSError:  # it died since the check above
+                        raise state.error(replica) from None
             with _ProgressBar(len(requests), use_tqdm) as bar:
                 while bar.n < len(requests):
                     self._receive(parts, results, bar)
