@@ -34,6 +34,10 @@ BAR_REFRESH_S = 0.5
 class LLMEngine:
     def __init__(self, model: str, **options) -> None:
         self.config = config = Config.from_options(model, **options)
+        if config.data_parallel_size != 1:
+            raise ValueError(f"an LLMEngine is one engine, but data_parallel_size="
+                             f"{config.data_parallel_size}; create LLM(..., data_parallel_size=N) for N "
+                             "replicas (nanovllm.dp)")
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             if config.tokenizer is None and config.gguf_path is not None:

@@ -1,12 +1,15 @@
 """Data parallelism for real, on the CPU: DP=2 runs two engine replicas in spawned processes. Greedy
 output must equal one engine's, in input order, whatever the split; bad input raises in the caller
 before any replica gets work; a killed replica raises within seconds and leaves no process or shared
-memory behind; garbage collection releases everything."""
+memory behind; garbage collection and a terminal's Ctrl-C release everything."""
 
 import gc
+import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -19,6 +22,7 @@ from nanovllm.dp import coordinator
 from nanovllm.dp.balance import split_by_tokens
 from nanovllm.dp.llm import DataParallelLLM
 from nanovllm.dp.replica_set import DataParallelError, ReplicaSet, _is_running
+from nanovllm.engine.llm_engine import LLMEngine
 
 OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, num_kvcache_blocks=96)
 # Uneven prompts (1 to ~60 tokens) and uneven budgets: the split by tokens is uneven by count.
@@ -106,6 +110,8 @@ def test_bad_options_raise_before_any_replica_starts(qwen3_dir):
         LLM(qwen3_dir, data_parallel_size=2, device="cuda")
     with pytest.raises(ValueError, match=r"valid sizes: \[1, 2, 4\]"):
         LLM(qwen3_dir, data_parallel_size=2, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"create LLM\(\.\.\., data_parallel_size=N\)"):
+        LLMEngine(qwen3_dir, data_parallel_size=2)  # one engine cannot be two
     assert set(multiprocessing.active_children()) == children
 
 
@@ -163,12 +169,6 @@ if __name__ == "__main__":
 def test_ctrl_c_in_a_terminal_stops_every_replica(qwen3_dir, tmp_path):
     """A terminal's Ctrl-C sends SIGINT to every process of the foreground group, replicas included:
     they ignore it, and the caller's KeyboardInterrupt shuts them all down on its way out."""
-    import json
-    import subprocess
-    import sys
-
-    from nanovllm.dp.replica_set import _is_running
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_SCRIPT.format(root=root, model=qwen3_dir, options=OPTIONS))
