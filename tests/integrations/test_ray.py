@@ -16,13 +16,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 OPTIONS = dict(kvcache_block_size=4, max_model_len=128, num_kvcache_blocks=64)
 # Uneven prompts, as strings and as token ids.
 RAY_PROMPTS = [*PROMPTS, " ".join(PROMPTS), "Berlin"]
+# The rows are a few kilobytes; Ray's default store would take 30% of the machine's memory.
+OBJECT_STORE_BYTES = 200 * 1024**2
 
 
 @pytest.fixture(scope="module")
 def local_cluster():
     # The actors import this tree's nanovllm, not the installed one.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=OBJECT_STORE_BYTES,
              runtime_env={"env_vars": {"PYTHONPATH": root, "CUDA_VISIBLE_DEVICES": ""}})
     yield
     ray.shutdown()
