@@ -1,6 +1,7 @@
 """The user-facing facade: `LLM(model_path, **options)` with `generate` and `chat`. With
-data_parallel_size > 1 it is a nanovllm.dp.llm.DataParallelLLM (a subclass, same API) over N replicas."""
+data_parallel_size > 1 it is a DataParallelLLM (a subclass, same API) over N replicas (nanovllm.dp)."""
 
+from nanovllm.dp.engine import DataParallelEngine
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
 
@@ -10,9 +11,7 @@ Message = dict[str, str]
 class LLM(LLMEngine):
     def __new__(cls, model: str, **options) -> "LLM":
         if cls is LLM and options.get("data_parallel_size", 1) != 1:
-            from nanovllm.dp.llm import DataParallelLLM  # imports this module: import it when needed
-
-            cls = DataParallelLLM  # Python then runs DataParallelLLM.__init__, not LLMEngine's
+            cls = DataParallelLLM  # Python then runs DataParallelEngine.__init__, not LLMEngine's
         return super().__new__(cls)
 
     def chat(self, messages: list[Message] | list[list[Message]],
@@ -33,3 +32,8 @@ class LLM(LLMEngine):
             # The template already placed any special tokens (BOS) it wants.
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+class DataParallelLLM(DataParallelEngine, LLM):
+    """What `LLM(..., data_parallel_size=N)` returns for N > 1: DataParallelEngine's generate, shutdown
+    and loop methods (first in the MRO), LLM's chat over them."""

@@ -2,7 +2,7 @@
 full engines (replicas), each in its own process on its own T devices, and splits each `generate`
 call's requests between them.
 
-    llm.py          DataParallelLLM: what `LLM(...)` returns when data_parallel_size > 1
+    engine.py       DataParallelEngine: LLMEngine's API over the replicas (nanovllm.llm.DataParallelLLM)
     coordinator.py  the caller's side: starts the replicas, hands out requests, gathers results
     replica_set.py  its record of the replica processes, and their release
     replica.py      one replica process: placement on its devices, an LLMEngine, its loop

@@ -20,9 +20,9 @@ from conftest import PROMPTS
 from nanovllm import LLM, SamplingParams
 from nanovllm.dp import coordinator
 from nanovllm.dp.balance import split_by_tokens
-from nanovllm.dp.llm import DataParallelLLM
 from nanovllm.dp.replica_set import DataParallelError, ReplicaSet, _is_running
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.llm import DataParallelLLM
 
 OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, num_kvcache_blocks=96)
 # Uneven prompts (1 to ~60 tokens) and uneven budgets: the split by tokens is uneven by count.

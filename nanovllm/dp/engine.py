@@ -1,5 +1,6 @@
-"""`DataParallelLLM`: what `LLM(model, data_parallel_size=N, ...)` is when N > 1. The same API as a
-single engine's `LLM` (generate, chat, shutdown/exit, `with`, tokenizer, config), over N replicas.
+"""`DataParallelEngine`: the engine behind `LLM(model, data_parallel_size=N, ...)` when N > 1. The
+same API as one LLMEngine (generate, shutdown/exit, `with`, tokenizer, config), over N replicas;
+nanovllm.llm.DataParallelLLM adds LLM's chat on top.
 
 Everything is checked here, in the caller's process, before any work leaves it: the options once
 (Config) before a replica is spawned, and every prompt of a `generate` call (tokenized here, checked
@@ -7,21 +8,20 @@ against the smallest replica's KV cache) before any replica gets a request, so a
 ValueError/TypeError and leaves the replicas untouched.
 
 The engine loop (`add_request`, `step`, `is_finished`) drives one engine in the caller's process; a
-DataParallelLLM has N engines running their own loops in their own processes, so those methods
+DataParallelEngine has N engines running their own loops in their own processes, so those methods
 raise NotImplementedError pointing to `generate`."""
 
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.dp.coordinator import DPCoordinator
-from nanovllm.engine.llm_engine import Prompt
-from nanovllm.llm import LLM
+from nanovllm.engine.llm_engine import LLMEngine, Prompt
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.gguf_loader import load_gguf_tokenizer
 
 
-class DataParallelLLM(LLM):
-    def __init__(self, model: str, **options) -> None:
+class DataParallelEngine(LLMEngine):
+    def __init__(self, model: str, **options) -> None:  # LLMEngine's builds one engine here: not called
         self.config = config = Config.from_options(model, **options)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
