@@ -5,6 +5,7 @@ the timed one. Prints one line: "Total: ...tok, Time: ...s, Throughput: ...tok/s
     python bench.py [--model PATH] [--num-seqs 256] [--max-input-len 1024] [--max-output-len 1024]
     python bench.py --model configs/Qwen3-0.6B --load-format dummy   # random weights from config.json
     python bench.py --model model.gguf --num-seqs 8 --max-input-len 64 --max-output-len 64   # on a CPU
+    python bench.py ... -dp 2                                        # two replicas (nanovllm.dp)
 
 The lengths are checked before the model loads: --min-len (default 100) is lowered to the maximum
 lengths when they are shorter, and an explicit --min-len above them is an error.
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--load-format", default="auto", choices=VALID_LOAD_FORMATS,
                         help="dummy: random weights, needs only config.json; auto: gguf for a .gguf file")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--attention-backend", default="auto", choices=VALID_ATTENTION_BACKENDS)
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -73,23 +75,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def make_workload(num_seqs: int, vocab_size: int, min_input_len: int = DEFAULT_MIN_LEN,
+                  max_input_len: int = 1024, min_output_len: int = DEFAULT_MIN_LEN,
+                  max_output_len: int = 1024) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The benchmark's prompts and sampling params; the same for the same arguments (seeded), and for
+    the classic arguments the same as nano-vllm's bench.py draws."""
+    seed(0)
+    # randint is inclusive: the largest id drawn is `vocab`, which must lie inside the vocabulary.
+    vocab = min(vocab_size - 1, MAX_TOKEN_ID)
+    prompt_token_ids = [[randint(0, vocab) for _ in range(randint(min_input_len, max_input_len))]
+                        for _ in range(num_seqs)]
+    sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                                      max_tokens=randint(min_output_len, max_output_len))
+                       for _ in range(num_seqs)]
+    return prompt_token_ids, sampling_params
+
+
 def main() -> None:
     args = parse_args()
-    seed(0)
     llm = LLM(os.path.expanduser(args.model), load_format=args.load_format, enforce_eager=args.enforce_eager,
-              tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend,
+              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+              attention_backend=args.attention_backend,
               max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, kvcache_block_size=args.kvcache_block_size,
               skip_tokenizer_init=args.load_format == "dummy")
-    # randint is inclusive: the largest id drawn is `vocab`, which must lie inside the vocabulary.
-    vocab = min(llm.config.hf_config.vocab_size - 1, MAX_TOKEN_ID)
-    prompt_token_ids = [[randint(0, vocab) for _ in range(randint(args.min_input_len, args.max_input_len))]
-                        for _ in range(args.num_seqs)]
-    sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True,
-                                      max_tokens=randint(args.min_output_len, args.max_output_len))
-                       for _ in range(args.num_seqs)]
-
-    llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]], SamplingParams(), use_tqdm=False)
+    prompt_token_ids, sampling_params = make_workload(
+        args.num_seqs, llm.config.hf_config.vocab_size, args.min_input_len, args.max_input_len,
+        args.min_output_len, args.max_output_len)
+    # One warm-up request per replica (the split gives each one of them).
+    warm_up = ["Benchmark: "] if llm.tokenizer else [[1, 2, 3]]
+    llm.generate(warm_up * args.data_parallel_size, SamplingParams(), use_tqdm=False)
     start = time.perf_counter()
     llm.generate(prompt_token_ids, sampling_params, use_tqdm=False)
     elapsed = time.perf_counter() - start

@@ -58,6 +58,8 @@ class Config:
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # Engines (replicas) in their own processes, each on tensor_parallel_size devices (nanovllm.dp).
+    data_parallel_size: int = 1
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int | None = None
@@ -141,6 +143,7 @@ class Config:
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         self._check_tensor_parallel()
+        self._check_data_parallel()
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
 
@@ -188,6 +191,7 @@ class Config:
             return torch.float32  # CPU matmuls in half precision are slow and inexact
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
     def _check_tokenizer_path(self) -> None:
         """A tokenizer is read from a local folder or file only: a hub name fails here, at once."""
         if self.tokenizer is None:
@@ -195,8 +199,19 @@ class Config:
         self.tokenizer = os.path.expanduser(self.tokenizer)
         if not os.path.exists(self.tokenizer):
             raise ValueError(f"tokenizer {self.tokenizer!r} is not a local folder or file; nanovllm never "
-                             "downloads from the Hugging Face Hub: download it first (e.g. `huggingface-cli "
+                             "downloads from the Hugging Face Hub: download it first (e.g. `hf "
                              "download NAME --local-dir DIR`) and pass that folder")
+    def _check_data_parallel(self) -> None:
+        """Before any replica is spawned: every replica gets tensor_parallel_size GPUs of its own."""
+        if self.data_parallel_size == 1:
+            return
+        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
+            dp, tp = self.data_parallel_size, self.tensor_parallel_size
+            num_gpus = torch.cuda.device_count()
+            if dp * tp > num_gpus:
+                raise ValueError(f"data_parallel_size={dp} replicas of tensor_parallel_size={tp} need "
+                                 f"{dp * tp} GPUs but {num_gpus} are visible; lower one of them, or expose "
+                                 "more GPUs (CUDA_VISIBLE_DEVICES)")
 
     def _find_gguf(self) -> str | None:
         """The GGUF file the options name, or None when the model is a Hugging Face folder."""
@@ -217,7 +232,7 @@ class Config:
 
     def _check_ranges(self) -> None:
         positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-                    "kvcache_block_size")
+                    "data_parallel_size", "kvcache_block_size")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -1,10 +1,12 @@
 """The user-facing facade: `LLM(model_path, **options)` with `generate` and `chat`, over one LLMEngine
-(`llm.engine`). The engine loop (`add_request`, `step`, `is_finished`) is reachable here too."""
+(`llm.engine`), or with data_parallel_size=N > 1 over a DataParallelEngine of N replicas
+(nanovllm.dp). The engine loop (`add_request`, `step`, `is_finished`) is reachable here too."""
 
 import time
 
 from tqdm.auto import tqdm
 
+from nanovllm.dp.engine import DataParallelEngine
 from nanovllm.engine.llm_engine import LLMEngine, Prompt
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -33,7 +35,8 @@ def check_conversation(conversation: object) -> None:
 
 class LLM:
     def __init__(self, model: str, **options) -> None:
-        self.engine = LLMEngine(model, **options)
+        data_parallel = options.get("data_parallel_size", 1) != 1  # Config validates the value
+        self.engine = (DataParallelEngine if data_parallel else LLMEngine)(model, **options)
 
     @property
     def config(self):
@@ -84,6 +87,8 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt leaves no half-added batch.
         seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        if isinstance(self.engine, DataParallelEngine):  # each replica runs its own loop
+            return self.engine.generate_sequences(seqs, use_tqdm)
         for seq in seqs:
             self.engine.add_sequence(seq)
         outputs = self._run_until_done({seq.seq_id for seq in seqs}, use_tqdm)

@@ -24,7 +24,7 @@ from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.hf_options import HF_LOCAL_ONLY
 from nanovllm.utils.log import ensure_default_handler, logger, startup_line
-from nanovllm.utils.tokenizer import load_tokenizer
+from nanovllm.utils.tokenizer import load_engine_tokenizer
 
 Prompt = str | list[int]
 
@@ -39,12 +39,11 @@ class StepResult:
 class LLMEngine:
     def __init__(self, model: str, **options) -> None:
         self.config = config = Config.from_options(model, **options)
-        self.tokenizer = None
-        if not config.skip_tokenizer_init:
-            if config.tokenizer is None and config.gguf is not None:
-                self.tokenizer = config.gguf.tokenizer()  # from the parse Config already made
-            else:
-                self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        if config.data_parallel_size != 1:
+            raise ValueError(f"an LLMEngine is one engine, but data_parallel_size="
+                             f"{config.data_parallel_size}; create LLM(..., data_parallel_size=N) for N "
+                             "replicas (nanovllm.dp)")
+        self.tokenizer = load_engine_tokenizer(config)
         # Ranks 1..N-1 start loading in their own processes while rank 0 loads here.
         self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None

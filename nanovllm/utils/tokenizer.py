@@ -16,6 +16,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 MIN_VOCAB_SIZE = 2
 
 
+def load_engine_tokenizer(config) -> PreTrainedTokenizerBase | None:
+    """The tokenizer an engine with this Config uses: None with skip_tokenizer_init, a GGUF model's
+    own (from the parse Config already made) unless a tokenizer folder is given, else the folder's."""
+    if config.skip_tokenizer_init:
+        return None
+    if config.tokenizer is None and config.gguf is not None:
+        return config.gguf.tokenizer()
+    return load_tokenizer(config.tokenizer or config.model)
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """`path` is the tokenizer option or the model folder."""
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):

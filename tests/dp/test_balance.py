@@ -1,0 +1,64 @@
+"""How data-parallel work is split and placed: by tokens, deterministically, in input order; replica i
+on its own devices, and only those."""
+
+import os
+
+import pytest
+
+from nanovllm.dp.balance import replica_cpus, replica_devices, split_by_tokens
+from nanovllm.dp.coordinator import _spawned_with_devices
+from nanovllm.dp.replica import Placement
+
+
+def test_split_balances_tokens_not_counts():
+    # One long request weighs as much as the ten short ones: a split by count would give 6 and 5.
+    costs = [1000] + [100] * 10
+    parts = split_by_tokens(costs, 2)
+    assert parts == [[0], list(range(1, 11))]
+    assert [sum(costs[i] for i in part) for part in parts] == [1000, 1000]
+
+
+def test_split_keeps_input_order_and_covers_every_request_once():
+    costs = [7, 3, 9, 1, 4, 4, 8, 2, 6]
+    parts = split_by_tokens(costs, 3)
+    assert sorted(i for part in parts for i in part) == list(range(len(costs)))
+    assert all(part == sorted(part) for part in parts)
+    loads = [sum(costs[i] for i in part) for part in parts]
+    assert max(loads) - min(loads) <= max(costs)
+    assert split_by_tokens(costs, 3) == parts  # deterministic
+
+
+def test_more_replicas_than_requests_leaves_some_idle():
+    assert split_by_tokens([5, 5], 3) == [[0], [1], []]
+    assert split_by_tokens([4], 1) == [[0]]
+
+
+def test_replica_i_gets_devices_i_times_t_onwards():
+    visible = ["4", "5", "6", "7"]
+    assert replica_devices(0, 2, visible) == ["4", "5"]
+    assert replica_devices(1, 2, visible) == ["6", "7"]
+    assert [replica_devices(i, 1, visible) for i in range(4)] == [["4"], ["5"], ["6"], ["7"]]
+
+
+def test_cpu_replicas_get_disjoint_shares_of_the_cores():
+    assert [replica_cpus(i, 2, [3, 0, 1, 2, 4]) for i in range(2)] == [[0, 1], [2, 3, 4]]
+    assert [replica_cpus(i, 3, [0, 1]) for i in range(3)] == [[0], [1], [0]]  # fewer cores than replicas
+
+
+def test_a_replica_refuses_a_cuda_view_that_is_not_its_own(monkeypatch):
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # restored after the test: apply() sets it
+    with pytest.raises(RuntimeError, match=r"should see the 1 GPUs \['3'\] but CUDA shows 0"):
+        Placement(cuda_devices=["3"]).apply()
+
+
+def test_the_devices_are_in_the_environment_only_while_a_replica_starts(monkeypatch):
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with _spawned_with_devices(Placement(cuda_devices=["6", "7"])):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with _spawned_with_devices(Placement(cuda_devices=["1"])):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ

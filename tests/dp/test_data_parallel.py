@@ -1,0 +1,189 @@
+"""Data parallelism for real, on the CPU: DP=2 runs two engine replicas in spawned processes. Greedy
+output must equal one engine's, in input order, whatever the split; bad input raises in the caller
+before any replica gets work; a killed replica raises within seconds and leaves no process or shared
+memory behind; garbage collection and a terminal's Ctrl-C release everything."""
+
+import gc
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import pytest
+from conftest import PROMPTS
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.dp import coordinator
+from nanovllm.dp.balance import split_by_tokens
+from nanovllm.dp.engine import DataParallelEngine
+from nanovllm.dp.replica_set import DataParallelError, ReplicaSet, _is_running
+from nanovllm.engine.llm_engine import LLMEngine
+
+OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, num_kvcache_blocks=96)
+# Uneven prompts (1 to ~60 tokens) and uneven budgets: the split by tokens is uneven by count.
+UNEVEN_PROMPTS = [*PROMPTS, " ".join(PROMPTS), PROMPTS[1] * 2, "Berlin", PROMPTS[3]]
+MAX_TOKENS = [24, 6, 30, 3, 16, 8, 24, 2]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+# A failure must surface within this long, and leave nothing behind.
+DEADLINE_S = 10
+
+
+def token_ids(llm, prompts=UNEVEN_PROMPTS, params=PARAMS):
+    return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_released(dp: ReplicaSet):
+    assert dp.closed
+    for replica in dp.replicas:
+        assert replica.process.exitcode is not None, f"{replica} still runs"
+        assert not os.path.exists(f"/proc/{replica.process.pid}"), f"{replica} was not reaped"
+        info = replica.info
+        for pid in info.worker_pids if info else []:
+            assert not _is_running(pid), f"{replica}'s worker {pid} outlived it"
+        for name in info.shm_names if info else []:
+            assert not os.path.exists(f"/dev/shm/{name}")
+    assert not {r.process for r in dp.replicas} & set(multiprocessing.active_children())
+
+
+@pytest.fixture(scope="module")
+def dp1(qwen3_dir):
+    with LLM(qwen3_dir, **OPTIONS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def dp2(qwen3_dir):
+    """Two replicas of tensor_parallel_size=2: four processes, two TP groups and step channels."""
+    llm = LLM(qwen3_dir, data_parallel_size=2, tensor_parallel_size=2, **OPTIONS)
+    dp = llm.engine.coordinator.replica_set
+    yield weakref.proxy(llm)  # pytest keeps what a fixture yields: the tests get no strong reference
+    # Dropping the last reference releases every replica (the garbage-collection path).
+    assert all(replica.process.is_alive() for replica in dp.replicas)
+    del llm
+    gc.collect()
+    assert_released(dp)
+
+
+def test_dp2_matches_dp1_in_input_order(dp2, dp1):
+    assert isinstance(dp2, LLM) and isinstance(dp2.engine, DataParallelEngine)
+    names = [name for replica in dp2.engine.coordinator.replicas for name in replica.info.shm_names]
+    assert len(set(names)) == 2 and all(os.path.exists(f"/dev/shm/{name}") for name in names)
+    costs = [len(dp1.tokenizer.encode(p)) + n for p, n in zip(UNEVEN_PROMPTS, MAX_TOKENS)]
+    parts = split_by_tokens(costs, 2)
+    assert all(parts) and parts[0] != list(range(len(parts[0])))  # both work; their outputs interleave
+    expected = token_ids(dp1)
+    assert [len(ids) for ids in expected] == MAX_TOKENS
+    assert token_ids(dp2) == expected
+    outputs = dp2.generate(UNEVEN_PROMPTS[0], PARAMS[0], use_tqdm=True)  # one prompt: one replica idles
+    assert outputs[0]["token_ids"] == expected[0]
+    assert outputs[0]["text"] == dp1.tokenizer.decode(expected[0], skip_special_tokens=True)
+    conversation = [{"role": "user", "content": "hello"}]
+    expected_reply = dp1.chat(conversation, PARAMS[0], use_tqdm=False)
+    assert dp2.chat(conversation, PARAMS[0], use_tqdm=False) == expected_reply
+
+
+def test_bad_input_raises_in_the_caller_and_the_replicas_keep_working(dp2):
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        dp2.generate([PROMPTS[0], PROMPTS[1]], [PARAMS[0], SamplingParams(max_tokens=1000)], use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt must be"):
+        dp2.generate([PROMPTS[0], 3.5], PARAMS[0], use_tqdm=False)
+    with pytest.raises(NotImplementedError, match="use generate"):
+        dp2.add_request(PROMPTS[0])
+    with pytest.raises(NotImplementedError, match="use generate"):
+        dp2.step()
+    assert token_ids(dp2, PROMPTS[:2], PARAMS[:2])[1] == token_ids(dp2, PROMPTS[1:2], PARAMS[1:2])[0]
+
+
+def test_bad_options_raise_before_any_replica_starts(qwen3_dir):
+    children = set(multiprocessing.active_children())
+    for size in (0, -2):
+        with pytest.raises(ValueError, match="data_parallel_size must be a positive integer"):
+            LLM(qwen3_dir, data_parallel_size=size)
+    for size in (1.5, True):
+        with pytest.raises(TypeError, match="data_parallel_size must be int"):
+            LLM(qwen3_dir, data_parallel_size=size)
+    with pytest.raises(TypeError, match="unknown LLM options"):
+        LLM(qwen3_dir, data_parallel_size=2, data_parallel_sise=2)
+    with pytest.raises(ValueError, match="need 2 GPUs but 0 are visible"):
+        LLM(qwen3_dir, data_parallel_size=2, device="cuda")
+    with pytest.raises(ValueError, match=r"valid sizes: \[1, 2, 4\]"):
+        LLM(qwen3_dir, data_parallel_size=2, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"create LLM\(\.\.\., data_parallel_size=N\)"):
+        LLMEngine(qwen3_dir, data_parallel_size=2)  # one engine cannot be two
+    assert set(multiprocessing.active_children()) == children
+
+
+def test_a_replica_killed_mid_generate_raises_and_leaves_nothing(qwen3_dir, monkeypatch):
+    long_params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    with LLM(qwen3_dir, data_parallel_size=2, **OPTIONS) as llm:
+        dp = llm.engine.coordinator.replica_set
+        victim = dp.replicas[1]
+        killed_at = []
+        advance = coordinator._ProgressBar.advance
+
+        def kill_on_first_progress(bar, *args):
+            if not killed_at:
+                os.kill(victim.process.pid, signal.SIGKILL)
+                killed_at.append(time.monotonic())
+            return advance(bar, *args)
+
+        monkeypatch.setattr(coordinator._ProgressBar, "advance", kill_on_first_progress)
+        outcome = {}
+        thread = threading.Thread(target=lambda: outcome.update(error=raised(
+            lambda: llm.generate(PROMPTS, long_params, use_tqdm=False))), daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "generate hung after a replica was killed"
+        error = outcome["error"]
+        assert isinstance(error, DataParallelError), error
+        assert f"data-parallel replica 1 (pid {victim.process.pid}, CPUs" in str(error)
+        assert "was killed by SIGKILL" in str(error)
+        assert time.monotonic() - killed_at[0] < DEADLINE_S
+        assert_released(dp)  # the other replica too
+        with pytest.raises(RuntimeError, match="shut down"):
+            llm.generate(PROMPTS[0], long_params, use_tqdm=False)
+
+
+def raised(fn) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: B036 - handed back to the test
+        return e
+    return None
+
+
+CTRL_C_SCRIPT = """
+import json, sys
+sys.path.insert(0, {root!r})
+from nanovllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM({model!r}, data_parallel_size=2, **{options!r})
+    print(json.dumps([replica.process.pid for replica in llm.engine.coordinator.replicas]), flush=True)
+    while True:
+        llm.generate(["hello"] * 4, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+"""
+
+
+def test_ctrl_c_in_a_terminal_stops_every_replica(qwen3_dir, tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to every process of the foreground group, replicas included:
+    they ignore it, and the caller's KeyboardInterrupt shuts them all down on its way out."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_SCRIPT.format(root=root, model=qwen3_dir, options=OPTIONS))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        pids = json.loads(process.stdout.readline())
+        time.sleep(1)  # generating
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert "KeyboardInterrupt" in stderr, stderr[-2000:]
+    assert len(pids) == 2 and not any(_is_running(pid) for pid in pids)
