@@ -90,7 +90,7 @@ def check_kernels() -> None:
 
     def layer(k_cache, v_cache):
         return SimpleNamespace(num_heads=16, num_kv_heads=8, head_dim=128, scale=128**-0.5, rotary=rotary,
-                               qk_norm=None, k_cache=k_cache, v_cache=v_cache)
+                               qk_norm=None, k_cache=k_cache, v_cache=v_cache, k_scale=1.0, v_scale=1.0)
 
     for name in GPU_BACKENDS:
         backend = select_backend(name, cuda, 16, torch.bfloat16, max_num_seqs=8, num_kv_heads=8)

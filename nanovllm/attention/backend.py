@@ -30,8 +30,10 @@ class PagedLayer(Protocol):
     scale: float
     rotary: RotaryEmbedding
     qk_norm: QKNorm | None
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], model dtype or fp8
     v_cache: torch.Tensor
+    k_scale: float  # an fp8 cache holds k / k_scale and v / v_scale
+    v_scale: float
 
 
 class AttentionBackend:

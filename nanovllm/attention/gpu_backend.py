@@ -16,7 +16,7 @@ class GPUBackend(AttentionBackend):
         norm = layer.qk_norm
         q_norm, k_norm = ((norm.q_weight, norm.eps), (norm.k_weight, norm.eps)) if norm else (None, None)
         q, k = norm_rope_store(q, k, v, positions, layer.rotary.cos, layer.rotary.sin, layer.k_cache,
-                               layer.v_cache, meta.slot_mapping, q_norm, k_norm)
+                               layer.v_cache, meta.slot_mapping, q_norm, k_norm, layer.k_scale, layer.v_scale)
         return self.attend(layer, q, k, v, meta)
 
     def attend(self, layer: PagedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -19,6 +19,9 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm
         # Set by the model runner when it allocates the cache (the GPU warm-up uses a temporary one).
         self.k_cache = self.v_cache = torch.empty(0)
+        # Per-layer scales of an fp8 KV cache (kv_cache_dtype="fp8"): the cache holds k / k_scale and
+        # v / v_scale. 1.0 suits models whose keys and values stay well inside e4m3's range (448).
+        self.k_scale = self.v_scale = 1.0
         self.backend: AttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -23,10 +23,11 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def auto_backend(device: torch.device, block_size: int, dtype: torch.dtype) -> str:
+def auto_backend(device: torch.device, block_size: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype | None = None) -> str:
     if device.type != "cuda":
         return "torch"
-    if dtype not in FLASH_ATTN_DTYPES:
+    if dtype not in FLASH_ATTN_DTYPES or kv_dtype not in (None, dtype):
         return "triton"
     if _has_module("flash_attn_interface") and torch.cuda.get_device_capability(device)[0] == 9:
         return "fa3"
@@ -35,7 +36,8 @@ def auto_backend(device: torch.device, block_size: int, dtype: torch.dtype) -> s
     return "triton"
 
 
-def _check(name: str, device: torch.device, block_size: int, dtype: torch.dtype) -> None:
+def _check(name: str, device: torch.device, block_size: int, dtype: torch.dtype,
+           kv_dtype: torch.dtype) -> None:
     # Triton kernels also run on CPU tensors in its interpreter (used by the tests).
     interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if name != "torch" and device.type != "cuda" and not interpreted:
@@ -43,6 +45,9 @@ def _check(name: str, device: torch.device, block_size: int, dtype: torch.dtype)
     if name in ("fa3", "flash-attn") and dtype not in FLASH_ATTN_DTYPES:
         raise ValueError(f"attention backend {name!r} computes in bfloat16/float16 only, not {dtype}; "
                          "set dtype='bfloat16', or use attention_backend='triton' or 'torch'")
+    if name in ("fa3", "flash-attn") and kv_dtype != dtype:
+        raise ValueError(f"attention backend {name!r} reads a KV cache of the model's dtype only; with "
+                         "kv_cache_dtype='fp8' use attention_backend='triton' (or 'auto')")
     if name == "fa3" and not _has_module("flash_attn_interface"):
         raise ValueError("attention_backend='fa3' needs FlashAttention-3 (`flash_attn_interface`, Hopper "
                          "GPUs); install it or use 'triton'")
@@ -56,11 +61,13 @@ def _check(name: str, device: torch.device, block_size: int, dtype: torch.dtype)
 
 
 def select_backend(requested: str, device: torch.device, block_size: int, dtype: torch.dtype,
-                   max_num_seqs: int, num_kv_heads: int) -> AttentionBackend:
-    name = auto_backend(device, block_size, dtype) if requested == "auto" else requested
+                   max_num_seqs: int, num_kv_heads: int,
+                   kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    name = auto_backend(device, block_size, dtype, kv_dtype) if requested == "auto" else requested
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; valid: {list(BACKENDS)}")
-    _check(name, device, block_size, dtype)
+    _check(name, device, block_size, dtype, kv_dtype)
     if name == "torch":
         from nanovllm.attention.torch_backend import TorchBackend
         backend: AttentionBackend = TorchBackend()

@@ -10,12 +10,27 @@ from nanovllm.attention.rotary import apply_rotary
 from nanovllm.utils.norm import rms_norm
 
 
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """What the cache holds for x: x itself, or x / scale in fp8 (clamped to its range)."""
+    if cache_dtype == x.dtype:
+        return x
+    limit = torch.finfo(cache_dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(cache_dtype)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    return x if x.dtype == dtype else (x.float() * scale).to(dtype)
+
+
 def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> None:
+                        slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        values = to_cache(x[keep], cache.dtype, scale)
+        if cache.element_size() == 1:  # index_copy_ has no fp8 kernel on CPU: copy the bytes
+            cache, values = cache.view(torch.uint8), values.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, values)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seqlen: int) -> torch.Tensor:
@@ -42,34 +57,36 @@ class TorchBackend(AttentionBackend):
             norm = layer.qk_norm
             q, k = rms_norm(q, norm.q_weight, norm.eps), rms_norm(k, norm.k_weight, norm.eps)
         q, k = apply_rotary(q, k, positions, layer.rotary.cos, layer.rotary.sin)
-        store_kvcache_torch(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+        store_kvcache_torch(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale,
+                            layer.v_scale)
         if meta.is_prefill:
-            return self._prefill(q, k, v, layer.k_cache, layer.v_cache, meta, layer.scale)
-        return self._decode(q, layer.k_cache, layer.v_cache, meta, layer.scale)
+            return self._prefill(layer, q, k, v, meta)
+        return self._decode(layer, q, meta)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _prefill(self, layer: PagedLayer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         cu_q, seqlens_k = meta.cu_seqlens_q_host, meta.seqlens_k_host
         for i, seqlen_k in enumerate(seqlens_k):
             start, end = cu_q[i], cu_q[i + 1]
             if meta.has_prefix:
-                ki = gather_kv(k_cache, meta.block_tables[i], seqlen_k)
-                vi = gather_kv(v_cache, meta.block_tables[i], seqlen_k)
+                table = meta.block_tables[i]
+                ki = from_cache(gather_kv(layer.k_cache, table, seqlen_k), q.dtype, layer.k_scale)
+                vi = from_cache(gather_kv(layer.v_cache, table, seqlen_k), q.dtype, layer.v_scale)
             else:
                 ki, vi = k[start:end], v[start:end]
             # query j sits at position seqlen_k - q_len + j and sees keys 0 .. that position
             q_pos = torch.arange(seqlen_k - (end - start), seqlen_k, device=q.device)
             mask = torch.arange(seqlen_k, device=q.device)[None, :] <= q_pos[:, None]
             o = _sdpa(q[start:end].transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None],
-                      mask, scale)
+                      mask, layer.scale)
             out[start:end] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, layer: PagedLayer, q, meta: AttentionMetadata) -> torch.Tensor:
         # [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, max_blocks * block_size, D]
         tables = meta.block_tables.long()
-        k = k_cache[tables].flatten(1, 2).transpose(1, 2)
-        v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        k = from_cache(layer.k_cache[tables], q.dtype, layer.k_scale).flatten(1, 2).transpose(1, 2)
+        v = from_cache(layer.v_cache[tables], q.dtype, layer.v_scale).flatten(1, 2).transpose(1, 2)
         positions = torch.arange(k.shape[2], device=q.device)
         valid = positions[None, :] < meta.seqlens_k[:, None]  # [B, Lk]
         # Slots past a sequence's length (its last block's tail, padded table entries) may never have
@@ -77,4 +94,4 @@ class TorchBackend(AttentionBackend):
         # masked-out score turns the row to NaN. The gathered k/v are copies: zero those slots.
         k.masked_fill_(~valid[:, None, :, None], 0.0)
         v.masked_fill_(~valid[:, None, :, None], 0.0)
-        return _sdpa(q[:, :, None, :], k, v, valid[:, None, None, :], scale)[:, :, 0, :]
+        return _sdpa(q[:, :, None, :], k, v, valid[:, None, None, :], layer.scale)[:, :, 0, :]

@@ -24,6 +24,8 @@ class TritonBackend(GPUBackend):
     def attend(self, layer: PagedLayer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         if meta.is_prefill:
             return paged_prefill_attention(q, layer.k_cache, layer.v_cache, meta.cu_seqlens_q, meta.seqlens_k,
-                                           meta.block_tables, layer.scale, meta.max_seqlen_q)
+                                           meta.block_tables, layer.scale, meta.max_seqlen_q,
+                                           k_scale=layer.k_scale, v_scale=layer.v_scale)
         return paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.seqlens_k, meta.block_tables,
-                                      layer.scale, counters=self.counters)
+                                      layer.scale, counters=self.counters, k_scale=layer.k_scale,
+                                      v_scale=layer.v_scale)

@@ -47,6 +47,18 @@ def paged_kv_offsets(
     return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
 
 
+# The largest finite float8_e4m3fn value: fp8 cache entries are clamped to it.
+FP8_MAX = tl.constexpr(448.0)
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def check_cache_dtype(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The caches hold `dtype` (the model's), or fp8 e4m3 scaled per layer."""
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (dtype, FP8_DTYPE):
+        raise ValueError(f"the caches ({k_cache.dtype}, {v_cache.dtype}) must both hold {dtype} or "
+                         f"{FP8_DTYPE}")
+
+
 def check_paged_attention_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
 ) -> tuple[int, int, int, int]:
@@ -72,10 +84,7 @@ def check_paged_attention_args(
         raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernels; got {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads} (GQA)")
-    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
-        raise ValueError(
-            f"q {q.dtype}, k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must share a dtype"
-        )
+    check_cache_dtype(q.dtype, k_cache, v_cache)
     if block_tables.dim() != 2 or block_tables.stride(1) != 1:
         raise ValueError(
             f"block_tables must be [batch, max_blocks] with contiguous rows; got {tuple(block_tables.shape)}"

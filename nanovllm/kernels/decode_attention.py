@@ -64,7 +64,8 @@ def _decode_split_kernel(
     out_stride_h,
     block_tables_stride,
     num_splits,
-    scale_log2,  # softmax_scale * log2(e): the kernel works in base 2 (exp2 is the fast instruction)
+    scale_log2,  # softmax_scale * k_scale * log2(e): the kernel works in base 2 (exp2 is fast)
+    v_scale,  # what the cache's values are multiplied by (1 unless the cache is fp8)
     NUM_HEADS_PER_KV: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -104,8 +105,9 @@ def _decode_split_kernel(
         kv_offs = paged_kv_offsets(
             block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N
         )
-        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
+        # An fp8 cache widens to q's dtype here; its scales are folded into scale_log2 and v_scale.
+        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
+        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
         # Position tile_start is always valid (the chunk is not empty), so every row sees a key.
         m_i, l_i, acc = online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2,
                                             DOT_PRECISION)
@@ -114,7 +116,7 @@ def _decode_split_kernel(
     # the neutral partial (out 0, lse -inf) that stage 2 weights by 2^-inf = 0.
     has_keys = l_i > 0
     safe_l = tl.where(has_keys, l_i, 1.0)
-    out = acc / safe_l[:, None]
+    out = acc / safe_l[:, None] * v_scale
     lse = tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf"))
     partial_rows = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + heads) * num_splits + split
     tl.store(partial_lse_ptr + partial_rows, lse, mask=g_mask)
@@ -179,6 +181,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], q's dtype
     workspace: torch.Tensor | None = None,  # float32, >= B * num_heads * num_splits * (head_dim + 1)
     counters: torch.Tensor | None = None,  # int32 zeros, >= B * num_kv_heads; left zeroed
+    k_scale: float = 1.0,  # an fp8 cache holds k / k_scale and v / v_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole paged context; returns
     [B, num_heads, head_dim] in q's dtype (zeros where seqlens_k is 0). CUDA-graph capturable.
@@ -248,7 +252,8 @@ def paged_decode_attention(
         out.stride(1),
         block_tables.stride(0),
         num_splits,
-        softmax_scale * math.log2(math.e),
+        softmax_scale * k_scale * math.log2(math.e),
+        v_scale,
         NUM_HEADS_PER_KV=num_heads_per_kv,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,

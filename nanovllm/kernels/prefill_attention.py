@@ -47,7 +47,8 @@ def _prefill_kernel(
     out_stride_n,
     out_stride_h,
     block_tables_stride,
-    scale_log2,  # softmax_scale * log2(e): the kernel works in base 2 (exp2 is the fast instruction)
+    scale_log2,  # softmax_scale * k_scale * log2(e): the kernel works in base 2 (exp2 is fast)
+    v_scale,  # what the cache's values are multiplied by (1 unless the cache is fp8)
     NUM_HEADS_PER_KV: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -92,13 +93,14 @@ def _prefill_kernel(
         kv_offs = paged_kv_offsets(
             block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N
         )
-        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
+        # An fp8 cache widens to q's dtype here; its scales are folded into scale_log2 and v_scale.
+        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
+        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
         # Every row (padding rows too: their position is >= kv_len > 0) sees key 0 of the first tile.
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     tl.store(
         out_ptr + rows[:, None] * out_stride_n + head * out_stride_h + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -117,6 +119,8 @@ def paged_prefill_attention(
     max_seqlen_q: int,
     *,
     out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, head_dim], q's dtype
+    k_scale: float = 1.0,  # an fp8 cache holds k / k_scale and v / v_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query tokens over its whole paged context; returns
     [num_q_tokens, num_heads, head_dim] in q's dtype. max_seqlen_q is the host-side max of q_len_b
@@ -152,7 +156,8 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
-        softmax_scale * math.log2(math.e),
+        softmax_scale * k_scale * math.log2(math.e),
+        v_scale,
         NUM_HEADS_PER_KV=num_heads // num_kv_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,

@@ -11,11 +11,16 @@ with rotate(x) = x * cos[pos] + rotate_half(x) * sin[pos] (neox style, cos/sin t
 the norm skipped for models without q/k norm (HAS_NORM=False). Everything is computed in float32 and
 rounded once. Slot -1 (padding) stores nothing; k_out is still written, for backends that attend over
 the step's own keys. The cache layout is nanovllm.kernels.common's.
+
+An fp8 (e4m3) cache stores k / k_scale and v / v_scale, clamped to e4m3's range; the attention kernels
+multiply the scales back in (nanovllm.kernels.common.FP8_MAX).
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.common import FP8_MAX, check_cache_dtype
 
 
 @triton.jit
@@ -63,6 +68,8 @@ def _norm_rope_store_kernel(
     k_weight_ptr,
     q_eps,
     k_eps,
+    k_scale_inv,  # 1 / k_scale: only with QUANT
+    v_scale_inv,
     q_stride_t,
     q_stride_h,
     k_stride_t,
@@ -75,6 +82,7 @@ def _norm_rope_store_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    QUANT: tl.constexpr,  # the cache is fp8: store scaled and clamped
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # 0 .. NUM_HEADS-1: query heads; then the key/value heads
@@ -102,12 +110,21 @@ def _norm_rope_store_kernel(
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
             cache = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-            tl.store(k_cache_ptr + cache + offs, k1, mask=mask)
-            tl.store(k_cache_ptr + cache + half + offs, k2, mask=mask)
             offs_d = tl.arange(0, BLOCK_D)
             d_mask = offs_d < HEAD_DIM
             value = tl.load(v_ptr + token * v_stride_t + kv_head * v_stride_h + offs_d, mask=d_mask)
-            tl.store(v_cache_ptr + cache + offs_d, value, mask=d_mask)
+            if QUANT:
+                cache_ty = k_cache_ptr.dtype.element_ty
+                q1 = tl.clamp(rot1 * k_scale_inv, -FP8_MAX, FP8_MAX).to(cache_ty)
+                q2 = tl.clamp(rot2 * k_scale_inv, -FP8_MAX, FP8_MAX).to(cache_ty)
+                qv = tl.clamp(value.to(tl.float32) * v_scale_inv, -FP8_MAX, FP8_MAX).to(cache_ty)
+                tl.store(k_cache_ptr + cache + offs, q1, mask=mask)
+                tl.store(k_cache_ptr + cache + half + offs, q2, mask=mask)
+                tl.store(v_cache_ptr + cache + offs_d, qv, mask=d_mask)
+            else:
+                tl.store(k_cache_ptr + cache + offs, k1, mask=mask)
+                tl.store(k_cache_ptr + cache + half + offs, k2, mask=mask)
+                tl.store(v_cache_ptr + cache + offs_d, value, mask=d_mask)
 
 
 def _check_args(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, norm_weights) -> None:
@@ -130,9 +147,9 @@ def _check_args(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, no
     if not (caches_ok and k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} must both be contiguous "
                          f"[num_blocks, block_size, {k.shape[1]}, {head_dim}]")
-    if len({q.dtype, k.dtype, v.dtype, k_cache.dtype, v_cache.dtype}) != 1:
-        raise ValueError(f"q, k, v and the caches must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise ValueError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_cache_dtype(q.dtype, k_cache, v_cache)
     if any(w is not None and w.shape != (head_dim,) for w in norm_weights):
         raise ValueError(f"q/k norm weights must be [{head_dim}]")
 
@@ -149,6 +166,8 @@ def norm_rope_store(
     slot_mapping: torch.Tensor,  # [T], -1 = padding (not stored)
     q_norm: tuple[torch.Tensor, float] | None = None,  # (weight [head_dim], eps); both norms or neither
     k_norm: tuple[torch.Tensor, float] | None = None,
+    k_scale: float = 1.0,  # an fp8 cache holds k / k_scale and v / v_scale
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the rotated (q, k), both contiguous, and writes k and v into the cache at slot_mapping.
     No host sync, so it can run inside a captured CUDA graph."""
@@ -167,7 +186,7 @@ def norm_rope_store(
     _norm_rope_store_kernel[(num_tokens, num_heads + num_kv_heads)](
         q, k, v, q_out, k_out, k_cache, v_cache, positions, slot_mapping, cos, sin,
         q_weight if has_norm else cos, k_weight if has_norm else cos,  # unread without the norm
-        q_eps, k_eps,
+        q_eps, k_eps, 1.0 / k_scale, 1.0 / v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
@@ -175,6 +194,7 @@ def norm_rope_store(
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_NORM=has_norm,
+        QUANT=k_cache.dtype != q.dtype,
         num_warps=1,
     )
     return q_out, k_out

@@ -36,6 +36,7 @@ class ModelRunner:
         self.rank = get_tp_rank()
         self.device = runner_device(config, self.rank)
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.kv_cache_torch_dtype  # the model's dtype, or fp8 (kv_cache_dtype="fp8")
         self.block_size = config.kvcache_block_size
         hf = config.hf_config
         self.vocab_size = hf.vocab_size
@@ -53,7 +54,7 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         layer = self.attention_layers[0]
         self.backend = select_backend(config.attention_backend, self.device, self.block_size, self.dtype,
-                                      config.max_num_seqs, layer.num_kv_heads)
+                                      config.max_num_seqs, layer.num_kv_heads, self.kv_dtype)
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler(compiled=on_gpu and config.torch_compile)
@@ -97,7 +98,7 @@ class ModelRunner:
     def _block_bytes(self) -> int:
         layer = self.attention_layers[0]
         per_token = 2 * len(self.attention_layers) * layer.num_kv_heads * layer.head_dim
-        return per_token * self.block_size * torch.empty((), dtype=self.dtype).element_size()
+        return per_token * self.block_size * torch.empty((), dtype=self.kv_dtype).element_size()
 
     def _num_kvcache_blocks(self) -> int:
         config = self.config
@@ -135,7 +136,7 @@ class ModelRunner:
         # a block is written. Nothing reads a slot before it is written except the torch backend's
         # padded decode gather, which zeroes those positions itself (attention/torch_backend.py).
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
-        self.kv_cache = alloc(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = alloc(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         logger.debug("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,

@@ -37,7 +37,8 @@ def startup_line(config: "Config", device: "torch.device", dtype: "torch.dtype",
     num_kv_tokens = num_kvcache_blocks * config.kvcache_block_size
     parts = [f"{model} ({config.hf_config.model_type}, {config.load_format})",
              f"{str(dtype).removeprefix('torch.')} on {device}", f"attention {backend}",
-             f"KV cache {num_kv_tokens:,} tokens", f"TP {config.tensor_parallel_size}"]
+             f"KV cache {num_kv_tokens:,} tokens" + (" (fp8)" if config.kv_cache_dtype != "auto" else ""),
+             f"TP {config.tensor_parallel_size}"]
     if cpu_threads is not None:
         parts.append(f"CPU threads {config.cpu_threads} ({cpu_threads} now)")
     return ", ".join(parts)

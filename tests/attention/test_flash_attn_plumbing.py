@@ -122,7 +122,8 @@ def make_case(q_lens, ctx_lens, is_prefill):
     norm = QKNorm(torch.randn(D, generator=gen).to(DEVICE), torch.randn(D, generator=gen).to(DEVICE), 1e-6)
     rotary = RotaryEmbedding(Qwen3Config(head_dim=D), D, max_position=64).to(DEVICE)
     layer = types.SimpleNamespace(num_heads=H, num_kv_heads=HKV, head_dim=D, scale=D**-0.5, rotary=rotary,
-                                  qk_norm=norm, k_cache=k_cache, v_cache=v_cache)
+                                  qk_norm=norm, k_cache=k_cache, v_cache=v_cache, k_scale=1.0,
+                                  v_scale=1.0)
     qkv = [torch.randn(sum(q_lens), h, D, generator=gen).to(DEVICE) for h in (H, HKV, HKV)]
     return layer, qkv, positions.to(DEVICE), meta
 

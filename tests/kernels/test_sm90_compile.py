@@ -55,7 +55,9 @@ POINTER_TYPES = {
     "expert_ids_ptr": "*i32",
     "topk_weights_ptr": "*fp32",
 }
-FLOAT_SCALARS = {"scale_log2", "q_eps", "k_eps"}
+FLOAT_SCALARS = {"scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_inv", "v_scale"}
+# Cases reading or writing an fp8 (e4m3) KV cache: their cache pointers hold fp8.
+FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=64,
               BLOCK_S=64)
 
@@ -69,10 +71,14 @@ def cases() -> dict:
         "decode": (decode_attention._decode_split_kernel, dict(DECODE, DOT_PRECISION="tf32")),
         "rope-store-qk-norm": (rope_store._norm_rope_store_kernel,
                                dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, BLOCK_D=128,
-                                    HAS_NORM=True)),
+                                    HAS_NORM=True, QUANT=False)),
         "rope-store": (rope_store._norm_rope_store_kernel,
                        dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, BLOCK_D=128,
-                            HAS_NORM=False)),
+                            HAS_NORM=False, QUANT=False)),
+        "rope-store-fp8": (rope_store._norm_rope_store_kernel,
+                           dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, BLOCK_D=128,
+                                HAS_NORM=True, QUANT=True), FP8_CACHE),
+        "decode-fp8": (decode_attention._decode_split_kernel, dict(DECODE, DOT_PRECISION="tf32"), FP8_CACHE),
         "skinny-gemm": (skinny_gemm._skinny_gemm_kernel,
                         dict(BLOCK_N=64, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True, NUM_STAGES=3)),
         "split-k-reduce": (skinny_gemm._split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
@@ -92,12 +98,12 @@ def cases() -> dict:
     }
 
 
-def signature(kernel, dtype: str) -> dict[str, str]:
+def signature(kernel, dtype: str, pointers: dict[str, str]) -> dict[str, str]:
     def arg_type(name: str, param) -> str:
         if param.is_constexpr:
             return "constexpr"
         if name.endswith("_ptr"):
-            return POINTER_TYPES.get(name, f"*{dtype}")
+            return pointers.get(name) or POINTER_TYPES.get(name, f"*{dtype}")
         return "fp32" if name in FLOAT_SCALARS else "i32"
 
     return {name: arg_type(name, param) for name, param in zip(kernel.arg_names, kernel.params, strict=True)}
@@ -121,15 +127,15 @@ def compile_all() -> dict[str, str]:
     and which the cases cover."""
     results = {
         "kernels": sorted(launchable_kernels()),
-        "covered": sorted({f"{kernel.__module__}.{kernel.__name__}" for kernel, _ in cases().values()}),
+        "covered": sorted({f"{case[0].__module__}.{case[0].__name__}" for case in cases().values()}),
     }
-    for case, (kernel, constexprs) in cases().items():
+    for case, (kernel, constexprs, *pointers) in cases().items():
         for dtype in DTYPES:
             values = dict(constexprs)
             if dtype == "fp32" and "DOT_PRECISION" in values:
                 values["DOT_PRECISION"] = "ieee"  # what float32 runs use
             names = kernel.arg_names
-            source = ASTSource(fn=kernel, signature=signature(kernel, dtype),
+            source = ASTSource(fn=kernel, signature=signature(kernel, dtype, pointers[0] if pointers else {}),
                                constexprs={(names.index(k),): v for k, v in values.items()})
             try:
                 compiled = triton.compile(source, target=H200)
@@ -140,7 +146,8 @@ def compile_all() -> dict[str, str]:
 
 
 DTYPES = ("bf16", "fp32")
-CASE_NAMES = ("prefill", "decode", "rope-store-qk-norm", "rope-store", "skinny-gemm", "split-k-reduce",
+CASE_NAMES = ("prefill", "decode", "decode-fp8", "rope-store-qk-norm", "rope-store", "rope-store-fp8",
+              "skinny-gemm", "split-k-reduce",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
               "moe-topk-softmax")
 

@@ -202,3 +202,29 @@ def test_rejects_head_dim_that_is_not_a_power_of_two() -> None:
         paged_decode_attention(
             q, k_cache, k_cache, torch.ones(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 1.0
         )
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_fp8_cache_is_read_through_its_scales(kind: str) -> None:
+    """An fp8 (e4m3) cache holds k / k_scale and v / v_scale: the kernels widen it and multiply the
+    scales back in, so they match the reference over the dequantized float32 cache."""
+    num_heads, num_kv_heads = 4, 2
+    q_lens, kv_lens = ([3, 1], [20, 37]) if kind == "prefill" else ([1, 1], [20, 37])
+    k_cache, v_cache, block_tables = make_paged_cache(
+        kv_lens, 16, num_kv_heads, HEAD_DIM, torch.float32, 11, device=DEVICE
+    )
+    k_scale, v_scale = 0.5, 2.0
+    k8, v8 = (k_cache / k_scale).to(torch.float8_e4m3fn), (v_cache / v_scale).to(torch.float8_e4m3fn)
+    q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    scale = HEAD_DIM**-0.5
+    if kind == "prefill":
+        cu_seqlens_q = torch.tensor([0, 3, 4], dtype=torch.int32, device=DEVICE)
+        out = paged_prefill_attention(q, k8, v8, cu_seqlens_q, seqlens_k, block_tables, scale, max(q_lens),
+                                      k_scale=k_scale, v_scale=v_scale)
+    else:
+        out = paged_decode_attention(q, k8, v8, seqlens_k, block_tables, scale, k_scale=k_scale,
+                                     v_scale=v_scale)
+    expected = reference_attention(q, k8.float() * k_scale, v8.float() * v_scale, q_lens, kv_lens,
+                                   block_tables, scale)
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=RTOL)
