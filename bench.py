@@ -54,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--kvcache-block-size", type=int, default=256)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: an e4m3 KV cache, twice the tokens of bf16 (Triton backend)")
+    parser.add_argument("--mixed-batches", action=argparse.BooleanOptionalAction, default=True,
+                        help="decode and new prompts in one forward pass (--no-mixed-batches: nano-vllm's "
+                             "prefill-first steps)")
     args = parser.parse_args(argv)
 
     for name in ("num_seqs", "max_input_len", "max_output_len", "min_len"):
@@ -98,6 +103,7 @@ def main() -> None:
               attention_backend=args.attention_backend,
               max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, kvcache_block_size=args.kvcache_block_size,
+              kv_cache_dtype=args.kv_cache_dtype, mixed_batches=args.mixed_batches,
               skip_tokenizer_init=args.load_format == "dummy")
     prompt_token_ids, sampling_params = make_workload(
         args.num_seqs, llm.config.hf_config.vocab_size, args.min_input_len, args.max_input_len,
