@@ -1,6 +1,14 @@
 """The engine loop: validates and tokenizes requests, schedules steps, runs them on the model
 runner and turns finished sequences into outputs. `add_request`, `step`, `is_finished` and
-`generate` are the public loop.
+`generate` are the public loop; `abort_request` retires a request early.
+
+Threads: one engine may be driven from several threads at once (generate, stream, add_request, step,
+abort_request): an engine lock serializes the steps, and each caller gets exactly its own requests'
+outputs, whichever thread ran the step that finished them (see request_tracker.py). A generate or
+stream call that is left by an exception or Ctrl-C aborts its unfinished requests and frees their
+KV blocks. At tensor_parallel_size=1 a request whose step fails (say, sampling parameters changed
+after it was added) is retried alone and, if it fails again, finished with finish_reason "error"
+and the exception's text in its output's "error"; the others keep running.
 
 With tensor_parallel_size=N > 1, the engine's own ModelRunner is rank 0 and ranks 1..N-1 run in
 worker processes (nanovllm.engine.tp_worker). `shutdown()` (alias `exit()`, or leaving a `with` block)
@@ -9,6 +17,8 @@ exit, and when a step fails under tensor parallelism (a dead worker, Ctrl-C), af
 raises RuntimeError."""
 
 import gc
+import logging
+import threading
 import time
 from collections.abc import Sequence as SequenceLike
 from contextlib import nullcontext
@@ -19,6 +29,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.request_tracker import RequestTracker
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
@@ -27,6 +38,8 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.gguf_loader import load_gguf_tokenizer
 
 Prompt = str | list[int]
+logger = logging.getLogger(__name__)
+
 # Seconds between redraws of the progress bar's live prefill/decode throughput.
 BAR_REFRESH_S = 0.5
 
@@ -34,6 +47,9 @@ BAR_REFRESH_S = 0.5
 class LLMEngine:
     def __init__(self, model: str, **options) -> None:
         self.config = config = Config.from_options(model, **options)
+        # Re-entrant: generate's loop calls step-level helpers that take it again.
+        self._lock = threading.RLock()
+        self.requests = RequestTracker()
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             if config.tokenizer is None and config.gguf_path is not None:
@@ -113,10 +129,52 @@ class LLMEngine:
         return Sequence(token_ids, params, self.config.kvcache_block_size)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. Bad input raises here and leaves the engine untouched."""
+        """Queue a request; returns its id. Bad input raises here and leaves the engine untouched.
+        Its output comes back from the `step()` call that finishes it, or a later one."""
         seq = self._make_sequence(prompt, sampling_params)
-        self.scheduler.add(seq)
+        with self._lock:
+            self._queue(seq, tracked=False)
         return seq.seq_id
+
+    def make_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Sequence:
+        """Validate and tokenize a request without queueing it (bad input raises here)."""
+        return self._make_sequence(prompt, sampling_params)
+
+    def start_request(self, seq: Sequence) -> None:
+        """Queue a request from `make_request` whose progress the caller follows itself: its tokens
+        appear in `seq.completion_token_ids` as steps run, and its output is collected once with
+        `take_output(seq.seq_id)`; `step()` never returns it."""
+        with self._lock:
+            self._queue(seq, tracked=True)
+
+    def take_output(self, request_id: int) -> dict | None:
+        """The output of a finished `start_request` request (once), or None while it runs."""
+        with self._lock:
+            return self.requests.take(request_id)
+
+    def _queue(self, seq: Sequence, tracked: bool) -> None:
+        self.requests.add(seq, tracked)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a request and free its KV blocks at once, whatever its state (waiting, prefilling,
+        decoding, preempted). Returns True if it was running; an unknown or already finished id is
+        a no-op that returns False, since a request may finish just before its abort arrives. An
+        aborted `add_request` request is not returned by `step()`; a tracked one ends with
+        finish_reason "abort"."""
+        with self._lock:
+            seq = self.requests.live.get(request_id)
+            if seq is None:
+                return False
+            self._finish_early(seq, "abort")
+            return True
+
+    def _finish_early(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self.scheduler.finish_early(seq, reason)
+        output = self._output(seq)
+        if error is not None:
+            output["error"] = error
+        self.requests.finish(seq.seq_id, output, report=reason != "abort")
 
     # ---- lifetime ----
     def shutdown(self) -> None:
@@ -152,17 +210,56 @@ class LLMEngine:
             raise
 
     def step(self) -> tuple[list[tuple[int, dict]], int]:
-        """Run one step. Returns the (request id, output) of requests that finished, and the number
-        of tokens computed: positive for a prefill step, negative for a decode step."""
-        seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        token_ids = self._run_model(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
-        outputs = [(seq.seq_id, self._output(seq)) for seq in finished]
-        return outputs, num_tokens if is_prefill else -num_tokens
+        """Run one step. Returns the (request id, output) of `add_request` requests that finished
+        (in this step, or in steps that generate/stream calls ran since the last `step()`), and the
+        number of tokens computed: positive for a prefill step, negative for a decode step, 0 when
+        nothing was left to run."""
+        with self._lock:
+            num_tokens = self._step()
+            return self.requests.drain_unreturned(), num_tokens
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        """True when nothing is queued and `step()` has returned every `add_request` output."""
+        with self._lock:
+            return self.scheduler.is_finished() and not self.requests.unreturned
+
+    def _step(self) -> int:
+        """One step under the lock; each finished output goes to the request tracker."""
+        if self.scheduler.is_finished():
+            return 0
+        seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        token_ids, failures = self._run_isolating_failures(seqs, is_prefill)
+        ok = [i for i, seq in enumerate(seqs) if seq.seq_id not in failures]
+        finished = self.scheduler.postprocess([seqs[i] for i in ok], [token_ids[i] for i in ok])
+        for seq in seqs:
+            if seq.seq_id in failures:
+                self._finish_early(seq, "error", failures[seq.seq_id])
+        for seq in finished:
+            self.requests.finish(seq.seq_id, self._output(seq))
+        return num_tokens if is_prefill else -num_tokens
+
+    def _run_isolating_failures(self, seqs: list[Sequence], is_prefill: bool
+                                ) -> tuple[list[int | None], dict[int, str]]:
+        """Run the step; if it raises at TP=1, run each sequence alone to find the one(s) at fault.
+        Returns the sampled tokens and {seq_id: error text} of the sequences that failed alone.
+        Re-running is safe: a step changes no sequence, and rewrites the same KV slots. Under
+        tensor parallelism a failed step has already shut the worker group down: it raises."""
+        try:
+            return self._run_model(seqs, is_prefill), {}
+        except Exception:
+            if self.workers is not None or self.model_runner is None:
+                raise
+            logger.exception("a step of %d sequences failed; retrying each alone", len(seqs))
+        token_ids: list[int | None] = []
+        failures: dict[int, str] = {}
+        for seq in seqs:
+            try:
+                token_ids += self._run_model([seq], is_prefill)
+            except Exception as e:
+                token_ids.append(None)
+                failures[seq.seq_id] = f"{type(e).__name__}: {e}"
+        return token_ids, failures
 
     def _output(self, seq: Sequence) -> dict:
         text = seq.stop_text
@@ -190,30 +287,48 @@ class LLMEngine:
             sampling_params = [sampling_params] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt leaves no half-added batch.
         seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
-        for seq in seqs:
-            self.scheduler.add(seq)
-        outputs = self._run_until_done({seq.seq_id for seq in seqs}, use_tqdm)
+        with self._lock:
+            for seq in seqs:
+                self._queue(seq, tracked=True)
+        outputs = self._run_until_done(seqs, use_tqdm)
         return [outputs[seq.seq_id] for seq in seqs]
 
-    def _run_until_done(self, wanted: set[int], use_tqdm: bool) -> dict[int, dict]:
+    def _run_until_done(self, seqs: list[Sequence], use_tqdm: bool) -> dict[int, dict]:
+        """Step until every one of seqs (tracked requests) is finished; other callers' requests run
+        in the same batches. If this is left by an exception or Ctrl-C, seqs are aborted."""
         outputs: dict[int, dict] = {}
-        bar = tqdm(total=len(wanted), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
-        while not self.is_finished() and len(outputs) < len(wanted):
-            start = time.perf_counter()
-            finished, num_tokens = self.step()
-            elapsed = time.perf_counter() - start
-            if num_tokens > 0:
-                prefill_rate = num_tokens / elapsed
-            else:
-                decode_rate = -num_tokens / elapsed
-            if use_tqdm:
-                # Redrawn at most every BAR_REFRESH_S: a redraw per step would cost more than a decode step.
-                bar.set_postfix({"Prefill": f"{prefill_rate:.0f}tok/s", "Decode": f"{decode_rate:.0f}tok/s"},
-                                refresh=time.perf_counter() - bar.last_print_t > BAR_REFRESH_S)
-            for seq_id, output in finished:
-                if seq_id in wanted:
-                    outputs[seq_id] = output
-                    bar.update(1)
-        bar.close()
+        try:
+            while len(outputs) < len(seqs):
+                with self._lock:  # one step at a time; other threads' calls step in between
+                    for seq in seqs:
+                        if seq.seq_id not in outputs and (output := self.requests.take(seq.seq_id)):
+                            outputs[seq.seq_id] = output
+                            bar.update(1)
+                    if len(outputs) == len(seqs):
+                        break
+                    start = time.perf_counter()
+                    num_tokens = self._step()
+                    elapsed = time.perf_counter() - start
+                if num_tokens > 0:
+                    prefill_rate = num_tokens / elapsed
+                elif num_tokens < 0:
+                    decode_rate = -num_tokens / elapsed
+                if use_tqdm:
+                    # Redrawn at most every BAR_REFRESH_S: a redraw per step costs more than a decode step.
+                    bar.set_postfix({"Prefill": f"{prefill_rate:.0f}tok/s", "Decode": f"{decode_rate:.0f}tok/s"},
+                                    refresh=time.perf_counter() - bar.last_print_t > BAR_REFRESH_S)
+        except BaseException:
+            self._abandon([seq for seq in seqs if seq.seq_id not in outputs])
+            raise
+        finally:
+            bar.close()
         return outputs
+
+    def _abandon(self, seqs: list[Sequence]) -> None:
+        """The caller of these tracked requests is gone: abort them and drop their outputs."""
+        with self._lock:
+            for seq in seqs:
+                self.abort_request(seq.seq_id)
+                self.requests.forget(seq.seq_id)
