@@ -54,9 +54,10 @@ class LLM(LLMEngine):
         try:
             while output is None:
                 with self._lock:
-                    output = self.requests.take(seq.seq_id)
-                    if output is None:
+                    if seq.seq_id not in self.requests.done:
                         self._step()
+                    # Taken after the step: the tokens of the step that finished it go to finish().
+                    output = self.requests.take(seq.seq_id)
                     new_token_ids = seq.completion_token_ids[detokenizer.num_tokens:]
                 delta = (detokenizer.push(new_token_ids) if output is None
                          else detokenizer.finish(output["text"], new_token_ids))
