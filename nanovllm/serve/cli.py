@@ -7,6 +7,7 @@ flight finish for up to --graceful-timeout seconds, then the rest are aborted an
 down."""
 
 import argparse
+import contextlib
 import logging
 import sys
 import types
@@ -64,6 +65,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     return parser, add_engine_options(parser)
 
 
+def _server_class(uvicorn):
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown, which would kill the process before
+        the engine is shut down and exit with status -15; this one returns, and exits with 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    return Server
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
@@ -89,9 +106,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     app = build_app(llm, args.served_model_name or args.model, args.api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.graceful_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.graceful_timeout)
+        _server_class(uvicorn)(config).run()
     finally:
         llm.shutdown()
     return 0
