@@ -317,7 +317,8 @@ class LLMEngine:
                     decode_rate = -num_tokens / elapsed
                 if use_tqdm:
                     # Redrawn at most every BAR_REFRESH_S: a redraw per step costs more than a decode step.
-                    bar.set_postfix({"Prefill": f"{prefill_rate:.0f}tok/s", "Decode": f"{decode_rate:.0f}tok/s"},
+                    bar.set_postfix({"Prefill": f"{prefill_rate:.0f}tok/s",
+                                     "Decode": f"{decode_rate:.0f}tok/s"},
                                     refresh=time.perf_counter() - bar.last_print_t > BAR_REFRESH_S)
         except BaseException:
             self._abandon([seq for seq in seqs if seq.seq_id not in outputs])

@@ -20,8 +20,16 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.llm import LLM
 from nanovllm.serve.async_engine import AsyncEngine, Update
 from nanovllm.serve.metrics import make_registry
-from nanovllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
-                                     describe_validation_error, error_body, new_id, now, usage)
+from nanovllm.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    describe_validation_error,
+    error_body,
+    new_id,
+    now,
+    usage,
+)
 from nanovllm.serve.responses import Reply
 
 logger = logging.getLogger(__name__)
@@ -70,7 +78,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         logger.exception("internal error")
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"),
+                            status_code=500)
 
     @app.get("/health")
     async def health():
@@ -99,7 +108,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
             probe = llm.make_request(prompt, req.sampling_params(max_tokens=1))
             num_prompt = probe.num_prompt_tokens
             config = llm.config
-            room = min(config.max_model_len, config.num_kvcache_blocks * config.kvcache_block_size) - num_prompt
+            capacity = config.num_kvcache_blocks * config.kvcache_block_size
+            room = min(config.max_model_len, capacity) - num_prompt
             max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or max(room, 1)
             return llm.make_request(probe.token_ids, req.sampling_params(max_tokens))
         except (TypeError, ValueError) as e:
@@ -157,13 +167,15 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
 
     def check_finished(output: dict) -> None:
         if output["finish_reason"] == "abort":
-            raise RequestError(output.get("error", "the request was aborted"), status=503, kind="server_error")
+            raise RequestError(output.get("error", "the request was aborted"), status=503,
+                               kind="server_error")
         if output["finish_reason"] == "error":
             raise RequestError(f"the request failed in the engine: {output['error']}", status=500,
                                kind="server_error")
 
     async def stream(req, seq, updates: asyncio.Queue, reply: Reply) -> AsyncIterator[str]:
-        detokenizer = IncrementalDetokenizer(llm.tokenizer, seq.sampling_params.stop) if llm.tokenizer else None
+        detokenizer = (IncrementalDetokenizer(llm.tokenizer, seq.sampling_params.stop)
+                       if llm.tokenizer else None)
         with_ids = req.return_token_ids or llm.tokenizer is None
         update: Update | None = None
         try:

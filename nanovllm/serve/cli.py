@@ -14,8 +14,7 @@ import types
 import typing
 from dataclasses import MISSING, fields
 
-from nanovllm.config import (VALID_ATTENTION_BACKENDS, VALID_DEVICES, VALID_DTYPES, VALID_LOAD_FORMATS,
-                             Config)
+from nanovllm.config import VALID_ATTENTION_BACKENDS, VALID_DEVICES, VALID_DTYPES, VALID_LOAD_FORMATS, Config
 
 CHOICES = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
            "attention_backend": VALID_ATTENTION_BACKENDS}
@@ -58,7 +57,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     parser.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id clients send (default: MODEL)")
     parser.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT_S,
                         help="seconds in-flight requests may finish after SIGTERM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -18,7 +18,8 @@ class Reply:
 
     def full(self, text: str, finish_reason: str) -> dict:
         content = {"message": {"role": "assistant", "content": text}} if self.is_chat else {"text": text}
-        return self._body(self.kind, {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason})
+        return self._body(self.kind, {"index": 0, **content, "logprobs": None,
+                                      "finish_reason": finish_reason})
 
     def _event(self, body: dict) -> str:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

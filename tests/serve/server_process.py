@@ -33,7 +33,8 @@ class Server:
         self.api_key = api_key
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"nanovllm-serve-{self.port}.log")
         self.log = open(self.log_path, "w")
-        args = [sys.executable, "-m", "nanovllm.serve", model, "--port", str(self.port), "--log-level", "warning",
+        args = [sys.executable, "-m", "nanovllm.serve", model, "--port", str(self.port),
+                "--log-level", "warning",
                 "--graceful-timeout", "5", *options]
         if api_key:
             args += ["--api-key", api_key]

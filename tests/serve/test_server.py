@@ -12,7 +12,6 @@ import httpx
 import openai
 import pytest
 from conftest import MAX_TOKENS, PROMPTS
-
 from server_process import API_KEY, Server
 
 # ignore_eos: a random model's EOS would end some requests early and make lengths uneven.
@@ -40,13 +39,15 @@ def test_models_and_health(server, client):
 def test_completion_tokens_match_transformers_and_stream_joins(server, client, tokenizer, reference):
     for prompt, expected in zip(PROMPTS, reference):
         full = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
-                                         temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+                                         temperature=0.0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
         assert full.choices[0].model_extra["token_ids"] == expected
         assert full.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
         assert full.choices[0].finish_reason == "length"
         assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(tokenizer.encode(prompt)),
                                                                             MAX_TOKENS)
-        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                stream=True,
                                                 stream_options={"include_usage": True}, **GREEDY))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -66,7 +67,8 @@ def test_chat_stream_joins_and_stop(server, client, tokenizer):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == "length"
     stop = text[4:6]  # a stop string inside the reply: cut before it, in both forms
-    cut = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stop=[stop], **GREEDY)
+    cut = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stop=[stop],
+                                         **GREEDY)
     assert cut.choices[0].message.content == text[:text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
     streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stop=[stop],
