@@ -35,7 +35,15 @@ class _Stream:
     num_sent: int = 0
 
     def post(self, update: Update) -> None:
-        self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+        try:
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+        except RuntimeError:  # the event loop is closed
+            pass
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Update]]) -> None:
+    for updates, update in batch:
+        updates.put_nowait(update)
 
 
 class AsyncEngine:
@@ -109,7 +117,9 @@ class AsyncEngine:
                 self.llm.abort_request(item)
 
     def _publish(self) -> None:
-        """Post each request's new tokens; the last update carries its output."""
+        """Post each request's new tokens; the last update carries its output. One wake-up of each
+        event loop per step, not one per request: at 256 streams that is 255 fewer syscalls."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Update]]] = {}
         for seq_id, stream in list(self._streams.items()):
             seq = stream.seq
             output = self.llm.take_output(seq_id) if seq.is_finished else None
@@ -117,9 +127,15 @@ class AsyncEngine:
             if output is None and num_tokens == stream.num_sent:
                 continue
             start = seq.num_prompt_tokens + stream.num_sent
-            stream.post(Update(seq.token_ids[start:start + num_tokens - stream.num_sent], output))
+            update = Update(seq.token_ids[start:start + num_tokens - stream.num_sent], output)
+            batches.setdefault(stream.loop, []).append((stream.updates, update))
             self.num_generation_tokens += num_tokens - stream.num_sent
             stream.num_sent = num_tokens
             if output is not None:
                 self.finish_reasons[output["finish_reason"]] += 1
                 del self._streams[seq_id]
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that event loop is closed: nobody is left to read these
+                pass

@@ -1,5 +1,6 @@
-"""Start a real server (`python -m nanovllm.serve`, uvicorn on 127.0.0.1 and a free port) in a
-subprocess, once per test module, and stop it with SIGTERM at the end, checking it exits cleanly."""
+"""A real server (`python -m nanovllm.serve`, uvicorn on 127.0.0.1 and a free port) in a subprocess,
+for the server tests (once per module) and scripts/bench_serve.py; SIGTERM stops it, and
+`terminate()` says whether it exited cleanly."""
 
 import os
 import signal
@@ -8,11 +9,7 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-pytest.importorskip("fastapi", reason="the server needs the serve extra: pip install -e '.[test]'")
-pytest.importorskip("openai", reason="the server tests need openai: pip install -e '.[test]'")
-import httpx  # noqa: E402
+import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_KEY = "sk-test-key"
@@ -27,20 +24,22 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, *options: str, api_key: str | None = API_KEY) -> None:
+    def __init__(self, model: str, *options: str, api_key: str | None = API_KEY,
+                 startup_timeout: float = STARTUP_TIMEOUT_S, log_level: str = "warning",
+                 cpu: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"nanovllm-serve-{self.port}.log")
         self.log = open(self.log_path, "w")
         args = [sys.executable, "-m", "nanovllm.serve", model, "--port", str(self.port),
-                "--log-level", "warning",
+                "--log-level", log_level,
                 "--graceful-timeout", "5", *options]
         if api_key:
             args += ["--api-key", api_key]
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": REPO}
+        env = {**os.environ, "PYTHONPATH": REPO, **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
         self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + startup_timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
@@ -51,7 +50,7 @@ class Server:
                 pass
             if time.monotonic() > deadline:
                 self.proc.kill()
-                raise RuntimeError(f"the server did not start in {STARTUP_TIMEOUT_S}s:\n{self.output()}")
+                raise RuntimeError(f"the server did not start in {startup_timeout}s:\n{self.output()}")
             time.sleep(0.2)
 
     @property
