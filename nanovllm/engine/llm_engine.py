@@ -158,7 +158,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: int) -> bool:
         """Stop a request and free its KV blocks at once, whatever its state (waiting, prefilling,
-        decoding, preempted). Returns True if it was running; an unknown or already finished id is
+        decoding, preempted). Returns True if it was live; an unknown or already finished id is
         a no-op that returns False, since a request may finish just before its abort arrives. An
         aborted `add_request` request is not returned by `step()`; a tracked one ends with
         finish_reason "abort"."""
@@ -230,11 +230,13 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         token_ids, failures = self._run_isolating_failures(seqs, is_prefill)
-        ok = [i for i, seq in enumerate(seqs) if seq.seq_id not in failures]
-        finished = self.scheduler.postprocess([seqs[i] for i in ok], [token_ids[i] for i in ok])
-        for seq in seqs:
-            if seq.seq_id in failures:
+        if failures:
+            failed = [seq for seq in seqs if seq.seq_id in failures]
+            ok = [i for i, seq in enumerate(seqs) if seq.seq_id not in failures]
+            seqs, token_ids = [seqs[i] for i in ok], [token_ids[i] for i in ok]
+            for seq in failed:
                 self._finish_early(seq, "error", failures[seq.seq_id])
+        finished = self.scheduler.postprocess(seqs, token_ids)
         for seq in finished:
             self.requests.finish(seq.seq_id, self._output(seq))
         return num_tokens if is_prefill else -num_tokens
