@@ -6,9 +6,10 @@ Threads: one engine may be driven from several threads at once (generate, stream
 abort_request): an engine lock serializes the steps, and each caller gets exactly its own requests'
 outputs, whichever thread ran the step that finished them (see request_tracker.py). A generate or
 stream call that is left by an exception or Ctrl-C aborts its unfinished requests and frees their
-KV blocks. At tensor_parallel_size=1 a request whose step fails (say, sampling parameters changed
-after it was added) is retried alone and, if it fails again, finished with finish_reason "error"
-and the exception's text in its output's "error"; the others keep running.
+KV blocks. A request whose step fails (say, sampling parameters changed after it was added) is
+finished alone with finish_reason "error" and the exception's text in its output's "error"; the
+others keep running (under tensor parallelism: failures of rank 0's sampling inputs; a failure
+inside the forward shuts the worker group down, see _run_isolating_failures).
 
 With tensor_parallel_size=N > 1, the engine's own ModelRunner is rank 0 and ranks 1..N-1 run in
 worker processes (nanovllm.engine.tp_worker). `shutdown()` (alias `exit()`, or leaving a `with` block)
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
+from nanovllm.engine.model_inputs import prepare_sampling
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.request_tracker import RequestTracker
 from nanovllm.engine.scheduler import Scheduler
@@ -243,25 +245,47 @@ class LLMEngine:
 
     def _run_isolating_failures(self, seqs: list[Sequence], is_prefill: bool
                                 ) -> tuple[list[int | None], dict[int, str]]:
-        """Run the step; if it raises at TP=1, run each sequence alone to find the one(s) at fault.
-        Returns the sampled tokens and {seq_id: error text} of the sequences that failed alone.
-        Re-running is safe: a step changes no sequence, and rewrites the same KV slots. Under
-        tensor parallelism a failed step has already shut the worker group down: it raises."""
+        """Run the step so that a request that fails is failed alone. Returns the sampled tokens
+        (None for the failed) and {seq_id: error text} of the sequences that failed.
+        At TP=1, a failed step is re-run one sequence at a time to find the one(s) at fault;
+        re-running is safe: a step changes no sequence, and rewrites the same KV slots.
+        Under tensor parallelism a failed step shuts the worker group down (ranks may be stuck in
+        a collective), so what can fail on rank 0 alone, turning sampling parameters into tensors,
+        is tried on the CPU before the step is sent; a failure inside the forward still raises."""
+        failures = self._check_sampling_inputs(seqs) if self.workers is not None else {}
+        runnable = [seq for seq in seqs if seq.seq_id not in failures] if failures else seqs
         try:
-            return self._run_model(seqs, is_prefill), {}
+            token_ids = self._run_model(runnable, is_prefill) if runnable else []
         except Exception:
             if self.workers is not None or self.model_runner is None:
                 raise
-            logger.exception("a step of %d sequences failed; retrying each alone", len(seqs))
-        token_ids: list[int | None] = []
-        failures: dict[int, str] = {}
+            logger.exception("a step of %d sequences failed; retrying each alone", len(runnable))
+            token_ids = []
+            for seq in runnable:
+                try:
+                    token_ids += self._run_model([seq], is_prefill)
+                except Exception as e:
+                    token_ids.append(None)
+                    failures[seq.seq_id] = f"{type(e).__name__}: {e}"
+        if runnable is seqs:
+            return token_ids, failures
+        by_id = dict(zip((seq.seq_id for seq in runnable), token_ids))
+        return [by_id.get(seq.seq_id) for seq in seqs], failures
+
+    def _check_sampling_inputs(self, seqs: list[Sequence]) -> dict[int, str]:
+        vocab, cpu = self.config.hf_config.vocab_size, torch.device("cpu")
+        try:
+            prepare_sampling(seqs, vocab, cpu)
+            return {}
+        except Exception:
+            pass
+        failures = {}
         for seq in seqs:
             try:
-                token_ids += self._run_model([seq], is_prefill)
+                prepare_sampling([seq], vocab, cpu)
             except Exception as e:
-                token_ids.append(None)
                 failures[seq.seq_id] = f"{type(e).__name__}: {e}"
-        return token_ids, failures
+        return failures
 
     def _output(self, seq: Sequence) -> dict:
         text = seq.stop_text

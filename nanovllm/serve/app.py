@@ -183,6 +183,10 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
                 yield first
             while update is None or update.output is None:
                 update = await updates.get()
+                while update.output is None and not updates.empty():
+                    # Behind by several steps (a busy server): one chunk for all, fewer sends.
+                    more = updates.get_nowait()
+                    update = Update(update.new_token_ids + more.new_token_ids, more.output)
                 if detokenizer is None:
                     text = ""
                 elif update.output is None:
