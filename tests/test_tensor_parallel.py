@@ -93,6 +93,16 @@ def test_tp2_matches_tp1_and_transformers_with_preemption_and_prefix_cache(tp2, 
     assert scheduler.block_manager.num_cache_hit_tokens > hits
 
 
+def test_tp2_a_request_with_bad_sampling_inputs_fails_alone(tp2, reference):
+    poisoned = SamplingParams(temperature=0.5, max_tokens=4)
+    bad = tp2.add_request(PROMPTS[0], poisoned)
+    poisoned.temperature = 10**400  # bypasses __post_init__; float32 conversion overflows
+    assert token_ids(tp2) == reference
+    returned, _ = tp2.step()
+    assert [i for i, _ in returned] == [bad] and returned[0][1]["finish_reason"] == "error"
+    assert not tp2.engine.workers.is_shut_down and tp2.is_finished()
+
+
 def test_tp2_chunked_prefill_keeps_output(tp2, hf_qwen3, tokenizer):
     # Steps that sample nothing (the prompt only part-way computed) must keep the ranks in step too.
     prompt = "A paged KV cache admits requests while the fox decodes."

@@ -1,13 +1,20 @@
 """The engine: validates and tokenizes requests, schedules steps, runs each on the model runner (and
 the tensor-parallel workers) and turns finished sequences into outputs. `add_request`, `step` and
-`is_finished` are the loop; nanovllm.llm.LLM drives it for `generate`.
+`is_finished` are the loop; `abort_request` retires a request early; nanovllm.llm.LLM drives it for
+`generate` and `stream`.
+
+Threads: one engine may be driven from several threads at once (generate, stream, add_request, step,
+abort_request, the server's loop): `lock` serializes the steps, and each caller gets exactly its own
+requests' outputs, whichever thread ran the step that finished them (request_tracker.py). A request
+whose step fails is finished alone with finish_reason "error" and the exception's text in its output's
+"error"; the others keep running (failures.py).
 
 With tensor_parallel_size=N > 1, the engine's own ModelRunner is rank 0 and ranks 1..N-1 run in
 worker processes (nanovllm.distributed.worker). `shutdown()` stops them and frees the model; it also
 happens when a step fails under tensor parallelism (a dead worker, Ctrl-C), after which every call
 raises RuntimeError."""
 
-from collections.abc import Sequence as SequenceLike
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -15,21 +22,22 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
 from nanovllm.distributed.worker import TPWorkers
+from nanovllm.engine.failures import run_isolating_failures
+from nanovllm.engine.request_tracker import RequestTracker
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.engine.validation import Prompt, check_fits, tokenize_prompt
 from nanovllm.outputs import RequestOutput
 from nanovllm.runner.batch import build_batch
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.gguf_loader import load_gguf_tokenizer
 
-Prompt = str | list[int]
-
 
 @dataclass(slots=True)
 class StepResult:
-    outputs: list[tuple[int, RequestOutput]]  # (request id, output) of the requests that finished
+    outputs: list[tuple[int, RequestOutput]]  # (request id, output) of add_request requests that finished
     num_prefill_tokens: int  # prompt tokens computed in the step
     num_decode_tokens: int  # tokens decoded in the step
 
@@ -37,6 +45,9 @@ class StepResult:
 class LLMEngine:
     def __init__(self, model: str, **options) -> None:
         self.config = config = Config.from_options(model, **options)
+        # Re-entrant: a caller may hold it across take_output and advance, which take it again.
+        self.lock = threading.RLock()
+        self.requests = RequestTracker()
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             if config.tokenizer is None and config.gguf_path is not None:
@@ -74,39 +85,7 @@ class LLMEngine:
 
     # ---- requests ----
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer, but skip_tokenizer_init=True; "
-                                 "pass token ids instead")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, SequenceLike) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        vocab = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return token_ids
-
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
-        config = self.config
-        total = len(token_ids) + params.max_tokens
-        if total > config.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
-                             f"{total} exceeds max_model_len {config.max_model_len}; shorten the prompt, "
-                             "lower max_tokens or raise max_model_len")
-        blocks = -(-total // config.kvcache_block_size)
-        if blocks > self.num_kvcache_blocks:
-            raise ValueError(f"the request needs up to {blocks} KV blocks but the whole cache has "
-                             f"{self.num_kvcache_blocks}; lower max_tokens, or give the cache more memory "
-                             "(gpu_memory_utilization, num_kvcache_blocks, cpu_kvcache_space_gib)")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; "
-                             "use stop_token_ids")
+        return tokenize_prompt(prompt, self.tokenizer, self.config.hf_config.vocab_size)
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
         """Validate and tokenize one request without queueing it; bad input raises here."""
@@ -115,16 +94,62 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self._tokenize(prompt)
-        self._check_fits(token_ids, params)
+        check_fits(self.config, self.num_kvcache_blocks, token_ids, params, self.tokenizer is not None)
         return Sequence(token_ids, params, self.config.kvcache_block_size)
 
     def add_sequence(self, seq: Sequence) -> int:
-        self.scheduler.add(seq)
+        """Queue a sequence from `make_sequence`; its output comes back from a `step()` call."""
+        with self.lock:
+            self.requests.add(seq, tracked=False)
+            self.scheduler.add(seq)
         return seq.seq_id
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. Bad input raises here and leaves the engine untouched."""
+        """Queue a request; returns its id. Bad input raises here and leaves the engine untouched.
+        Its output comes back from the `step()` call that finishes it, or a later one."""
         return self.add_sequence(self.make_sequence(prompt, sampling_params))
+
+    def start_request(self, seq: Sequence) -> int:
+        """Queue a sequence from `make_sequence` whose progress the caller follows itself: its tokens
+        appear in `seq.completion_token_ids` as steps run, and its output is collected once with
+        `take_output(seq.seq_id)`; `step()` never returns it. Returns its request id."""
+        with self.lock:
+            self.requests.add(seq, tracked=True)
+            self.scheduler.add(seq)
+        return seq.seq_id
+
+    def take_output(self, request_id: int) -> RequestOutput | None:
+        """The output of a finished `start_request` request (once), or None while it runs."""
+        with self.lock:
+            return self.requests.take(request_id)
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a request and free its KV blocks at once, whatever its state (waiting, prefilling,
+        decoding, preempted). Returns True if it was live; an unknown or already finished id is a
+        no-op that returns False, since a request may finish just before its abort arrives. An
+        aborted `add_request` request is not returned by `step()`; a tracked one ends with
+        finish_reason "abort"."""
+        with self.lock:
+            seq = self.requests.live.get(request_id)
+            if seq is None:
+                return False
+            self._finish_early(seq, "abort")
+            return True
+
+    def abandon(self, request_ids: list[int]) -> None:
+        """The caller of these tracked requests is gone (an exception, Ctrl-C, a closed stream):
+        abort them and drop their outputs."""
+        with self.lock:
+            for request_id in request_ids:
+                self.abort_request(request_id)
+                self.requests.forget(request_id)
+
+    def _finish_early(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self.scheduler.finish_early(seq, reason)
+        output = self._output(seq)
+        if error is not None:
+            output["error"] = error
+        self.requests.finish(seq.seq_id, output, report=reason != "abort")
 
     # ---- lifetime ----
     def _check_running(self) -> None:
@@ -159,22 +184,51 @@ class LLMEngine:
             token_ids[row] = token
         return token_ids
 
+    def _check_sampling(self, seqs: list[Sequence]) -> None:
+        self.model_runner.check_sampling(build_batch(seqs, is_prefill=True).sampling)
+
+    def advance(self) -> StepResult:
+        """Schedule and run one step (none when nothing is queued), for callers that collect their own
+        requests with `take_output`: the outputs of `add_request` requests stay for `step()`, and
+        the result's `outputs` is empty."""
+        with self.lock:
+            if self.scheduler.is_finished():
+                return StepResult([], 0, 0)
+            self._check_running()
+            seqs, is_prefill = self.scheduler.schedule()
+            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+            check = self._check_sampling if self.workers is not None else None
+            token_ids, failures = run_isolating_failures(self._run_model, seqs, is_prefill, check)
+            if failures:
+                ok = [i for i, seq in enumerate(seqs) if seq.seq_id not in failures]
+                for seq in seqs:
+                    if seq.seq_id in failures:
+                        self._finish_early(seq, "error", failures[seq.seq_id])
+                seqs, token_ids = [seqs[i] for i in ok], [token_ids[i] for i in ok]
+            for seq in self.scheduler.postprocess(seqs, token_ids):
+                self.requests.finish(seq.seq_id, self._output(seq))
+            return StepResult([], num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)
+
     def run_step(self) -> StepResult:
-        """Schedule and run one step; returns what finished and how many tokens were computed."""
-        seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        finished = self.scheduler.postprocess(seqs, self._run_model(seqs, is_prefill))
-        outputs = [(seq.seq_id, self._output(seq)) for seq in finished]
-        return StepResult(outputs, num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)
+        """Schedule and run one step; returns the (request id, output) of the `add_request` requests
+        that finished (in this step, or in steps that generate/stream calls ran since) and how many
+        tokens were computed."""
+        with self.lock:
+            result = self.advance()
+            result.outputs = self.requests.drain_unreturned()
+            return result
 
     def step(self) -> tuple[list[tuple[int, RequestOutput]], int]:
-        """Run one step (nano-vllm's shape). Returns the (request id, output) of requests that finished,
-        and the number of tokens computed: positive for a prefill step, negative for a decode step."""
+        """Run one step (nano-vllm's shape). Returns the (request id, output) of `add_request`
+        requests that finished, and the number of tokens computed: positive for a prefill step,
+        negative for a decode step, 0 when nothing was left to run."""
         result = self.run_step()
         return result.outputs, result.num_prefill_tokens or -result.num_decode_tokens
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        """True when nothing is queued and `step()` has returned every `add_request` output."""
+        with self.lock:
+            return self.scheduler.is_finished() and not self.requests.unreturned
 
     def prompt_logits(self, token_ids: list[int]):
         """The model's next-token logits after a whole prompt ([vocab] tensor), from one prefill through

@@ -89,6 +89,19 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
+    def finish_early(self, seq: Sequence, reason: str) -> None:
+        """Retire seq before it ends on its own (an abort, a failure), whatever its state: waiting
+        (new or preempted), prefilling or decoding. Its KV blocks go back to the pool at once."""
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        seq.num_scheduled_tokens = 0
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
     def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
         """Record a finished step: advance computed tokens, append sampled tokens, retire finished
         sequences. token_ids[i] is None when seqs[i] only computed part of its prompt."""

@@ -30,10 +30,12 @@ class StopChecker:
     def _hit_stop_string(self, seq: Sequence) -> bool:
         stops = seq.sampling_params.stop
         window = max(map(len, stops)) + STOP_WINDOW_SLACK
-        tail = self.tokenizer.decode(seq.completion_token_ids[-window:])
+        # Decoded as the output text is (special tokens skipped), so that the cut text is a prefix
+        # of what a stream has already sent.
+        tail = self.tokenizer.decode(seq.completion_token_ids[-window:], skip_special_tokens=True)
         if not any(s in tail for s in stops):
             return False
-        text = self.tokenizer.decode(seq.completion_token_ids)
+        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if cut < 0:  # the tail decoded differently in isolation; trust the full text
             return False

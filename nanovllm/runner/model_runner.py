@@ -198,6 +198,11 @@ class ModelRunner:
             return None if logits is None else []
         return self.sampler(logits, sampling_tensors(batch.sampling, self.vocab_size, self.device)).tolist()
 
+    def check_sampling(self, sampling: SamplingBatch) -> None:
+        """Build the sampler's inputs on the CPU, raising what a step would raise on rank 0 for them:
+        under tensor parallelism the engine checks them before a step is sent to the workers."""
+        sampling_tensors(sampling, self.vocab_size, torch.device("cpu"))
+
     def release(self) -> None:
         """Free the model and its KV cache now (the layers' weight loaders form reference cycles)."""
         if self.decode_graphs is not None:
