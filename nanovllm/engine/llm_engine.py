@@ -19,10 +19,12 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.request import make_sequences, request_output
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.engine.tp_worker import TPWorkers
+from nanovllm.outputs import RequestOutput, StepOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.gguf_loader import load_gguf_tokenizer
 
@@ -47,8 +49,10 @@ class LLMEngine:
             with self.workers.scope() if self.workers else nullcontext():
                 self.model_runner = ModelRunner(config)
             config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
-            self.scheduler = Scheduler(config, StopChecker(self._eos_token_ids(), config.max_model_len,
+            self.eos_token_ids = self._eos_token_ids()
+            self.scheduler = Scheduler(config, StopChecker(self.eos_token_ids, config.max_model_len,
                                                            self.tokenizer))
+            self.requests: dict[int, list[Sequence]] = {}  # request id -> its n sequences, until done
         except BaseException:
             self.shutdown()  # no worker outlives a failed constructor
             raise
@@ -103,20 +107,30 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; "
                              "use stop_token_ids")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer, but skip_tokenizer_init=True; use logit_bias "
+                             "with -100 for single tokens")
 
-    def _make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
+    def _make_request(self, prompt: Prompt, params: SamplingParams | None) -> list[Sequence]:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        # Again, now: fields may have been changed since construction, and token ids need the vocabulary.
+        params.validate(self.config.hf_config.vocab_size)
         token_ids = self._tokenize(prompt)
         self._check_fits(token_ids, params)
-        return Sequence(token_ids, params, self.config.kvcache_block_size)
+        return make_sequences(token_ids, params, self.config.kvcache_block_size, self.eos_token_ids,
+                              self.tokenizer)
+
+    def _queue(self, seqs: list[Sequence]) -> int:
+        self.requests[seqs[0].seq_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs[0].seq_id
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. Bad input raises here and leaves the engine untouched."""
-        seq = self._make_sequence(prompt, sampling_params)
-        self.scheduler.add(seq)
-        return seq.seq_id
+        return self._queue(self._make_request(prompt, sampling_params))
 
     # ---- lifetime ----
     def shutdown(self) -> None:
@@ -139,7 +153,7 @@ class LLMEngine:
         self.shutdown()
 
     # ---- the loop ----
-    def _run_model(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
+    def _run_model(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
         if self.model_runner is None:
             raise RuntimeError("this LLM is shut down (exit() was called, or a tensor-parallel worker "
                                "failed); create a new one")
@@ -151,32 +165,40 @@ class LLMEngine:
             self.shutdown()  # the workers are gone already; free rank 0's share as well
             raise
 
-    def step(self) -> tuple[list[tuple[int, dict]], int]:
-        """Run one step. Returns the (request id, output) of requests that finished, and the number
-        of tokens computed: positive for a prefill step, negative for a decode step."""
+    def step(self) -> tuple[list[tuple[int, RequestOutput]], int]:
+        """Run one step. Returns the (request id, output) of requests whose every completion finished,
+        and the number of tokens computed: positive for a prefill step, negative for a decode step."""
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        token_ids = self._run_model(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
-        outputs = [(seq.seq_id, self._output(seq)) for seq in finished]
+        out = self._run_model(seqs, is_prefill)
+        self._record_logprobs(seqs, out)
+        finished = self.scheduler.postprocess(seqs, out.token_ids)
+        outputs = []
+        for seq in finished:
+            request_id = (seq.leader or seq).seq_id
+            group = self.requests[request_id]
+            if all(s.is_finished for s in group):
+                del self.requests[request_id]
+                outputs.append((request_id, request_output(group, self.tokenizer)))
         return outputs, num_tokens if is_prefill else -num_tokens
+
+    @staticmethod
+    def _record_logprobs(seqs: list[Sequence], out: StepOutput) -> None:
+        for row, lps in (out.prompt_logprobs or {}).items():
+            seqs[row].prompt_logprobs.extend(lps)
+        for seq, token, lps in zip(seqs, out.token_ids, out.logprobs or (), strict=False):
+            if token is not None and lps is not None:
+                seq.logprobs.append(lps)
+                seq.cumulative_logprob += lps[token]
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
-    def _output(self, seq: Sequence) -> dict:
-        text = seq.stop_text
-        if text is None:
-            text = "" if self.tokenizer is None else self.tokenizer.decode(seq.completion_token_ids,
-                                                                          skip_special_tokens=True)
-        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
-                "prompt_token_ids": seq.token_ids[:seq.num_prompt_tokens],
-                "num_cached_tokens": seq.num_cached_tokens}
-
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Generate for each prompt; returns one output dict per prompt, in input order."""
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt; returns one output dict per prompt, in input order (its n
+        completions in out["outputs"], the first also at the top level)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -189,14 +211,13 @@ class LLMEngine:
         else:
             sampling_params = [sampling_params] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt leaves no half-added batch.
-        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
-        for seq in seqs:
-            self.scheduler.add(seq)
-        outputs = self._run_until_done({seq.seq_id for seq in seqs}, use_tqdm)
-        return [outputs[seq.seq_id] for seq in seqs]
+        requests = [self._make_request(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        ids = [self._queue(seqs) for seqs in requests]
+        outputs = self._run_until_done(set(ids), use_tqdm)
+        return [outputs[request_id] for request_id in ids]
 
-    def _run_until_done(self, wanted: set[int], use_tqdm: bool) -> dict[int, dict]:
-        outputs: dict[int, dict] = {}
+    def _run_until_done(self, wanted: set[int], use_tqdm: bool) -> dict[int, RequestOutput]:
+        outputs: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(wanted), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
         while not self.is_finished() and len(outputs) < len(wanted):

@@ -1,7 +1,7 @@
 """Turns a scheduled batch into model inputs: token ids, positions, the attention metadata, the rows
 to sample and their sampling parameters. Built as host lists, then copied to the device once."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,8 @@ class ModelInputs:
     meta: AttentionMetadata
     sample_rows: list[int]  # which sequences of the batch get a new token this step
     logits_indices: torch.Tensor  # the token whose hidden state each sampled row uses
+    # (row, flat index of position lo, lo, hi) per sequence computing prompt logprobs of positions [lo, hi)
+    prompt_logprob_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -46,7 +48,7 @@ def _block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
 
 def prepare_prefill(seqs: list[Sequence], device: torch.device) -> ModelInputs:
     input_ids, positions, slot_mapping, cu_q, cu_k, seqlens_k = [], [], [], [0], [0], []
-    sample_rows, logits_indices, has_prefix = [], [], False
+    sample_rows, logits_indices, has_prefix, spans = [], [], False, []
     for row, seq in enumerate(seqs):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
         input_ids.extend(seq.token_ids[start:end])
@@ -56,6 +58,9 @@ def prepare_prefill(seqs: list[Sequence], device: torch.device) -> ModelInputs:
         cu_k.append(cu_k[-1] + end)
         seqlens_k.append(end)
         has_prefix |= start > 0
+        span = seq.prompt_logprob_span()
+        if span is not None:
+            spans.append((row, cu_q[-2] + span[0] - start, *span))
         if end == len(seq):  # the whole sequence is computed: its next token is sampled
             sample_rows.append(row)
             logits_indices.append(cu_q[-1] - 1)
@@ -67,7 +72,7 @@ def prepare_prefill(seqs: list[Sequence], device: torch.device) -> ModelInputs:
         max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:], strict=False)), max_seqlen_k=max(seqlens_k),
         has_prefix=has_prefix, cu_seqlens_q_host=cu_q, seqlens_k_host=seqlens_k)
     return ModelInputs(_to_device(input_ids, torch.int64, device), _to_device(positions, torch.int64, device),
-                       meta, sample_rows, _to_device(logits_indices, torch.int64, device))
+                       meta, sample_rows, _to_device(logits_indices, torch.int64, device), spans)
 
 
 def prepare_decode(seqs: list[Sequence], device: torch.device) -> ModelInputs:
@@ -90,7 +95,7 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, device: torch.device
     if all(t == 0 for t in temperatures):
         return SamplingTensors(None, all_greedy=True)
     tensors = SamplingTensors(_to_device(temperatures, torch.float32, device), all_greedy=False)
-    top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
     if min(top_ks) < vocab_size:
         tensors.top_ks, tensors.max_top_k = _to_device(top_ks, torch.int64, device), max(top_ks)
     if any(p.top_p < 1.0 for p in params):
@@ -98,6 +103,6 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, device: torch.device
     if any(p.min_p > 0.0 for p in params):
         tensors.min_ps = _to_device([p.min_p for p in params], torch.float32, device)
     tensors.seeded_rows = [
-        (row, (seq.sampling_params.seed * SEED_STRIDE + seq.num_completion_tokens) & SEED_MASK)
-        for row, seq in enumerate(seqs) if seq.sampling_params.seed is not None] or None
+        (row, (seq.seed * SEED_STRIDE + seq.num_completion_tokens) & SEED_MASK)
+        for row, seq in enumerate(seqs) if seq.seed is not None] or None
     return tensors

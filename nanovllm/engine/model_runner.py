@@ -14,8 +14,11 @@ from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.model_inputs import ModelInputs, prepare_decode, prepare_prefill, prepare_sampling
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.logits_processors import prepare_logits_processors
+from nanovllm.layers.logprobs import prompt_logprobs, sampled_logprobs
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
+from nanovllm.outputs import StepOutput
 from nanovllm.utils.distributed import get_tp_rank, min_across_ranks
 from nanovllm.utils.gguf_loader import gguf_weights
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
@@ -175,31 +178,49 @@ class ModelRunner:
         return activation_peak
 
     # ---- one step ----
-    def _forward(self, inputs: ModelInputs, seqs: list[Sequence]) -> torch.Tensor | None:
+    def _forward(self, inputs: ModelInputs, seqs: list[Sequence]) -> StepOutput:
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        return self._sample(hidden[inputs.logits_indices], [seqs[row] for row in inputs.sample_rows])
+        prompt_lps = None
+        if inputs.prompt_logprob_spans:  # every rank: the LM head gathers across ranks
+            prompt_lps = prompt_logprobs(self.model.compute_logits, hidden, inputs.prompt_logprob_spans, seqs)
+        out = self._sample(hidden[inputs.logits_indices], [seqs[row] for row in inputs.sample_rows])
+        out.prompt_logprobs = prompt_lps
+        return out
 
-    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> StepOutput:
+        """Sample the rows of `hidden` (one per seq); tokens and logprobs are indexed like seqs."""
         if not seqs:
-            return None
+            return StepOutput([])
         logits = self.model.compute_logits(hidden)
         if logits is None:  # not rank 0
-            return None
-        return self.sampler(logits, prepare_sampling(seqs, self.vocab_size, self.device))
+            return StepOutput([None] * len(seqs))
+        raw = logits
+        processors = prepare_logits_processors(seqs, self.vocab_size, self.device)
+        if processors is not None:
+            logits = processors.apply(logits)
+        tokens = self.sampler(logits, prepare_sampling(seqs, self.vocab_size, self.device))
+        ks = [seq.sampling_params.logprobs for seq in seqs]
+        # Raw-model logprobs (vLLM's default logprobs_mode), only when some row asked.
+        logprobs = sampled_logprobs(raw, tokens, ks) if any(k is not None for k in ks) else None
+        return StepOutput(tokens.tolist(), logprobs)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
-        """Run one step; returns the new token of each sequence whose computation reached its end
-        (None for sequences that only computed a chunk of their prompt, and on ranks other than 0)."""
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
+        """Run one step; returns, per sequence, the new token of each whose computation reached its end
+        (None for sequences that only computed a chunk of their prompt, and on ranks other than 0),
+        with the logprobs and prompt logprobs that sequences asked for."""
         if not is_prefill and self.decode_graphs and self.decode_graphs.can_run(len(seqs)):
-            tokens = self._sample(self.decode_graphs.run(seqs), seqs)
+            out = self._sample(self.decode_graphs.run(seqs), seqs)
             sample_rows = range(len(seqs))
         else:
             inputs = (prepare_prefill if is_prefill else prepare_decode)(seqs, self.device)
-            tokens, sample_rows = self._forward(inputs, seqs), inputs.sample_rows
-        result: list[int | None] = [None] * len(seqs)
-        if tokens is not None:
-            for row, token in zip(sample_rows, tokens.tolist(), strict=True):
-                result[row] = token
-        return result
+            out, sample_rows = self._forward(inputs, seqs), inputs.sample_rows
+        # Sampled rows -> batch rows.
+        token_ids: list[int | None] = [None] * len(seqs)
+        logprobs = None if out.logprobs is None else [None] * len(seqs)
+        for i, row in enumerate(sample_rows):
+            token_ids[row] = out.token_ids[i]
+            if logprobs is not None:
+                logprobs[row] = out.logprobs[i]
+        return StepOutput(token_ids, logprobs, out.prompt_logprobs)

@@ -12,8 +12,8 @@ Workers never sample, so sampling parameters stay on rank 0."""
 
 from nanovllm.engine.sequence import Sequence
 
-# (start, scheduled token ids, len(seq), block table)
-SeqPayload = tuple[int, list[int], int, list[int]]
+# (start, scheduled token ids, len(seq), block table, prompt logprob span or None)
+SeqPayload = tuple[int, list[int], int, list[int], tuple[int, int] | None]
 StepPayload = tuple[bool, list[SeqPayload]]  # (is_prefill, sequences)
 
 
@@ -22,7 +22,7 @@ def pack_step(seqs: list[Sequence], is_prefill: bool) -> StepPayload:
     for seq in seqs:
         start = seq.num_computed_tokens
         packed.append((start, seq.token_ids[start:start + seq.num_scheduled_tokens], len(seq),
-                       seq.block_table))
+                       seq.block_table, seq.prompt_logprob_span()))
     return is_prefill, packed
 
 
@@ -61,13 +61,18 @@ class StepSequence:
     """A worker's stand-in for a scheduled Sequence: the attributes that prepare_prefill and
     prepare_decode read, and nothing else (touching anything more fails loudly)."""
 
-    __slots__ = ("num_computed_tokens", "num_scheduled_tokens", "token_ids", "block_table", "block_size")
+    __slots__ = ("num_computed_tokens", "num_scheduled_tokens", "token_ids", "block_table", "block_size",
+                 "span")
 
     def __init__(self, start: int, tokens: list[int], length: int, block_table: list[int],
-                 block_size: int) -> None:
+                 span: tuple[int, int] | None, block_size: int) -> None:
         self.num_computed_tokens, self.num_scheduled_tokens = start, len(tokens)
         self.token_ids = TokenWindow(start, tokens, length)
-        self.block_table, self.block_size = block_table, block_size
+        self.block_table, self.block_size, self.span = block_table, block_size, span
+
+    def prompt_logprob_span(self) -> tuple[int, int] | None:
+        """Rank 0's span: the worker computes the same logits rows (the LM head's gather is collective)."""
+        return self.span
 
     def __len__(self) -> int:
         return len(self.token_ids)
