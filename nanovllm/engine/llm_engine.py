@@ -176,8 +176,8 @@ class LLMEngine:
         outputs = []
         for seq in finished:
             request_id = (seq.leader or seq).seq_id
-            group = self.requests[request_id]
-            if all(s.is_finished for s in group):
+            group = self.requests.get(request_id)  # None: a sibling finishing in this step emitted it
+            if group is not None and all(s.is_finished for s in group):
                 del self.requests[request_id]
                 outputs.append((request_id, request_output(group, self.tokenizer)))
         return outputs, num_tokens if is_prefill else -num_tokens
