@@ -143,7 +143,8 @@ def test_n_completions_identical_when_greedy(qwen3_dir):
 @pytest.mark.parametrize("prompt_logprobs", [None, 1])
 def test_n_with_add_request_and_step(qwen3_dir, prompt_logprobs):
     llm = small_llm(qwen3_dir)
-    request_id = llm.add_request(PROMPTS[0], SamplingParams(n=2, max_tokens=4, prompt_logprobs=prompt_logprobs))
+    params = SamplingParams(n=2, max_tokens=4, prompt_logprobs=prompt_logprobs)
+    request_id = llm.add_request(PROMPTS[0], params)
     results = {}
     while not llm.is_finished():
         for rid, output in llm.step()[0]:
