@@ -11,6 +11,15 @@ TOL = 1e-4
 K = 3
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; two contend with the other processes on a small CI box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def small_llm(path, **options):
     defaults = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512)
     return LLM(path, **{**defaults, **options})
