@@ -33,7 +33,8 @@ BAD = [
     ("temperature", math.inf, ValueError), ("temperature", -1.0, ValueError), ("temperature", "1", TypeError),
     ("temperature", 1e39, ValueError),  # inf as a float32
     ("top_p", 0.0, ValueError), ("top_p", 1.5, ValueError), ("top_p", math.nan, ValueError),
-    ("top_k", -2, ValueError), ("top_k", 2.5, TypeError), ("top_k", True, TypeError), ("top_k", "5", TypeError),
+    ("top_k", -2, ValueError), ("top_k", 2.5, TypeError), ("top_k", True, TypeError),
+    ("top_k", "5", TypeError),
     ("min_p", 1.1, ValueError), ("max_tokens", 0, ValueError), ("max_tokens", True, TypeError),
     ("max_tokens", 8.0, TypeError), ("n", 0, ValueError), ("n", True, TypeError),
     ("ignore_eos", "no", TypeError), ("ignore_eos", 1, TypeError), ("detokenize", "False", TypeError),
