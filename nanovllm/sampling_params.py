@@ -161,3 +161,8 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        return (self.uses_penalties or self.min_tokens > 0 or bool(self.bad_words)
+                or self.logit_bias is not None or self.allowed_token_ids is not None)

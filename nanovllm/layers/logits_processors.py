@@ -83,6 +83,8 @@ def _banned_tokens(seq) -> list[int]:
 def prepare_logits_processors(seqs: list, vocab_size: int,
                               device: torch.device) -> LogitsProcessorTensors | None:
     """Build the batch's processor tensors from the sampled rows' Sequences; None when no row needs any."""
+    if not any(seq.uses_logits_processors for seq in seqs):
+        return None
     params = [seq.sampling_params for seq in seqs]
     t, used = LogitsProcessorTensors(), False
     if any(p.allowed_token_ids is not None for p in params):
