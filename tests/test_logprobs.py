@@ -160,3 +160,14 @@ def test_n_with_add_request_and_step(qwen3_dir, prompt_logprobs):
             results[rid] = output
     assert list(results) == [request_id] and len(results[request_id]["outputs"]) == 2
     assert (results[request_id]["prompt_logprobs"] is None) == (prompt_logprobs is None)
+
+
+def test_warmup_sampling_batch_runs_every_costly_option(qwen3_dir):
+    """The GPU warm-up measures sampling's memory peak with this batch: it must run (CPU here)."""
+    from nanovllm.engine.model_runner import worst_case_sampling_batch
+    llm = small_llm(qwen3_dir)
+    runner = llm.model_runner
+    seqs = worst_case_sampling_batch(4, 4)
+    hidden = torch.randn(4, runner.config.hf_config.hidden_size)
+    out = runner._sample(hidden, seqs)
+    assert all(t in (0, 1) for t in out.token_ids) and all(len(lp) >= 20 for lp in out.logprobs)

@@ -16,9 +16,10 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.logits_processors import prepare_logits_processors
 from nanovllm.layers.logprobs import prompt_logprobs, sampled_logprobs
-from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.outputs import StepOutput
+from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanovllm.utils.distributed import get_tp_rank, min_across_ranks
 from nanovllm.utils.gguf_loader import gguf_weights
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
@@ -43,6 +44,14 @@ def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
         return torch.float32  # CPU matmuls in half precision are slow and inexact
     dtype = getattr(config.hf_config, "dtype", None) or getattr(config.hf_config, "torch_dtype", None)
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def worst_case_sampling_batch(num_seqs: int, block_size: int) -> list[Sequence]:
+    """Sequences whose sampling uses every option that costs memory, for the warm-up's peak."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
+                            frequency_penalty=0.1, logit_bias={0: 1.0}, allowed_token_ids=[0, 1],
+                            logprobs=MAX_LOGPROBS)
+    return [Sequence([0, 1], params, block_size) for _ in range(num_seqs)]
 
 
 class ModelRunner:
@@ -165,13 +174,11 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self._forward(inputs, seqs)
-        # The largest decode batch samples from full-vocabulary logits (top-p sorts them): its peak too.
+        # The largest decode batch samples from full-vocabulary logits (top-p sorts them, processors
+        # and logprobs copy them): its peak too.
         max_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
         hidden = torch.zeros(max_batch, config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
-        ones = torch.ones(max_batch, device=self.device)
-        logits = self.model.compute_logits(hidden)
-        if logits is not None:  # rank 0 only
-            self.sampler(logits, SamplingTensors(ones, all_greedy=False, top_ps=ones * 0.9))
+        self._sample(hidden, worst_case_sampling_batch(max_batch, self.block_size))
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - before
         self._release_kv_cache()
