@@ -15,6 +15,8 @@ logger = logging.getLogger("nanovllm")
 MIN_TEMPERATURE = 1e-2
 # Largest finite float32: a temperature or penalty beyond it becomes inf on the device.
 FLOAT32_MAX = 3.4028234663852886e38
+# Completions per request: each is a queued sequence, so a runaway n would exhaust host memory at add time.
+MAX_N = 1024
 # vLLM's default max_logprobs: top-k logprobs per position are capped at this many.
 MAX_LOGPROBS = 20
 # OpenAI's (and vLLM's) logit_bias range; larger biases are clamped to it.
@@ -96,7 +98,7 @@ class SamplingParams:
         tiny temperatures -> MIN_TEMPERATURE, logit_bias clamped). Raises TypeError / ValueError
         saying what to change. The engine calls it again, with the model's vocab_size, on every
         request it adds."""
-        _check_int("n", self.n, 1)
+        _check_int("n", self.n, 1, MAX_N)
         t = _check_float("temperature", self.temperature, 0.0, FLOAT32_MAX, " (0 = greedy)")
         if 0.0 < t < MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s, which overflows float32 logits; using %s",

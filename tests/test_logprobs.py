@@ -171,3 +171,10 @@ def test_warmup_sampling_batch_runs_every_costly_option(qwen3_dir):
     hidden = torch.randn(4, runner.config.hf_config.hidden_size)
     out = runner._sample(hidden, seqs)
     assert all(t in (0, 1) for t in out.token_ids) and all(len(lp) >= 20 for lp in out.logprobs)
+
+
+def test_n_without_prefix_caching(qwen3_dir):
+    llm = small_llm(qwen3_dir, enable_prefix_caching=False)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+    assert len({tuple(c["token_ids"]) for c in out["outputs"]}) == 1 and len(out["outputs"]) == 3

@@ -37,6 +37,7 @@ BAD = [
     ("top_k", "5", TypeError),
     ("min_p", 1.1, ValueError), ("max_tokens", 0, ValueError), ("max_tokens", True, TypeError),
     ("max_tokens", 8.0, TypeError), ("n", 0, ValueError), ("n", True, TypeError),
+    ("n", 10**9, ValueError),
     ("ignore_eos", "no", TypeError), ("ignore_eos", 1, TypeError), ("detokenize", "False", TypeError),
     ("skip_special_tokens", None, TypeError), ("spaces_between_special_tokens", 0, TypeError),
     ("include_stop_str_in_output", "yes", TypeError),

@@ -66,6 +66,16 @@ class NanoVLLM(TemplateLM):
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.tokenizer, "name_or_path", "nanovllm").replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """For `--apply_chat_template`: the tokenizer's chat template, as text."""
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
     # ---- scoring ----
     def _score(self, pairs: list[tuple[list[int], list[int]]],
                disable_tqdm: bool) -> list[tuple[float, bool]]:
