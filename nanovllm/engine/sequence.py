@@ -33,7 +33,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block whose KV is computed
         self.finish_reason: str | None = None
-        self.stop_text: str | None = None  # the completion text, cut before a stop string that hit
+        self.stop_text: str | None = None  # the completion text, cut at the stop string that hit
         self.num_preemptions = 0
         params = self.sampling_params
         # n > 1: completion i of a request samples with seed + i (distinct, reproducible), and waits

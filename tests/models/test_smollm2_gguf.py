@@ -102,11 +102,11 @@ def test_bad_words_and_stop_strings_with_a_real_tokenizer(llm):
     question = [{"role": "user", "content": QUESTIONS[0]}]
     banned = bad_words_token_ids(["Paris"], llm.tokenizer)
     assert len(banned) == 2 and [llm.tokenizer.encode(" Paris", add_special_tokens=False)] in (banned[1:],)
-    out = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=16, bad_words=["Paris"]),
+    out = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=8, bad_words=["Paris"]),
                    use_tqdm=False)[0]
     for word in banned:
         assert all(out["token_ids"][i:i + len(word)] != word for i in range(len(out["token_ids"])))
     assert out["text"] != "The capital of France is Paris."
-    kept = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=16, stop=["France"],
+    kept = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=8, stop=["France"],
                                              include_stop_str_in_output=True), use_tqdm=False)[0]
     assert kept["text"] == "The capital of France" and kept["stop_reason"] == "France"
