@@ -52,17 +52,22 @@ def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor | None
                     spans: list[tuple[int, int, int, int]], seqs: list) -> dict[int, list[TokenLogprobs]]:
     """spans: (row, flat index of position lo in hidden, lo, hi) per sequence that wants prompt
     logprobs this step; position q's logits give the logprobs of prompt token q + 1. Returns, on rank 0,
-    row -> logprobs of prompt tokens lo+1 .. hi; every rank must call it (compute_logits gathers)."""
+    row -> logprobs of prompt tokens lo+1 .. hi; every rank must call it (compute_logits gathers).
+    The positions of all spans are taken PROMPT_LOGPROBS_CHUNK at a time, across sequences: one LM-head
+    matmul and one copy to the host per chunk, however many short prompts the step holds."""
+    # [(row, flat index in hidden, position)] of every position, in span order
+    positions = [(row, flat + i, lo + i) for row, flat, lo, hi in spans for i in range(hi - lo)]
     out: dict[int, list[TokenLogprobs]] = {}
-    for row, flat, lo, hi in spans:
-        for start in range(lo, hi, PROMPT_LOGPROBS_CHUNK):
-            end = min(start + PROMPT_LOGPROBS_CHUNK, hi)
-            logits = compute_logits(hidden[flat + start - lo:flat + end - lo])
-            if logits is None:  # not rank 0
-                continue
-            seq = seqs[row]
-            targets = torch.tensor(seq.token_ids[start + 1:end + 1], device=logits.device)
-            k = seq.sampling_params.prompt_logprobs
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            out.setdefault(row, []).extend(_top_k_dicts(logprobs, targets, [k] * (end - start)))
+    for start in range(0, len(positions), PROMPT_LOGPROBS_CHUNK):
+        chunk = positions[start:start + PROMPT_LOGPROBS_CHUNK]
+        index = torch.tensor([flat for _, flat, _ in chunk], device=hidden.device)
+        logits = compute_logits(hidden.index_select(0, index))
+        if logits is None:  # not rank 0
+            continue
+        # Only rank 0 holds whole Sequences: the targets are the prompt tokens that follow each position.
+        targets = torch.tensor([seqs[row].token_ids[q + 1] for row, _, q in chunk], device=logits.device)
+        ks = [seqs[row].sampling_params.prompt_logprobs for row, _, _ in chunk]
+        dicts = _top_k_dicts(torch.log_softmax(logits.float(), dim=-1), targets, ks)
+        for (row, _, _), entry in zip(chunk, dicts, strict=True):
+            out.setdefault(row, []).append(entry)
     return out
