@@ -64,7 +64,8 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for each prompt; returns one output dict per prompt, in input order."""
+        """Generate for each prompt; returns one output dict per prompt, in input order (its n
+        completions in out["outputs"], the first also at the top level)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -77,12 +78,11 @@ class LLM:
         else:
             sampling_params = [sampling_params] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt leaves no half-added batch.
-        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
         with self.engine.lock:
-            for seq in seqs:
-                self.engine.start_request(seq)
-        outputs = self._run_until_done([seq.seq_id for seq in seqs], use_tqdm)
-        return [outputs[seq.seq_id] for seq in seqs]
+            request_ids = [self.engine.start_request(seqs) for seqs in requests]
+        outputs = self._run_until_done(request_ids, use_tqdm)
+        return [outputs[request_id] for request_id in request_ids]
 
     def _run_until_done(self, request_ids: list[int], use_tqdm: bool) -> dict[int, RequestOutput]:
         """Step until every one of request_ids (tracked requests) is finished; other callers' requests
@@ -156,12 +156,21 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("stream yields text and needs a tokenizer, but skip_tokenizer_init=True; "
                              "use add_request/step for token ids")
-        return self._stream(self.engine.make_sequence(prompt, sampling_params))
+        params = sampling_params
+        if params is not None and isinstance(params, SamplingParams):
+            if params.n != 1:
+                raise ValueError(f"stream yields one completion's text, but n={params.n}; use n=1 (one "
+                                 "stream per completion, each with its own seed), or generate for n > 1")
+            if not params.detokenize:
+                raise ValueError("stream yields text, but detokenize=False; use add_request/step for "
+                                 "token ids")
+        return self._stream(self.engine.make_sequence(prompt, params))
 
     def _stream(self, seq: Sequence) -> Iterator[str]:
         engine = self.engine
-        detokenizer = IncrementalDetokenizer(self.tokenizer, seq.sampling_params.stop)
-        request_id = engine.start_request(seq)
+        params = seq.sampling_params
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        request_id = engine.start_request([seq])
         output = None
         try:
             while output is None:

@@ -239,3 +239,18 @@ def test_group_users_are_released_before_the_communicator(monkeypatch):
     group.before_destroy(failing_release)
     group.destroy()
     assert events == ["graphs", "failing user", "communicator"]
+
+
+def test_tp2_logprobs_prompt_logprobs_and_penalties(tp2, hf_qwen3, tokenizer):
+    """Prompt logprobs need the LM head on every rank (its gather is collective), over chunks too."""
+    from test_logprobs import check_against_hf
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2,
+                            repetition_penalty=1.2)
+    scheduler = tp2.engine.scheduler
+    scheduler.max_num_batched_tokens, budget = 5, scheduler.max_num_batched_tokens
+    try:
+        outputs = tp2.generate(PROMPTS[:2], params, use_tqdm=False)
+    finally:
+        scheduler.max_num_batched_tokens = budget
+    for out in outputs:
+        check_against_hf(hf_qwen3, out, 2, 2)

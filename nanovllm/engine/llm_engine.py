@@ -1,7 +1,8 @@
 """The engine: validates and tokenizes requests, schedules steps, runs each on the model runner (and
 the tensor-parallel workers) and turns finished sequences into outputs. `add_request`, `step` and
 `is_finished` are the loop; `abort_request` retires a request early; nanovllm.llm.LLM drives it for
-`generate` and `stream`.
+`generate` and `stream`. A request is its n sequences (SamplingParams.n completions, request.py),
+finished, aborted or failed together; its id is its first sequence's.
 
 Threads: one engine may be driven from several threads at once (generate, stream, add_request, step,
 abort_request, the server's loop): `lock` serializes the steps, and each caller gets exactly its own
@@ -18,15 +19,16 @@ import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.distributed.worker import TPWorkers
 from nanovllm.engine.failures import run_isolating_failures
-from nanovllm.engine.request_tracker import RequestTracker
+from nanovllm.engine.request import make_sequences, record_step, request_output
+from nanovllm.engine.request_tracker import RequestTracker, request_id_of
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.engine.stop_checker import StopChecker, eos_token_ids
 from nanovllm.engine.validation import Prompt, check_fits, tokenize_prompt
 from nanovllm.outputs import RequestOutput
 from nanovllm.runner.batch import build_batch
@@ -62,61 +64,60 @@ class LLMEngine:
                 self.model_runner = ModelRunner(config)
             # What the memory allowed; the option (config.num_kvcache_blocks) stays what the user asked.
             self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
-            stop_checker = StopChecker(self._eos_token_ids(), config.max_model_len, self.tokenizer)
+            self.eos_token_ids = eos_token_ids(config, self.tokenizer)
+            stop_checker = StopChecker(self.eos_token_ids, config.max_model_len, self.tokenizer)
             self.scheduler = Scheduler(config, self.num_kvcache_blocks, stop_checker)
         except BaseException:
             self.shutdown()  # no worker outlives a failed constructor
             raise
 
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.config.eos_token_ids)
-        # generation_config.json often lists extra end tokens (e.g. a chat model's end-of-turn). A GGUF
-        # file carries its end tokens in its own metadata, already in the config; the folder around it
-        # may hold another model's generation_config.json, so it is not read.
-        if self.config.gguf_path is None:
-            try:
-                eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
-                ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-            except OSError:
-                pass
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
-
     # ---- requests ----
     def _tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize_prompt(prompt, self.tokenizer, self.config.hf_config.vocab_size)
 
-    def make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
-        """Validate and tokenize one request without queueing it; bad input raises here."""
+    def make_request(self, prompt: Prompt, params: SamplingParams | None) -> list[Sequence]:
+        """Validate and tokenize one request without queueing it: its n sequences (one per
+        completion). Bad input raises here."""
         self._check_running()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        # Again, now: fields may have been changed since construction, and token ids need the vocabulary.
+        params.validate(self.config.hf_config.vocab_size)
         token_ids = self._tokenize(prompt)
         check_fits(self.config, self.num_kvcache_blocks, token_ids, params, self.tokenizer is not None)
-        return Sequence(token_ids, params, self.config.kvcache_block_size)
+        return make_sequences(token_ids, params, self.config.kvcache_block_size, self.eos_token_ids,
+                              self.tokenizer)
 
-    def add_sequence(self, seq: Sequence) -> int:
-        """Queue a sequence from `make_sequence`; its output comes back from a `step()` call."""
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
+        """`make_request` for a request of one completion (n=1), as one Sequence."""
+        if params is not None and isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError(f"make_sequence makes one sequence, but n={params.n}; use make_request")
+        (seq,) = self.make_request(prompt, params)
+        return seq
+
+    def add_sequence(self, seq: Sequence | list[Sequence]) -> int:
+        """Queue a request from `make_sequence`/`make_request`; its output comes back from `step()`."""
         with self.lock:
-            self.requests.add(seq, tracked=False)
-            self.scheduler.add(seq)
-        return seq.seq_id
+            return self._queue(seq if isinstance(seq, list) else [seq], tracked=False)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. Bad input raises here and leaves the engine untouched.
         Its output comes back from the `step()` call that finishes it, or a later one."""
-        return self.add_sequence(self.make_sequence(prompt, sampling_params))
+        return self.add_sequence(self.make_request(prompt, sampling_params))
 
-    def start_request(self, seq: Sequence) -> int:
-        """Queue a sequence from `make_sequence` whose progress the caller follows itself: its tokens
-        appear in `seq.completion_token_ids` as steps run, and its output is collected once with
-        `take_output(seq.seq_id)`; `step()` never returns it. Returns its request id."""
+    def start_request(self, seqs: list[Sequence]) -> int:
+        """Queue a request from `make_request` whose progress the caller follows itself: tokens
+        appear in each `seq.completion_token_ids` as steps run, and the output is collected once with
+        `take_output(request id)`; `step()` never returns it. Returns the request id."""
         with self.lock:
-            self.requests.add(seq, tracked=True)
+            return self._queue(seqs, tracked=True)
+
+    def _queue(self, seqs: list[Sequence], tracked: bool) -> int:
+        request_id = self.requests.add(seqs, tracked)
+        for seq in seqs:
             self.scheduler.add(seq)
-        return seq.seq_id
+        return request_id
 
     def take_output(self, request_id: int) -> RequestOutput | None:
         """The output of a finished `start_request` request (once), or None while it runs."""
@@ -124,16 +125,15 @@ class LLMEngine:
             return self.requests.take(request_id)
 
     def abort_request(self, request_id: int) -> bool:
-        """Stop a request and free its KV blocks at once, whatever its state (waiting, prefilling,
-        decoding, preempted). Returns True if it was live; an unknown or already finished id is a
-        no-op that returns False, since a request may finish just before its abort arrives. An
-        aborted `add_request` request is not returned by `step()`; a tracked one ends with
-        finish_reason "abort"."""
+        """Stop a request (all n completions) and free its KV blocks at once, whatever its state
+        (waiting, prefilling, decoding, preempted). Returns True if it was live; an unknown or already
+        finished id is a no-op that returns False, since a request may finish just before its abort
+        arrives. An aborted `add_request` request is not returned by `step()`; a tracked one ends
+        with finish_reason "abort" (its completions that had finished keep their own)."""
         with self.lock:
-            seq = self.requests.live.get(request_id)
-            if seq is None:
+            if request_id not in self.requests.live:
                 return False
-            self._finish_early(seq, "abort")
+            self._finish_early(request_id, "abort")
             return True
 
     def abandon(self, request_ids: list[int]) -> None:
@@ -144,12 +144,15 @@ class LLMEngine:
                 self.abort_request(request_id)
                 self.requests.forget(request_id)
 
-    def _finish_early(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        self.scheduler.finish_early(seq, reason)
-        output = self._output(seq)
+    def _finish_early(self, request_id: int, reason: str, error: str | None = None) -> None:
+        seqs = self.requests.live[request_id]
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish_early(seq, reason)
+        output = request_output(seqs, self.tokenizer)
         if error is not None:
             output["error"] = error
-        self.requests.finish(seq.seq_id, output, report=reason != "abort")
+        self.requests.finish(request_id, output, report=reason != "abort")
 
     # ---- lifetime ----
     def _check_running(self) -> None:
@@ -168,21 +171,19 @@ class LLMEngine:
 
     # ---- the loop ----
     def _run_model(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
-        """The sampled token of each sequence (None for those that only computed part of their prompt)."""
+        """Run one step over seqs; returns the sampled token of each (None for those that only computed
+        part of their prompt), and records on them the logprobs and prompt logprobs they asked for."""
         self._check_running()
         batch = build_batch(seqs, is_prefill)
         if self.workers is None:
-            tokens = self.model_runner.run(batch)
+            out = self.model_runner.run(batch)
         else:
             try:
-                tokens = self.workers.run(self.model_runner, batch)
+                out = self.workers.run(self.model_runner, batch)
             except BaseException:
                 self.shutdown()  # the workers are gone already; free rank 0's share as well
                 raise
-        token_ids: list[int | None] = [None] * len(seqs)
-        for row, token in zip(batch.sample_rows, tokens, strict=True):
-            token_ids[row] = token
-        return token_ids
+        return record_step(seqs, batch.sample_rows, out)
 
     def _check_sampling(self, seqs: list[Sequence]) -> None:
         self.model_runner.check_sampling(build_batch(seqs, is_prefill=True).sampling)
@@ -199,14 +200,17 @@ class LLMEngine:
             num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
             check = self._check_sampling if self.workers is not None else None
             token_ids, failures = run_isolating_failures(self._run_model, seqs, is_prefill, check)
-            if failures:
-                ok = [i for i, seq in enumerate(seqs) if seq.seq_id not in failures]
-                for seq in seqs:
-                    if seq.seq_id in failures:
-                        self._finish_early(seq, "error", failures[seq.seq_id])
+            if failures:  # a request fails with all its completions
+                failed = {request_id_of(seq): error for seq in seqs if (error := failures.get(seq.seq_id))}
+                for request_id, error in failed.items():
+                    self._finish_early(request_id, "error", error)
+                ok = [i for i, seq in enumerate(seqs) if request_id_of(seq) not in failed]
                 seqs, token_ids = [seqs[i] for i in ok], [token_ids[i] for i in ok]
             for seq in self.scheduler.postprocess(seqs, token_ids):
-                self.requests.finish(seq.seq_id, self._output(seq))
+                request_id = request_id_of(seq)
+                group = self.requests.live.get(request_id)  # None: a sibling finishing now ended it
+                if group is not None and all(s.is_finished for s in group):
+                    self.requests.finish(request_id, request_output(group, self.tokenizer))
             return StepResult([], num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)
 
     def run_step(self) -> StepResult:
@@ -245,12 +249,3 @@ class LLMEngine:
             return self.model_runner.logits(build_batch([seq], is_prefill=True))[0]
         finally:
             block_manager.deallocate(seq)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text = seq.stop_text
-        if text is None:
-            text = "" if self.tokenizer is None else self.tokenizer.decode(seq.completion_token_ids,
-                                                                          skip_special_tokens=True)
-        return RequestOutput(text=text, token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason,
-                             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-                             num_cached_tokens=seq.num_cached_tokens)

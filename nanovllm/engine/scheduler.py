@@ -50,6 +50,11 @@ class Scheduler:
                 scheduled.append(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            # n > 1: a later completion waits (in order) until its leader computed the prompt's KV,
+            # which it then shares through the prefix cache.
+            if (seq.leader is not None and not seq.leader.prompt_computed
+                    and self.block_manager.enable_prefix_caching):
+                break
             if not self.block_manager.can_allocate(seq):
                 break
             self.block_manager.allocate(seq)

@@ -1,5 +1,6 @@
 """Checks a request where it arrives, before anything is queued: the prompt (a string to tokenize, or
-token ids inside the vocabulary) and whether prompt + max_tokens fit the context and the KV cache.
+token ids inside the vocabulary), whether prompt + max_tokens fit the context and the KV cache, and
+that the options needing a tokenizer have one.
 Each error says what to change. Pure Python."""
 
 from collections.abc import Sequence as SequenceLike
@@ -44,3 +45,6 @@ def check_fits(config: Config, num_kvcache_blocks: int, token_ids: list[int], pa
     if params.stop and not has_tokenizer:
         raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; "
                          "use stop_token_ids")
+    if params.bad_words and not has_tokenizer:
+        raise ValueError("bad_words need a tokenizer, but skip_tokenizer_init=True; use logit_bias "
+                         "with -100 for single tokens")

@@ -110,7 +110,7 @@ class AsyncEngine:
                 if self._stop.is_set():  # arrived while stopping: end it at once
                     item.post(Update([], {"finish_reason": "abort", "error": "the server is stopping"}))
                     continue
-                self.llm.engine.start_request(item.seq)
+                self.llm.engine.start_request([item.seq])
                 self._streams[item.seq.seq_id] = item
                 self.num_prompt_tokens += item.seq.num_prompt_tokens
             elif kind == "abort":

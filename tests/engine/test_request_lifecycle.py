@@ -47,7 +47,7 @@ def test_add_request_output_is_kept_for_step_while_generate_runs(llm, expected):
 def test_abort_frees_blocks_in_every_state(llm, state):
     long_prompt = list(range(1, 100))  # 99 tokens: two 64-token prefill chunks
     seq_id = llm.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-    seq = llm.engine.requests.live[seq_id]
+    (seq,) = llm.engine.requests.live[seq_id]
     if state == "prefilling":
         llm.step()
         assert 0 < seq.num_computed_tokens < len(long_prompt) and seq.block_table
@@ -126,4 +126,67 @@ def test_one_llm_from_several_threads_matches_single_thread(llm, expected):
     texts = [o["text"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     for i, result in results.items():
         assert result == (expected if i % 2 else texts[i % len(PROMPTS)])
+    assert_idle(llm)
+
+
+# ---- requests of n completions (SamplingParams.n) ----
+
+def test_abort_of_an_n_request_aborts_every_completion(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=30, ignore_eos=True)
+    request_id = llm.add_request(PROMPTS[2], params)
+    seqs = llm.engine.requests.live[request_id]
+    while not all(seq.num_completion_tokens for seq in seqs):  # every completion is decoding
+        llm.step()
+    assert llm.abort_request(seqs[1].seq_id) is False  # a completion's own id is not a request id
+    assert llm.abort_request(request_id) is True
+    assert [seq.finish_reason for seq in seqs] == ["abort"] * 3
+    assert llm.is_finished() and llm.step() == ([], 0)
+    assert_idle(llm)
+
+
+def test_an_n_request_left_by_an_exception_is_aborted_whole(llm, monkeypatch):
+    real_step = llm.engine.advance
+    calls = []
+
+    def step_then_interrupt():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "advance", step_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    assert_idle(llm)
+
+
+def test_a_failing_n_request_fails_with_all_its_completions(llm, expected):
+    poisoned = SamplingParams(n=2, temperature=0.5, max_tokens=12)
+    bad = llm.add_request(PROMPTS[0], poisoned)
+    poisoned.temperature = 10**400  # bypasses validate(); float32 conversion overflows in the step
+    outputs = llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == expected[1:]
+    returned, _ = llm.step()
+    assert [i for i, _ in returned] == [bad]
+    output = returned[0][1]
+    assert [c["finish_reason"] for c in output["outputs"]] == ["error", "error"]
+    assert "OverflowError" in output["error"]
+    assert_idle(llm)
+
+
+def test_stream_refuses_n_and_no_detokenize(llm):
+    with pytest.raises(ValueError, match="n=2"):
+        llm.stream(PROMPTS[0], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="detokenize=False"):
+        llm.stream(PROMPTS[0], SamplingParams(detokenize=False))
+    assert_idle(llm)
+
+
+def test_stream_with_logprobs_and_penalties_matches_generate(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2,
+                            repetition_penalty=1.3, stop=["e t"])
+    (output,) = llm.generate(PROMPTS[3], params, use_tqdm=False)
+    assert "".join(llm.stream(PROMPTS[3], params)) == output["text"]
+    assert len(output["logprobs"]) == len(output["token_ids"])
     assert_idle(llm)
