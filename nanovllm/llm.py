@@ -156,15 +156,13 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("stream yields text and needs a tokenizer, but skip_tokenizer_init=True; "
                              "use add_request/step for token ids")
-        params = sampling_params
-        if params is not None and isinstance(params, SamplingParams):
-            if params.n != 1:
-                raise ValueError(f"stream yields one completion's text, but n={params.n}; use n=1 (one "
-                                 "stream per completion, each with its own seed), or generate for n > 1")
-            if not params.detokenize:
-                raise ValueError("stream yields text, but detokenize=False; use add_request/step for "
-                                 "token ids")
-        return self._stream(self.engine.make_sequence(prompt, params))
+        seqs = self.engine.make_request(prompt, sampling_params)  # validated: bad input raises here
+        if len(seqs) != 1:
+            raise ValueError(f"stream yields one completion's text, but n={len(seqs)}; use n=1 (one "
+                             "stream per completion, each with its own seed), or generate for n > 1")
+        if not seqs[0].sampling_params.detokenize:
+            raise ValueError("stream yields text, but detokenize=False; use add_request/step for token ids")
+        return self._stream(seqs[0])
 
     def _stream(self, seq: Sequence) -> Iterator[str]:
         engine = self.engine

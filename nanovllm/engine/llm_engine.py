@@ -31,7 +31,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker, eos_token_ids
 from nanovllm.engine.validation import Prompt, check_fits, tokenize_prompt
 from nanovllm.outputs import RequestOutput
-from nanovllm.runner.batch import build_batch
+from nanovllm.runner.batch import build_batch, sampling_batch
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.gguf_loader import load_gguf_tokenizer
@@ -91,10 +91,10 @@ class LLMEngine:
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
         """`make_request` for a request of one completion (n=1), as one Sequence."""
-        if params is not None and isinstance(params, SamplingParams) and params.n != 1:
-            raise ValueError(f"make_sequence makes one sequence, but n={params.n}; use make_request")
-        (seq,) = self.make_request(prompt, params)
-        return seq
+        seqs = self.make_request(prompt, params)
+        if len(seqs) != 1:
+            raise ValueError(f"make_sequence makes one sequence, but n={len(seqs)}; use make_request")
+        return seqs[0]
 
     def add_sequence(self, seq: Sequence | list[Sequence]) -> int:
         """Queue a request from `make_sequence`/`make_request`; its output comes back from `step()`."""
@@ -186,7 +186,7 @@ class LLMEngine:
         return record_step(seqs, batch.sample_rows, out)
 
     def _check_sampling(self, seqs: list[Sequence]) -> None:
-        self.model_runner.check_sampling(build_batch(seqs, is_prefill=True).sampling)
+        self.model_runner.check_sampling(sampling_batch(seqs))
 
     def advance(self) -> StepResult:
         """Schedule and run one step (none when nothing is queued), for callers that collect their own

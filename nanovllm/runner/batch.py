@@ -147,7 +147,8 @@ def _processors(seq: ScheduledSequence) -> ProcessorRow | None:
                         seq.completion_token_ids if penalties else [])
 
 
-def _sampling(seqs: list[ScheduledSequence]) -> SamplingBatch:
+def sampling_batch(seqs: list[ScheduledSequence]) -> SamplingBatch:
+    """The sampling rows of `seqs`, one per sequence, in order."""
     params = [seq.sampling_params for seq in seqs]
     processors = [_processors(seq) for seq in seqs]
     return SamplingBatch(
@@ -180,4 +181,4 @@ def build_batch(seqs: list[ScheduledSequence], is_prefill: bool) -> StepBatch:
             sample_rows.append(row)
     return StepBatch(is_prefill, input_ids, positions, slot_mapping, cu_q, seqlens_k,
                      [seq.block_table for seq in seqs], sample_rows,
-                     _sampling([seqs[row] for row in sample_rows]), spans)
+                     sampling_batch([seqs[row] for row in sample_rows]), spans)
