@@ -93,6 +93,16 @@ def test_tp2_matches_tp1_and_transformers_with_preemption_and_prefix_cache(tp2, 
     assert scheduler.block_manager.num_cache_hit_tokens > hits
 
 
+def test_tp2_a_request_with_bad_sampling_inputs_fails_alone(tp2, reference):
+    poisoned = SamplingParams(temperature=0.5, max_tokens=4)
+    bad = tp2.add_request(PROMPTS[0], poisoned)
+    poisoned.temperature = 10**400  # bypasses __post_init__; float32 conversion overflows
+    assert token_ids(tp2) == reference
+    returned, _ = tp2.step()
+    assert [i for i, _ in returned] == [bad] and returned[0][1]["finish_reason"] == "error"
+    assert not tp2.engine.workers.is_shut_down and tp2.is_finished()
+
+
 def test_tp2_chunked_prefill_keeps_output(tp2, hf_qwen3, tokenizer):
     # Steps that sample nothing (the prompt only part-way computed) must keep the ranks in step too.
     prompt = "A paged KV cache admits requests while the fox decodes."
@@ -229,3 +239,18 @@ def test_group_users_are_released_before_the_communicator(monkeypatch):
     group.before_destroy(failing_release)
     group.destroy()
     assert events == ["graphs", "failing user", "communicator"]
+
+
+def test_tp2_logprobs_prompt_logprobs_and_penalties(tp2, hf_qwen3, tokenizer):
+    """Prompt logprobs need the LM head on every rank (its gather is collective), over chunks too."""
+    from test_logprobs import check_against_hf
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2,
+                            repetition_penalty=1.2)
+    scheduler = tp2.engine.scheduler
+    scheduler.max_num_batched_tokens, budget = 5, scheduler.max_num_batched_tokens
+    try:
+        outputs = tp2.generate(PROMPTS[:2], params, use_tqdm=False)
+    finally:
+        scheduler.max_num_batched_tokens = budget
+    for out in outputs:
+        check_against_hf(hf_qwen3, out, 2, 2)

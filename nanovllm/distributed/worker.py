@@ -31,6 +31,7 @@ import traceback
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection, wait
 
@@ -42,7 +43,7 @@ from nanovllm.distributed.channel import ChannelHandle, StepChannel
 from nanovllm.distributed.group import TPGroup, create_store
 from nanovllm.distributed.state import DEATH_GRACE_S, HEARTBEAT_INTERVAL_S, TPGroupState, TPWorkerError
 from nanovllm.layers.parallel import use_tp_group
-from nanovllm.runner.batch import StepBatch
+from nanovllm.runner.batch import StepBatch, StepOutput
 from nanovllm.runner.model_runner import ModelRunner, runner_device
 
 # Workers log at this level (e.g. INFO) to stderr when it is set; they are silent otherwise.
@@ -66,11 +67,12 @@ def threads_per_rank(world_size: int) -> int:
 
 
 def channel_size(config: Config) -> int:
-    """Bytes of the largest StepBatch: per token its id, position and slot (at most
-    max_num_batched_tokens of them), per sequence its block table (at most max_model_len / block_size
-    entries), its lengths and its sampling parameters (at most max_num_seqs of them)."""
+    """Bytes of the largest StepBatch as the workers get it (no sampling part): per token its id,
+    position, slot and prompt-logprob target (at most max_num_batched_tokens of them), per sequence its
+    block table (at most max_model_len / block_size entries), its lengths and its prompt-logprob span
+    (at most max_num_seqs of them)."""
     max_blocks = math.ceil(config.max_model_len / config.kvcache_block_size)
-    num_ints = 3 * config.max_num_batched_tokens + config.max_num_seqs * (max_blocks + 8)
+    num_ints = 4 * config.max_num_batched_tokens + config.max_num_seqs * (max_blocks + 8)
     return num_ints * PICKLED_INT_BYTES + config.max_num_seqs * PICKLED_SEQ_OVERHEAD + CHANNEL_SLACK_BYTES
 
 
@@ -218,10 +220,12 @@ class TPWorkers:
         finally:
             torch.set_num_threads(threads)
 
-    def run(self, runner: ModelRunner, batch: StepBatch) -> list[int] | None:
+    def run(self, runner: ModelRunner, batch: StepBatch) -> StepOutput | None:
         """One step on every rank; `runner` is rank 0's own. Returns what runner.run returns."""
         with self.scope():
-            self._state.channel.send("run", batch, check=self._state.raise_if_failed)
+            # Workers never sample: the sampling part (which may hold whole token histories for the
+            # penalties) stays on rank 0.
+            self._state.channel.send("run", replace(batch, sampling=None), check=self._state.raise_if_failed)
             return runner.run(batch)
 
     def shutdown(self) -> None:

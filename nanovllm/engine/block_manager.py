@@ -47,8 +47,9 @@ class BlockManager:
 
     def _prefix_hits(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Cached blocks (and their hashes) that hold a prefix of seq. The last token is never served
-        from the cache: its logits are needed, so at least one token is always computed."""
-        if not self.enable_prefix_caching:
+        from the cache: its logits are needed, so at least one token is always computed. Neither is
+        any token of a sequence that still needs prompt logprobs: they need every position's logits."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return [], []
         hits, hashes, prev = [], [], None
         for i in range((len(seq) - 1) // self.block_size):

@@ -1,37 +1,44 @@
 """The engine: validates and tokenizes requests, schedules steps, runs each on the model runner (and
 the tensor-parallel workers) and turns finished sequences into outputs. `add_request`, `step` and
-`is_finished` are the loop; nanovllm.llm.LLM drives it for `generate`.
+`is_finished` are the loop; `abort_request` retires a request early; nanovllm.llm.LLM drives it for
+`generate` and `stream`. A request is its n sequences (SamplingParams.n completions, request.py),
+finished, aborted or failed together; its id is its first sequence's.
+
+Threads: one engine may be driven from several threads at once (generate, stream, add_request, step,
+abort_request, the server's loop): `lock` serializes the steps, and each caller gets exactly its own
+requests' outputs, whichever thread ran the step that finished them (request_tracker.py). A request
+whose step fails is finished alone with finish_reason "error" and the exception's text in its output's
+"error"; the others keep running (failures.py).
 
 With tensor_parallel_size=N > 1, the engine's own ModelRunner is rank 0 and ranks 1..N-1 run in
 worker processes (nanovllm.distributed.worker). `shutdown()` stops them and frees the model; it also
 happens when a step fails under tensor parallelism (a dead worker, Ctrl-C), after which every call
 raises RuntimeError."""
 
-from collections.abc import Sequence as SequenceLike
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from transformers import GenerationConfig
-
 from nanovllm.config import Config
 from nanovllm.distributed.worker import TPWorkers
+from nanovllm.engine.failures import run_isolating_failures
+from nanovllm.engine.request import make_sequences, record_step, request_output
+from nanovllm.engine.request_tracker import RequestTracker, request_id_of
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.engine.stop_checker import StopChecker, eos_token_ids
+from nanovllm.engine.validation import Prompt, check_fits, tokenize_prompt
 from nanovllm.outputs import RequestOutput
-from nanovllm.runner.batch import build_batch
+from nanovllm.runner.batch import build_batch, sampling_batch
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.hf_options import HF_LOCAL_ONLY
 from nanovllm.utils.log import ensure_default_handler, logger, startup_line
 from nanovllm.utils.tokenizer import load_engine_tokenizer
-
-Prompt = str | list[int]
 
 
 @dataclass(slots=True)
 class StepResult:
-    outputs: list[tuple[int, RequestOutput]]  # (request id, output) of the requests that finished
+    outputs: list[tuple[int, RequestOutput]]  # (request id, output) of add_request requests that finished
     num_prefill_tokens: int  # prompt tokens computed in the step
     num_decode_tokens: int  # tokens decoded in the step
 
@@ -43,6 +50,9 @@ class LLMEngine:
             raise ValueError(f"an LLMEngine is one engine, but data_parallel_size="
                              f"{config.data_parallel_size}; create LLM(..., data_parallel_size=N) for N "
                              "replicas (nanovllm.dp)")
+        # Re-entrant: a caller may hold it across take_output and advance, which take it again.
+        self.lock = threading.RLock()
+        self.requests = RequestTracker()
         self.tokenizer = load_engine_tokenizer(config)
         # Ranks 1..N-1 start loading in their own processes while rank 0 loads here.
         self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
@@ -52,7 +62,8 @@ class LLMEngine:
                 self.model_runner = ModelRunner(config)
             # What the memory allowed; the option (config.num_kvcache_blocks) stays what the user asked.
             self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
-            stop_checker = StopChecker(self._eos_token_ids(), config.max_model_len, self.tokenizer)
+            self.eos_token_ids = eos_token_ids(config, self.tokenizer)
+            stop_checker = StopChecker(self.eos_token_ids, config.max_model_len, self.tokenizer)
             self.scheduler = Scheduler(config, self.num_kvcache_blocks, stop_checker)
         except BaseException:
             self.shutdown()  # no worker outlives a failed constructor
@@ -63,74 +74,88 @@ class LLMEngine:
         logger.info(startup_line(config, runner.device, runner.dtype, runner.backend.name, threads,
                                  self.num_kvcache_blocks))
 
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.config.eos_token_ids)
-        # generation_config.json often lists extra end tokens (e.g. a chat model's end-of-turn). A GGUF
-        # file carries its end tokens in its own metadata, already in the config; the folder around it
-        # may hold another model's generation_config.json, so it is not read.
-        if self.config.gguf_path is None:
-            try:
-                eos = GenerationConfig.from_pretrained(self.config.model, **HF_LOCAL_ONLY).eos_token_id
-                ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-            except OSError:
-                pass
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
-
     # ---- requests ----
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer, but skip_tokenizer_init=True; "
-                                 "pass token ids instead")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, SequenceLike) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        vocab = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return token_ids
+        return tokenize_prompt(prompt, self.tokenizer, self.config.hf_config.vocab_size)
 
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
-        config = self.config
-        total = len(token_ids) + params.max_tokens
-        if total > config.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
-                             f"{total} exceeds max_model_len {config.max_model_len}; shorten the prompt, "
-                             "lower max_tokens or raise max_model_len")
-        blocks = -(-total // config.kvcache_block_size)
-        if blocks > self.num_kvcache_blocks:
-            raise ValueError(f"the request needs up to {blocks} KV blocks but the whole cache has "
-                             f"{self.num_kvcache_blocks}; lower max_tokens, or give the cache more memory "
-                             "(gpu_memory_utilization, num_kvcache_blocks, cpu_kvcache_space_gib)")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; "
-                             "use stop_token_ids")
-
-    def make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
-        """Validate and tokenize one request without queueing it; bad input raises here."""
+    def make_request(self, prompt: Prompt, params: SamplingParams | None) -> list[Sequence]:
+        """Validate and tokenize one request without queueing it: its n sequences (one per
+        completion). Bad input raises here."""
         self._check_running()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        # Again, now: fields may have been changed since construction, and token ids need the vocabulary.
+        params.validate(self.config.hf_config.vocab_size)
         token_ids = self._tokenize(prompt)
-        self._check_fits(token_ids, params)
-        return Sequence(token_ids, params, self.config.kvcache_block_size)
+        check_fits(self.config, self.num_kvcache_blocks, token_ids, params, self.tokenizer is not None)
+        return make_sequences(token_ids, params, self.config.kvcache_block_size, self.eos_token_ids,
+                              self.tokenizer)
 
-    def add_sequence(self, seq: Sequence) -> int:
-        self.scheduler.add(seq)
-        return seq.seq_id
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
+        """`make_request` for a request of one completion (n=1), as one Sequence."""
+        seqs = self.make_request(prompt, params)
+        if len(seqs) != 1:
+            raise ValueError(f"make_sequence makes one sequence, but n={len(seqs)}; use make_request")
+        return seqs[0]
+
+    def add_sequence(self, seq: Sequence | list[Sequence]) -> int:
+        """Queue a request from `make_sequence`/`make_request`; its output comes back from `step()`."""
+        with self.lock:
+            return self._queue(seq if isinstance(seq, list) else [seq], tracked=False)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. Bad input raises here and leaves the engine untouched."""
-        return self.add_sequence(self.make_sequence(prompt, sampling_params))
+        """Queue a request; returns its id. Bad input raises here and leaves the engine untouched.
+        Its output comes back from the `step()` call that finishes it, or a later one."""
+        return self.add_sequence(self.make_request(prompt, sampling_params))
+
+    def start_request(self, seqs: list[Sequence]) -> int:
+        """Queue a request from `make_request` whose progress the caller follows itself: tokens
+        appear in each `seq.completion_token_ids` as steps run, and the output is collected once with
+        `take_output(request id)`; `step()` never returns it. Returns the request id."""
+        with self.lock:
+            return self._queue(seqs, tracked=True)
+
+    def _queue(self, seqs: list[Sequence], tracked: bool) -> int:
+        request_id = self.requests.add(seqs, tracked)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def take_output(self, request_id: int) -> RequestOutput | None:
+        """The output of a finished `start_request` request (once), or None while it runs."""
+        with self.lock:
+            return self.requests.take(request_id)
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a request (all n completions) and free its KV blocks at once, whatever its state
+        (waiting, prefilling, decoding, preempted). Returns True if it was live; an unknown or already
+        finished id is a no-op that returns False, since a request may finish just before its abort
+        arrives. An aborted `add_request` request is not returned by `step()`; a tracked one ends
+        with finish_reason "abort" (its completions that had finished keep their own)."""
+        with self.lock:
+            if request_id not in self.requests.live:
+                return False
+            self._finish_early(request_id, "abort")
+            return True
+
+    def abandon(self, request_ids: list[int]) -> None:
+        """The caller of these tracked requests is gone (an exception, Ctrl-C, a closed stream):
+        abort them and drop their outputs."""
+        with self.lock:
+            for request_id in request_ids:
+                self.abort_request(request_id)
+                self.requests.forget(request_id)
+
+    def _finish_early(self, request_id: int, reason: str, error: str | None = None) -> None:
+        seqs = self.requests.live[request_id]
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish_early(seq, reason)
+        output = request_output(seqs, self.tokenizer)
+        if error is not None:
+            output["error"] = error
+        self.requests.finish(request_id, output, report=reason != "abort")
 
     # ---- lifetime ----
     def _check_running(self) -> None:
@@ -149,38 +174,68 @@ class LLMEngine:
 
     # ---- the loop ----
     def _run_model(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
-        """The sampled token of each sequence (None for those that only computed part of their prompt)."""
+        """Run one step over seqs; returns the sampled token of each (None for those that only computed
+        part of their prompt), and records on them the logprobs and prompt logprobs they asked for."""
         self._check_running()
         batch = build_batch(seqs, is_prefill)
         if self.workers is None:
-            tokens = self.model_runner.run(batch)
+            out = self.model_runner.run(batch)
         else:
             try:
-                tokens = self.workers.run(self.model_runner, batch)
+                out = self.workers.run(self.model_runner, batch)
             except BaseException:
                 self.shutdown()  # the workers are gone already; free rank 0's share as well
                 raise
-        token_ids: list[int | None] = [None] * len(seqs)
-        for row, token in zip(batch.sample_rows, tokens, strict=True):
-            token_ids[row] = token
-        return token_ids
+        return record_step(seqs, batch.sample_rows, out)
+
+    def _check_sampling(self, seqs: list[Sequence]) -> None:
+        self.model_runner.check_sampling(sampling_batch(seqs))
+
+    def advance(self) -> StepResult:
+        """Schedule and run one step (none when nothing is queued), for callers that collect their own
+        requests with `take_output`: the outputs of `add_request` requests stay for `step()`, and
+        the result's `outputs` is empty."""
+        with self.lock:
+            if self.scheduler.is_finished():
+                return StepResult([], 0, 0)
+            self._check_running()
+            seqs, is_prefill = self.scheduler.schedule()
+            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+            check = self._check_sampling if self.workers is not None else None
+            token_ids, failures = run_isolating_failures(self._run_model, seqs, is_prefill, check)
+            if failures:  # a request fails with all its completions
+                failed = {request_id_of(seq): error for seq in seqs if (error := failures.get(seq.seq_id))}
+                for request_id, error in failed.items():
+                    self._finish_early(request_id, "error", error)
+                ok = [i for i, seq in enumerate(seqs) if request_id_of(seq) not in failed]
+                seqs, token_ids = [seqs[i] for i in ok], [token_ids[i] for i in ok]
+            for seq in self.scheduler.postprocess(seqs, token_ids):
+                request_id = request_id_of(seq)
+                group = self.requests.live.get(request_id)  # None: a sibling finishing now ended it
+                if group is not None and all(s.is_finished for s in group):
+                    self.requests.finish(request_id, request_output(group, self.tokenizer))
+            return StepResult([], num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)
 
     def run_step(self) -> StepResult:
-        """Schedule and run one step; returns what finished and how many tokens were computed."""
-        seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        finished = self.scheduler.postprocess(seqs, self._run_model(seqs, is_prefill))
-        outputs = [(seq.seq_id, self._output(seq)) for seq in finished]
-        return StepResult(outputs, num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)
+        """Schedule and run one step; returns the (request id, output) of the `add_request` requests
+        that finished (in this step, or in steps that generate/stream calls ran since) and how many
+        tokens were computed."""
+        with self.lock:
+            result = self.advance()
+            result.outputs = self.requests.drain_unreturned()
+            return result
 
     def step(self) -> tuple[list[tuple[int, RequestOutput]], int]:
-        """Run one step (nano-vllm's shape). Returns the (request id, output) of requests that finished,
-        and the number of tokens computed: positive for a prefill step, negative for a decode step."""
+        """Run one step (nano-vllm's shape). Returns the (request id, output) of `add_request`
+        requests that finished, and the number of tokens computed: positive for a prefill step,
+        negative for a decode step, 0 when nothing was left to run."""
         result = self.run_step()
         return result.outputs, result.num_prefill_tokens or -result.num_decode_tokens
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        """True when nothing is queued and `step()` has returned every `add_request` output."""
+        with self.lock:
+            return self.scheduler.is_finished() and not self.requests.unreturned
 
     def prompt_logits(self, token_ids: list[int]):
         """The model's next-token logits after a whole prompt ([vocab] tensor), from one prefill through
@@ -197,12 +252,3 @@ class LLMEngine:
             return self.model_runner.logits(build_batch([seq], is_prefill=True))[0]
         finally:
             block_manager.deallocate(seq)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text = seq.stop_text
-        if text is None:
-            text = "" if self.tokenizer is None else self.tokenizer.decode(seq.completion_token_ids,
-                                                                          skip_special_tokens=True)
-        return RequestOutput(text=text, token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason,
-                             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-                             num_cached_tokens=seq.num_cached_tokens)

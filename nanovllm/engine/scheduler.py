@@ -109,6 +109,11 @@ class Scheduler:
         scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            # n > 1: a later completion waits (in order) until its leader computed the prompt's KV,
+            # which it then shares through the prefix cache.
+            if (seq.leader is not None and not seq.leader.prompt_computed
+                    and self.block_manager.enable_prefix_caching):
+                break
             if not self.block_manager.can_allocate(seq):
                 break
             self.block_manager.allocate(seq)
@@ -139,6 +144,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
+
+    def finish_early(self, seq: Sequence, reason: str) -> None:
+        """Retire seq before it ends on its own (an abort, a failure), whatever its state: waiting
+        (new or preempted), prefilling or decoding. Its KV blocks go back to the pool at once."""
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        seq.num_scheduled_tokens = 0
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
         """Record a finished step: advance computed tokens, append sampled tokens, retire finished

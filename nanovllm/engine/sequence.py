@@ -33,11 +33,33 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block whose KV is computed
         self.finish_reason: str | None = None
-        self.stop_text: str | None = None  # the completion text, cut before a stop string that hit
+        self.stop_text: str | None = None  # the completion text, cut at the stop string that hit
         self.num_preemptions = 0
+        params = self.sampling_params
+        # n > 1: completion i of a request samples with seed + i (distinct, reproducible), and waits
+        # for completion 0 (its leader) to compute the prompt, so it finds the prompt's KV blocks in
+        # the prefix cache instead of computing them again.
+        self.completion_index = 0
+        self.leader: Sequence | None = None
+        self.seed = params.seed
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # Filled by the engine from the tokenizer and EOS ids (the runner reads them on rank 0).
+        self.bad_words_token_ids: list[list[int]] = []
+        self.min_tokens_stop_ids: list[int] = []  # masked while fewer than min_tokens are generated
+        # Whether the runner must build logits processors for it (a per-step check stays one attribute).
+        self.uses_logits_processors = params.uses_logits_processors
+        self.logprobs: list[dict[int, float]] | None = None if params.logprobs is None else []
+        self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
+        # prompt_logprobs[p]: the logprobs of prompt token p (None for p = 0, as vLLM).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            None if params.prompt_logprobs is None else [None])
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -56,6 +78,31 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_computed(self) -> bool:
+        """Whether the prompt's KV is (or was, for a finished sequence) computed once."""
+        return self.is_finished or self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: such a sequence is not served from the
+        prefix cache (cached KV has no logits). A preempted sequence that recomputes its prompt
+        after they are complete does not compute them again."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def prompt_logprob_span(self) -> tuple[int, int] | None:
+        """Positions [lo, hi) of this step's chunk whose logits give the logprobs of prompt tokens
+        lo+1 .. hi (the last prompt position predicts the first generated token instead):
+
+            prompt:  | t0 | t1 | ... | t(P-1) |
+            logits:  | ->t1 | ->t2 | ... | ->first generated |
+        """
+        if not self.needs_prompt_logprobs:
+            return None
+        lo = max(self.num_computed_tokens, len(self.prompt_logprobs) - 1)
+        hi = min(self.num_computed_tokens + self.num_scheduled_tokens, self.num_prompt_tokens - 1)
+        return (lo, hi) if lo < hi else None
 
     @property
     def num_blocks(self) -> int:

@@ -82,5 +82,6 @@ def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     probs = sorted_logits.softmax(-1)
     # drop a token when the tokens strictly before it already reach top_p (the top one always stays)
     drop = (probs.cumsum(-1) - probs) >= top_ps.unsqueeze(1)
+    drop[:, 0] = False  # even when top_p rounds to 0 in float32 (e.g. 1e-50): never an all -inf row
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

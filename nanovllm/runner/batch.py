@@ -1,6 +1,7 @@
 """The per-step batch record: everything a step's forward pass and sampler need, as plain Python
 lists, built once on rank 0 from the scheduled sequences. It is what the tensor-parallel workers
-receive (pickled), and what the eager path, the CUDA-graph path and the sampler all read. Pure Python.
+receive (pickled, without the sampling part: only rank 0 samples), and what the eager path, the
+CUDA-graph path and the sampler all read. Also what a step returns on rank 0 (StepOutput). Pure Python.
 
 Per scheduled sequence, the tokens it computes this step are the last `q_len` of its context:
 
@@ -9,8 +10,10 @@ Per scheduled sequence, the tokens it computes this step are the last `q_len` of
     slot = block_table[pos // block_size] * block_size + pos % block_size
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from nanovllm.outputs import TokenLogprobs
 
 # Mixes a request's seed with the index of the token being sampled, so each step of a seeded request
 # draws fresh noise that depends only on (seed, index): reproducible across batches and preemption.
@@ -26,10 +29,30 @@ class ScheduledSequence(Protocol):
     num_scheduled_tokens: int
     block_table: list[int]
     block_size: int
-    sampling_params: object  # temperature, top_k, top_p, min_p, seed
+    sampling_params: object  # nanovllm.sampling_params.SamplingParams
+    seed: int | None  # the request's seed + the completion's index (n > 1)
+    num_prompt_tokens: int
     num_completion_tokens: int
+    completion_token_ids: list[int]
+    uses_logits_processors: bool
+    min_tokens_stop_ids: list[int]
+    bad_words_token_ids: list[list[int]]
 
     def __len__(self) -> int: ...
+
+    def prompt_logprob_span(self) -> tuple[int, int] | None: ...
+
+
+@dataclass(slots=True)
+class ProcessorRow:
+    """One sampling row's logits processors (nanovllm.layers.logits_processors applies them)."""
+
+    allowed_token_ids: list[int] | None  # None: every token
+    banned_token_ids: list[int]  # min_tokens' stop ids, and the tokens that would complete a bad word
+    logit_bias: dict[int, float] | None
+    penalties: tuple[float, float, float] | None  # (repetition, frequency, presence); None: neutral
+    prompt_token_ids: list[int]  # the penalties' "seen" tokens ([] without penalties)
+    output_token_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -41,6 +64,19 @@ class SamplingBatch:
     top_ps: list[float]
     min_ps: list[float]
     seeds: list[int | None]  # already mixed with the index of the token being sampled
+    num_logprobs: list[int | None]  # top-k logprobs to return (None: none)
+    processors: list[ProcessorRow | None] | None = None  # None when no row uses any
+
+
+@dataclass(slots=True)
+class PromptLogprobSpan:
+    """Prompt logprobs one sequence computes this step: positions [lo, hi) of its prompt, whose logits
+    give the logprobs of prompt tokens lo+1 .. hi (see Sequence.prompt_logprob_span)."""
+
+    row: int
+    start: int  # index of position lo among the step's tokens
+    num_logprobs: int  # top-k per position
+    target_ids: list[int]  # prompt tokens lo+1 .. hi (hi - lo of them); read on rank 0 only
 
 
 @dataclass(slots=True)
@@ -53,7 +89,10 @@ class StepBatch:
     seqlens_k: list[int]  # [num_seqs]: context length after this step
     block_tables: list[list[int]]  # [num_seqs][num_blocks]
     sample_rows: list[int]  # sequences whose computation reaches their end: they sample a token
-    sampling: SamplingBatch
+    sampling: SamplingBatch | None  # None on the workers: only rank 0 samples
+    # Sequences that compute prompt logprobs this step (prefill only): every rank computes their
+    # logits, since the LM head gathers across ranks.
+    prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -65,6 +104,15 @@ class StepBatch:
         return [self.cu_seqlens_q[row + 1] - 1 for row in self.sample_rows]
 
 
+@dataclass(slots=True)
+class StepOutput:
+    """What a step returns on rank 0."""
+
+    token_ids: list[int]  # the new token of each sampling row (StepBatch.sample_rows order)
+    logprobs: list[TokenLogprobs | None] | None = None  # per sampling row, when some row asked
+    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None  # batch row -> this step's
+
+
 def slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of positions [start, end) of one sequence, one block run at a time."""
     out: list[int] = []
@@ -74,23 +122,49 @@ def slots(block_table: list[int], start: int, end: int, block_size: int) -> list
     return out
 
 
-def _sampling(seqs: list[ScheduledSequence]) -> SamplingBatch:
-    batch = SamplingBatch([], [], [], [], [])
-    for seq in seqs:
-        p = seq.sampling_params
-        batch.temperatures.append(p.temperature)
-        batch.top_ks.append(p.top_k)
-        batch.top_ps.append(p.top_p)
-        batch.min_ps.append(p.min_p)
-        batch.seeds.append(None if p.seed is None else
-                           (p.seed * SEED_STRIDE + seq.num_completion_tokens) & SEED_MASK)
-    return batch
+def _banned_tokens(seq: ScheduledSequence) -> list[int]:
+    """Tokens a row may not sample now: min_tokens' stop ids, and bad words whose other tokens end
+    the output so far (a one-token bad word is always banned)."""
+    banned = []
+    if seq.num_completion_tokens < seq.sampling_params.min_tokens:
+        banned.extend(seq.min_tokens_stop_ids)
+    output = seq.completion_token_ids if seq.bad_words_token_ids else []
+    for word in seq.bad_words_token_ids:
+        prefix = word[:-1]
+        if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
+            banned.append(word[-1])
+    return banned
+
+
+def _processors(seq: ScheduledSequence) -> ProcessorRow | None:
+    if not seq.uses_logits_processors:
+        return None
+    p = seq.sampling_params
+    penalties = ((p.repetition_penalty, p.frequency_penalty, p.presence_penalty) if p.uses_penalties
+                 else None)
+    return ProcessorRow(p.allowed_token_ids, _banned_tokens(seq), p.logit_bias, penalties,
+                        seq.token_ids[:seq.num_prompt_tokens] if penalties else [],
+                        seq.completion_token_ids if penalties else [])
+
+
+def sampling_batch(seqs: list[ScheduledSequence]) -> SamplingBatch:
+    """The sampling rows of `seqs`, one per sequence, in order."""
+    params = [seq.sampling_params for seq in seqs]
+    processors = [_processors(seq) for seq in seqs]
+    return SamplingBatch(
+        temperatures=[p.temperature for p in params], top_ks=[p.top_k for p in params],
+        top_ps=[p.top_p for p in params], min_ps=[p.min_p for p in params],
+        seeds=[None if seq.seed is None else (seq.seed * SEED_STRIDE + seq.num_completion_tokens) & SEED_MASK
+               for seq in seqs],
+        num_logprobs=[p.logprobs for p in params],
+        processors=processors if any(row is not None for row in processors) else None)
 
 
 def build_batch(seqs: list[ScheduledSequence], is_prefill: bool) -> StepBatch:
     """The record of one step over `seqs`, each computing its `num_scheduled_tokens` next tokens.
     Runs once per step on the host, so the common one-token case takes a short path."""
     input_ids, positions, slot_mapping, cu_q, seqlens_k, sample_rows = [], [], [], [0], [], []
+    spans: list[PromptLogprobSpan] = []
     num_tokens = 0
     for row, seq in enumerate(seqs):
         start = seq.num_computed_tokens
@@ -108,8 +182,13 @@ def build_batch(seqs: list[ScheduledSequence], is_prefill: bool) -> StepBatch:
         num_tokens += num
         cu_q.append(num_tokens)
         seqlens_k.append(end)
+        span = seq.prompt_logprob_span() if is_prefill else None
+        if span is not None:
+            lo, hi = span
+            spans.append(PromptLogprobSpan(row, cu_q[-2] + lo - start, seq.sampling_params.prompt_logprobs,
+                                           seq.token_ids[lo + 1:hi + 1]))
         if end == len(seq):  # the whole sequence is computed: its next token is sampled
             sample_rows.append(row)
     sampled = seqs if len(sample_rows) == len(seqs) else [seqs[row] for row in sample_rows]
     return StepBatch(is_prefill, input_ids, positions, slot_mapping, cu_q, seqlens_k,
-                     [seq.block_table for seq in seqs], sample_rows, _sampling(sampled))
+                     [seq.block_table for seq in seqs], sample_rows, sampling_batch(sampled), spans)

@@ -1,14 +1,15 @@
 """Turns a StepBatch into device tensors: token ids, positions, the attention metadata, the hidden
-rows to sample from and the sampler's per-row parameters. Copied host -> device once per field, from
-pinned memory on CUDA so the copies do not block the host."""
+rows to sample from, the sampler's per-row parameters and the logits processors' tensors. Copied
+host -> device once per field, from pinned memory on CUDA so the copies do not block the host."""
 
 from dataclasses import dataclass
 
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.layers.logits_processors import LogitsProcessorTensors, padded_ids, scatter_ids
 from nanovllm.layers.sampler import SamplingTensors
-from nanovllm.runner.batch import SamplingBatch, StepBatch
+from nanovllm.runner.batch import ProcessorRow, SamplingBatch, StepBatch
 
 
 @dataclass(slots=True)
@@ -55,7 +56,7 @@ def sampling_tensors(sampling: SamplingBatch, vocab_size: int, device: torch.dev
     if all(t == 0 for t in temperatures):
         return SamplingTensors(None, all_greedy=True)
     tensors = SamplingTensors(to_device(temperatures, torch.float32, device), all_greedy=False)
-    top_ks = [k if k > 0 else vocab_size for k in sampling.top_ks]
+    top_ks = [min(k, vocab_size) if k > 0 else vocab_size for k in sampling.top_ks]
     if min(top_ks) < vocab_size:
         tensors.top_ks, tensors.max_top_k = to_device(top_ks, torch.int64, device), max(top_ks)
     if any(p < 1.0 for p in sampling.top_ps):
@@ -64,3 +65,36 @@ def sampling_tensors(sampling: SamplingBatch, vocab_size: int, device: torch.dev
         tensors.min_ps = to_device(sampling.min_ps, torch.float32, device)
     tensors.seeded_rows = [(row, seed) for row, seed in enumerate(sampling.seeds) if seed is not None] or None
     return tensors
+
+
+def logits_processor_tensors(rows: list[ProcessorRow | None] | None, vocab_size: int,
+                             device: torch.device) -> LogitsProcessorTensors | None:
+    """The processors' tensors for the sampling rows (SamplingBatch.processors); None when none is used."""
+    if rows is None:
+        return None
+    t, used = LogitsProcessorTensors(), False
+    if any(r is not None and r.allowed_token_ids is not None for r in rows):
+        ids = [(r.allowed_token_ids if r is not None else None) or [] for r in rows]
+        allowed = scatter_ids(padded_ids(ids, vocab_size, device), vocab_size, torch.bool)
+        unrestricted = torch.tensor([r is None or r.allowed_token_ids is None for r in rows], device=device)
+        t.allowed, used = allowed | unrestricted.unsqueeze(1), True
+    pairs = [(i, tok) for i, r in enumerate(rows) if r is not None for tok in r.banned_token_ids]
+    if pairs:
+        index, ids = zip(*pairs, strict=True)
+        t.masked = (torch.tensor(index, device=device), torch.tensor(ids, device=device))
+        used = True
+    triples = [(i, tok, b) for i, r in enumerate(rows) if r is not None
+               for tok, b in (r.logit_bias or {}).items()]
+    if triples:
+        index, ids, values = zip(*triples, strict=True)
+        t.bias = (torch.tensor(index, device=device), torch.tensor(ids, device=device),
+                  torch.tensor(values, dtype=torch.float32, device=device))
+        used = True
+    penalties = [r.penalties if r is not None and r.penalties is not None else (1.0, 0.0, 0.0) for r in rows]
+    if any(r is not None and r.penalties is not None for r in rows):
+        t.repetition, t.frequency, t.presence = torch.tensor(penalties, dtype=torch.float32, device=device).T
+        # Only rows with penalties contribute ids: the others' factors are neutral anyway.
+        t.prompt_ids = padded_ids([r.prompt_token_ids if r else [] for r in rows], vocab_size, device)
+        t.output_ids = padded_ids([r.output_token_ids if r else [] for r in rows], vocab_size, device)
+        used = True
+    return t if used else None

@@ -14,11 +14,11 @@ from nanovllm.attention.registry import select_backend
 from nanovllm.config import Config
 from nanovllm.layers.options import KernelOptions, use_kernel_options
 from nanovllm.layers.parallel import get_tp_rank, min_across_ranks
-from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
-from nanovllm.runner.batch import SamplingBatch, StepBatch
+from nanovllm.runner.batch import SamplingBatch, StepBatch, StepOutput
 from nanovllm.runner.cuda_graph import DecodeGraphs
-from nanovllm.runner.inputs import model_inputs, sampling_tensors
+from nanovllm.runner.inputs import model_inputs
+from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row, worst_case_sampling
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
@@ -57,7 +57,7 @@ class ModelRunner:
                                       config.max_num_seqs, layer.num_kv_heads, self.kv_dtype)
         for layer in self.attention_layers:
             layer.backend = self.backend
-        self.sampler = Sampler(compiled=on_gpu and config.torch_compile)
+        self.sampler = StepSampler(self.vocab_size, self.device, compiled=on_gpu and config.torch_compile)
         self.decode_graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)
@@ -163,52 +163,66 @@ class ModelRunner:
             slot_mapping=[-1] * (num_seqs * seq_len),
             cu_seqlens_q=list(range(0, num_seqs * seq_len + 1, seq_len)),
             seqlens_k=[seq_len] * num_seqs, block_tables=tables, sample_rows=list(range(num_seqs)),
-            sampling=SamplingBatch([0.0] * num_seqs, [-1] * num_seqs, [1.0] * num_seqs, [0.0] * num_seqs,
-                                   [None] * num_seqs))
+            sampling=None)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self._forward(batch)
-        # The largest decode batch samples from full-vocabulary logits (top-p sorts them): its peak too.
+        # The largest decode batch samples from full-vocabulary logits (top-p sorts them, processors
+        # and logprobs copy them): its peak too.
         max_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
         hidden = torch.zeros(max_batch, config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
-        ones = torch.ones(max_batch, device=self.device)
         logits = self.model.compute_logits(hidden)
         if logits is not None:  # rank 0 only
-            self.sampler(logits, SamplingTensors(ones, all_greedy=False, top_ps=ones * 0.9))
+            self.sampler(logits, worst_case_sampling(max_batch))
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - before
         self._release_kv_cache()
         return activation_peak
 
     # ---- one step ----
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
-        """The hidden states of the sampling rows' last tokens: [len(batch.sample_rows), hidden]."""
-        if not batch.is_prefill and self.decode_graphs and self.decode_graphs.can_run(batch.num_seqs):
-            return self.decode_graphs.run(batch)  # decode: every row samples
-        inputs = model_inputs(batch, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return hidden[inputs.logits_indices]
-
-    @torch.inference_mode()
-    def logits(self, batch: StepBatch) -> torch.Tensor | None:
-        """Run the step's forward pass; returns the logits of the sampling rows [rows, vocab] on rank 0,
-        None on the other ranks (every rank must call it: the LM head gathers across them)."""
+    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden states of the sampling rows' last tokens [len(batch.sample_rows), hidden], and
+        those of every token of the step [num_tokens, hidden] (None from a CUDA graph)."""
         if self.cpu_threads is not None:
             self.cpu_threads.apply()
-        hidden = self._forward(batch)
+        if not batch.is_prefill and self.decode_graphs and self.decode_graphs.can_run(batch.num_seqs):
+            return self.decode_graphs.run(batch), None  # decode: every row samples
+        inputs = model_inputs(batch, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return hidden[inputs.logits_indices], hidden
+
+    def _sampling_logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
         if not batch.sample_rows:
             return hidden.new_empty(0, self.vocab_size) if self.rank == 0 else None
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> list[int] | None:
-        """Run one step; returns the new token of each sampling row (batch.sample_rows order) on rank 0,
-        None on the other ranks."""
-        logits = self.logits(batch)
-        if logits is None or not batch.sample_rows:
-            return None if logits is None else []
-        return self.sampler(logits, sampling_tensors(batch.sampling, self.vocab_size, self.device)).tolist()
+    def logits(self, batch: StepBatch) -> torch.Tensor | None:
+        """Run the step's forward pass; returns the logits of the sampling rows [rows, vocab] on rank 0,
+        None on the other ranks (every rank must call it: the LM head gathers across them)."""
+        return self._sampling_logits(self._forward(batch)[0], batch)
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> StepOutput | None:
+        """Run one step; returns on rank 0 the new token of each sampling row (batch.sample_rows order)
+        with the logprobs and prompt logprobs its sequences asked for; None on the other ranks."""
+        hidden, all_hidden = self._forward(batch)
+        prompt_lps = None
+        if batch.prompt_logprob_spans:  # every rank: the LM head gathers across ranks
+            assert all_hidden is not None, "prompt logprobs come from prefill steps, which use no graph"
+            prompt_lps = prompt_logprobs_by_row(self.model.compute_logits, all_hidden,
+                                                batch.prompt_logprob_spans)
+        logits = self._sampling_logits(hidden, batch)
+        if logits is None:
+            return None
+        out = self.sampler(logits, batch.sampling) if batch.sample_rows else StepOutput([])
+        out.prompt_logprobs = prompt_lps
+        return out
+
+    def check_sampling(self, sampling: SamplingBatch) -> None:
+        """Raise what rank 0 would raise turning these sampling rows into tensors (on the CPU)."""
+        self.sampler.check(sampling)
 
     def release(self) -> None:
         """Free the model and its KV cache now (the layers' weight loaders form reference cycles)."""

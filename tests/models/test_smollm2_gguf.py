@@ -145,3 +145,18 @@ def test_config_and_tokenizer_match_transformers(llm, prompts):
     chat = [{"role": "user", "content": QUESTIONS[0]}]
     assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
         reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+def test_bad_words_and_stop_strings_with_a_real_tokenizer(llm):
+    """bad_words as vLLM tokenizes them (the word as written and after a space: " Paris" is one
+    token in SmolLM2's vocabulary), and a stop string kept in the text."""
+    from nanovllm.engine.request import bad_words_token_ids
+    question = [{"role": "user", "content": QUESTIONS[0]}]
+    banned = bad_words_token_ids(["Paris"], llm.tokenizer)
+    assert len(banned) == 2 and [llm.tokenizer.encode(" Paris", add_special_tokens=False)] in (banned[1:],)
+    out = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=8, bad_words=["Paris"]),
+                   use_tqdm=False)[0]
+    for word in banned:
+        assert all(out["token_ids"][i:i + len(word)] != word for i in range(len(out["token_ids"])))
+    assert out["text"] != "The capital of France is Paris."
+    kept = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=8, stop=["France"],
+                                             include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept["text"] == "The capital of France" and kept["stop_reason"] == "France"

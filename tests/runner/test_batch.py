@@ -2,6 +2,7 @@
 sample, and that the largest record fits the tensor-parallel step channel."""
 
 import pickle
+from dataclasses import replace
 from types import SimpleNamespace
 
 from nanovllm.distributed.worker import CHANNEL_SLACK_BYTES, channel_size
@@ -54,12 +55,42 @@ def test_the_largest_step_fits_the_channel():
     config = SimpleNamespace(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=256,
                              kvcache_block_size=1)
     seqs = []
+    chunk = config.max_num_batched_tokens // config.max_num_seqs
     for i in range(config.max_num_seqs):  # every sequence at full length, ids as large as they get
         seq = Sequence([2**31 - 1] * config.max_model_len,
-                       SamplingParams(temperature=0.123456789, top_p=0.987654321, seed=2**62), block_size=1)
-        seq.num_computed_tokens = config.max_model_len - config.max_num_batched_tokens // config.max_num_seqs
-        seq.num_scheduled_tokens = config.max_num_batched_tokens // config.max_num_seqs
+                       SamplingParams(temperature=0.123456789, top_p=0.987654321, seed=2**62,
+                                      prompt_logprobs=20), block_size=1)
+        seq.num_computed_tokens = config.max_model_len - chunk
+        seq.prompt_logprobs = [None] * (seq.num_computed_tokens + 1)  # the chunk computes prompt logprobs
+        seq.num_scheduled_tokens = chunk
         seq.block_table = [2**31 - 1 - i] * config.max_model_len
         seqs.append(seq)
-    message = pickle.dumps(("run", (build_batch(seqs, True),)), protocol=pickle.HIGHEST_PROTOCOL)
+    batch = build_batch(seqs, True)
+    assert sum(len(span.target_ids) for span in batch.prompt_logprob_spans) == (chunk - 1) * len(seqs)
+    # What the workers get: the record without its sampling part (nanovllm.distributed.worker).
+    message = pickle.dumps(("run", (replace(batch, sampling=None),)), protocol=pickle.HIGHEST_PROTOCOL)
     assert len(message) <= channel_size(config) - CHANNEL_SLACK_BYTES  # fits without the slack
+
+
+def test_prompt_logprob_spans_and_processor_rows():
+    params = SamplingParams(prompt_logprobs=2, repetition_penalty=1.2, min_tokens=2, stop_token_ids=[7])
+    seq = Sequence(list(range(10, 20)), params, block_size=4)  # a 10-token prompt
+    seq.block_table, seq.min_tokens_stop_ids = [0, 1, 2], [7]
+    other = Sequence([1, 2, 3], block_size=4)
+    other.block_table = [3]
+    other.num_scheduled_tokens, seq.num_scheduled_tokens = 3, 6  # seq: a first chunk, positions 0..5
+    batch = build_batch([other, seq], is_prefill=True)
+    (span,) = batch.prompt_logprob_spans
+    assert (span.row, span.start, span.num_logprobs) == (1, 3, 2)
+    assert span.target_ids == list(range(11, 17))  # position p predicts prompt token p + 1
+    assert batch.sample_rows == [0] and batch.sampling.processors is None  # `other` uses none
+    # The last chunk: the last prompt position predicts the first generated token, not a prompt one.
+    seq.prompt_logprobs.extend([{}] * 6)
+    seq.num_computed_tokens, seq.num_scheduled_tokens = 6, 4
+    batch = build_batch([seq], is_prefill=True)
+    (span,) = batch.prompt_logprob_spans
+    assert span.start == 0 and span.target_ids == [17, 18, 19]
+    (row,) = batch.sampling.processors
+    assert row.penalties == (1.2, 0.0, 0.0) and row.banned_token_ids == [7]  # min_tokens masks stop ids
+    assert row.prompt_token_ids == list(range(10, 20)) and row.output_token_ids == []
+    assert batch.sampling.num_logprobs == [None]

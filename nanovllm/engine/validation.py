@@ -1,0 +1,50 @@
+"""Checks a request where it arrives, before anything is queued: the prompt (a string to tokenize, or
+token ids inside the vocabulary), whether prompt + max_tokens fit the context and the KV cache, and
+that the options needing a tokenizer have one.
+Each error says what to change. Pure Python."""
+
+from collections.abc import Sequence as SequenceLike
+
+from nanovllm.config import Config
+from nanovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("string prompts need a tokenizer, but skip_tokenizer_init=True; "
+                             "pass token ids instead")
+        token_ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, SequenceLike) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        token_ids = list(prompt)
+    else:
+        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not token_ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return token_ids
+
+
+def check_fits(config: Config, num_kvcache_blocks: int, token_ids: list[int], params: SamplingParams,
+               has_tokenizer: bool) -> None:
+    total = len(token_ids) + params.max_tokens
+    if total > config.max_model_len:
+        raise ValueError(f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
+                         f"{total} exceeds max_model_len {config.max_model_len}; shorten the prompt, "
+                         "lower max_tokens or raise max_model_len")
+    blocks = -(-total // config.kvcache_block_size)
+    if blocks > num_kvcache_blocks:
+        raise ValueError(f"the request needs up to {blocks} KV blocks but the whole cache has "
+                         f"{num_kvcache_blocks}; lower max_tokens, or give the cache more memory "
+                         "(gpu_memory_utilization, num_kvcache_blocks, cpu_kvcache_space_gib)")
+    if params.stop and not has_tokenizer:
+        raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; "
+                         "use stop_token_ids")
+    if params.bad_words and not has_tokenizer:
+        raise ValueError("bad_words need a tokenizer, but skip_tokenizer_init=True; use logit_bias "
+                         "with -100 for single tokens")

@@ -1,0 +1,66 @@
+"""The end of a step on rank 0: the logits processors, the sampler and the logprobs the sequences
+asked for, from the step's SamplingBatch; and the prompt logprobs, which every rank computes (the LM
+head gathers across ranks)."""
+
+from collections.abc import Callable
+
+import torch
+
+from nanovllm.layers.logprobs import prompt_logprobs, sampled_logprobs
+from nanovllm.layers.sampler import Sampler
+from nanovllm.outputs import TokenLogprobs
+from nanovllm.runner.batch import ProcessorRow, PromptLogprobSpan, SamplingBatch, StepOutput
+from nanovllm.runner.inputs import logits_processor_tensors, sampling_tensors
+from nanovllm.sampling_params import MAX_LOGPROBS
+
+
+def worst_case_sampling(num_rows: int) -> SamplingBatch:
+    """Sampling rows that use every option that costs memory, for the warm-up's peak."""
+    processors = ProcessorRow(allowed_token_ids=[0, 1], banned_token_ids=[2], logit_bias={0: 1.0},
+                              penalties=(1.1, 0.1, 0.0), prompt_token_ids=[0, 1], output_token_ids=[1])
+    return SamplingBatch([1.0] * num_rows, [50] * num_rows, [0.9] * num_rows, [0.01] * num_rows,
+                         [None] * num_rows, [MAX_LOGPROBS] * num_rows, [processors] * num_rows)
+
+
+class StepSampler:
+    def __init__(self, vocab_size: int, device: torch.device, compiled: bool) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.sampler = Sampler(compiled=compiled)
+
+    def __call__(self, logits: torch.Tensor, sampling: SamplingBatch) -> StepOutput:
+        """Sample each row of logits [rows, vocab] with its parameters, processors and logprobs."""
+        raw = logits
+        processors = logits_processor_tensors(sampling.processors, self.vocab_size, self.device)
+        if processors is not None:
+            logits = processors.apply(logits)
+        tokens = self.sampler(logits, sampling_tensors(sampling, self.vocab_size, self.device))
+        ks = sampling.num_logprobs
+        # Raw-model logprobs (vLLM's default logprobs_mode), only when some row asked.
+        logprobs = sampled_logprobs(raw, tokens, ks) if any(k is not None for k in ks) else None
+        return StepOutput(tokens.tolist(), logprobs)
+
+    def check(self, sampling: SamplingBatch) -> None:
+        """Build the sampler's and the processors' inputs on the CPU, raising what a step would raise
+        for them: under tensor parallelism the engine checks them before a step is sent."""
+        cpu = torch.device("cpu")
+        sampling_tensors(sampling, self.vocab_size, cpu)
+        logits_processor_tensors(sampling.processors, self.vocab_size, cpu)
+
+
+def prompt_logprobs_by_row(compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
+                           hidden: torch.Tensor, spans: list[PromptLogprobSpan]
+                           ) -> dict[int, list[TokenLogprobs]] | None:
+    """Batch row -> the logprobs of the prompt tokens its span covers, on rank 0 (None on the others).
+    hidden: [num_tokens, hidden] of the whole step."""
+    indices = [span.start + i for span in spans for i in range(len(span.target_ids))]
+    targets = [t for span in spans for t in span.target_ids]
+    ks = [span.num_logprobs for span in spans for _ in span.target_ids]
+    flat = prompt_logprobs(compute_logits, hidden, indices, targets, ks)
+    if flat is None:
+        return None
+    out, start = {}, 0
+    for span in spans:
+        out[span.row] = flat[start:start + len(span.target_ids)]
+        start += len(span.target_ids)
+    return out

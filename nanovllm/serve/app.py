@@ -1,0 +1,212 @@
+"""The OpenAI-compatible HTTP app (FastAPI): /v1/models, /v1/completions, /v1/chat/completions
+(streamed as server-sent events in OpenAI's chunk format, ending in `data: [DONE]`), /health and
+/metrics. Bad input is a 400 with OpenAI's error object and never reaches the engine; a wrong or
+missing key is a 401 when the server has one; a client that goes away has its request aborted."""
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.llm import LLM
+from nanovllm.serve.async_engine import AsyncEngine, Update
+from nanovllm.serve.metrics import make_registry
+from nanovllm.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    describe_validation_error,
+    error_body,
+    new_id,
+    now,
+    usage,
+)
+from nanovllm.serve.responses import Reply
+
+logger = logging.getLogger(__name__)
+
+# A non-streaming handler checks this often whether its client is still there.
+DISCONNECT_POLL_S = 1.0
+
+
+def parse(model: type[BaseModel], body: bytes) -> BaseModel:
+    try:
+        return model.model_validate_json(body or b"null")
+    except ValidationError as e:
+        raise describe_validation_error(e) from None
+
+
+def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
+    engine = AsyncEngine(llm)
+    registry = make_registry(engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()  # uvicorn has drained the connections it could; abort the rest
+
+    app = FastAPI(title="nanovllm", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            if not secrets.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse(error_body("invalid or missing API key: send 'Authorization: Bearer KEY'",
+                                               code="invalid_api_key"), status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, e: RequestError):
+        return JSONResponse(error_body(str(e), e.kind, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return JSONResponse(error_body(str(e.detail)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        logger.exception("internal error")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not engine.healthy:
+            return JSONResponse(error_body(f"the engine failed: {engine.error!r}", "server_error"), 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
+                                            "owned_by": "nanovllm", "root": llm.config.model,
+                                            "max_model_len": llm.config.max_model_len}]}
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise RequestError(f"the model {name!r} does not exist; this server serves {model_name!r}",
+                               "model", status=404, code="model_not_found")
+
+    def make_sequence(prompt: str | list[int], req):
+        """Tokenize and validate; max_tokens defaults to what the context and the cache leave."""
+        try:
+            probe = llm.engine.make_sequence(prompt, req.sampling_params(max_tokens=1))
+            num_prompt = probe.num_prompt_tokens
+            config = llm.config
+            capacity = llm.engine.num_kvcache_blocks * config.kvcache_block_size
+            room = min(config.max_model_len, capacity) - num_prompt
+            max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or max(room, 1)
+            return llm.engine.make_sequence(probe.token_ids, req.sampling_params(max_tokens))
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e)) from e
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await request.body())
+        check_model(req.model)
+        seq = make_sequence(req.single_prompt(), req)
+        return await respond(request, req, seq, Reply("text_completion", new_id("cmpl"), model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatCompletionRequest, await request.body())
+        check_model(req.model)
+        if llm.tokenizer is None:
+            raise RequestError("chat needs a tokenizer, but the server runs with --skip-tokenizer-init")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        try:
+            token_ids = llm.chat_token_ids(messages, req.add_generation_prompt)
+        except Exception as e:  # a template may reject any conversation it does not expect
+            raise RequestError(f"the chat template rejected the messages: {e}", "messages") from e
+        seq = make_sequence(token_ids, req)
+        return await respond(request, req, seq, Reply("chat.completion", new_id("chatcmpl"), model_name))
+
+    async def respond(request: Request, req, seq, reply: Reply):
+        try:
+            updates = engine.submit(seq)
+        except RuntimeError as e:
+            raise RequestError(str(e), status=503, kind="server_error") from e
+        if req.stream:
+            return StreamingResponse(stream(req, seq, updates, reply), media_type="text/event-stream")
+        return await collect(request, req, seq, updates, reply)
+
+    async def collect(request: Request, req, seq, updates: asyncio.Queue, reply: Reply):
+        output = None
+        try:
+            while output is None:
+                try:
+                    output = (await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)).output
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+        finally:
+            if output is None:
+                engine.abort(seq.seq_id)
+        check_finished(output)
+        body = reply.full(output["text"], output["finish_reason"])
+        if req.return_token_ids or llm.tokenizer is None:
+            body["choices"][0]["token_ids"] = output["token_ids"]
+        body["usage"] = usage(seq.num_prompt_tokens, len(output["token_ids"]))
+        return body
+
+    def check_finished(output: dict) -> None:
+        if output["finish_reason"] == "abort":
+            raise RequestError(output.get("error", "the request was aborted"), status=503,
+                               kind="server_error")
+        if output["finish_reason"] == "error":
+            raise RequestError(f"the request failed in the engine: {output['error']}", status=500,
+                               kind="server_error")
+
+    async def stream(req, seq, updates: asyncio.Queue, reply: Reply) -> AsyncIterator[str]:
+        detokenizer = (IncrementalDetokenizer(llm.tokenizer, seq.sampling_params.stop)
+                       if llm.tokenizer else None)
+        with_ids = req.return_token_ids or llm.tokenizer is None
+        update: Update | None = None
+        try:
+            if first := reply.first_chunk():
+                yield first
+            while update is None or update.output is None:
+                update = await updates.get()
+                while update.output is None and not updates.empty():
+                    # Behind by several steps (a busy server): one chunk for all, fewer sends.
+                    more = updates.get_nowait()
+                    update = Update(update.new_token_ids + more.new_token_ids, more.output)
+                if detokenizer is None:
+                    text = ""
+                elif update.output is None:
+                    text = detokenizer.push(update.new_token_ids)
+                else:
+                    text = detokenizer.finish(update.output["text"], update.new_token_ids)
+                if text or (with_ids and update.new_token_ids):
+                    yield reply.chunk(text, update.new_token_ids if with_ids else None)
+            output = update.output
+            try:
+                check_finished(output)
+            except RequestError as e:
+                yield f"data: {json.dumps(error_body(str(e), e.kind))}\n\n"
+            else:
+                yield reply.chunk("", None, output["finish_reason"])
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    yield reply.usage_chunk(usage(seq.num_prompt_tokens, len(output["token_ids"])))
+            yield "data: [DONE]\n\n"
+        finally:
+            if update is None or update.output is None:  # the client left (or the server is stopping)
+                engine.abort(seq.seq_id)
+
+    return app

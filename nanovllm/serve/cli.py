@@ -1,0 +1,136 @@
+"""`nanovllm serve MODEL [options]`: load the model, then serve it over HTTP with uvicorn. Every
+engine option of `LLM(...)` is a flag in vLLM's spelling (`max_model_len` -> `--max-model-len`,
+booleans as `--enforce-eager` / `--no-enforce-eager`), built from Config's fields so the two never
+drift apart; vLLM's own names for a few are accepted too (`-tp`, `--block-size`,
+`--num-gpu-blocks-override`). SIGTERM or Ctrl-C: uvicorn stops accepting, lets the requests in
+flight finish for up to --graceful-timeout seconds, then the rest are aborted and the engine shut
+down."""
+
+import argparse
+import contextlib
+import logging
+import sys
+import types
+import typing
+from dataclasses import MISSING, Field, fields
+
+from nanovllm.config import VALID_ATTENTION_BACKENDS, VALID_DEVICES, VALID_DTYPES, VALID_LOAD_FORMATS, Config
+
+CHOICES = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
+           "attention_backend": VALID_ATTENTION_BACKENDS}
+ALIASES = {"tensor_parallel_size": ["-tp"], "kvcache_block_size": ["--block-size"],
+           "num_kvcache_blocks": ["--num-gpu-blocks-override"]}
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# Seconds that in-flight requests get to finish after SIGTERM before they are aborted.
+GRACEFUL_TIMEOUT_S = 30
+
+
+def _base_type(annotation) -> type:
+    """int for `int`, `int | None` and `Optional[int]`."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return annotation
+
+
+def _default(f: Field):
+    """An option's default; a factory default (one an environment variable may set) is called."""
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else None
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> list[str]:
+    """One flag per Config option; returns the option names."""
+    group = parser.add_argument_group("engine options (as LLM(...) takes them)")
+    names = []
+    for f in fields(Config):
+        if not f.init or f.name == "model":
+            continue
+        kind = _base_type(f.type)
+        flags = [f"--{f.name.replace('_', '-')}", *ALIASES.get(f.name, [])]
+        default = _default(f)
+        if kind is bool:
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            group.add_argument(*flags, dest=f.name, type=kind, default=default, choices=CHOICES.get(f.name),
+                               help=f"default: {default}")
+        names.append(f.name)
+    return names
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
+    parser = argparse.ArgumentParser(prog="nanovllm serve", description="OpenAI-compatible server")
+    parser.add_argument("model", help="a Hugging Face model folder or a .gguf file")
+    parser.add_argument("--host", default="127.0.0.1", help="default: loopback only")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id clients send (default: MODEL)")
+    parser.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT_S,
+                        help="seconds in-flight requests may finish after SIGTERM")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser, add_engine_options(parser)
+
+
+def _server_class(uvicorn):
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown, which would kill the process before
+        the engine is shut down and exit with status -15; this one returns, and exits with 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    return Server
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    try:
+        import uvicorn
+
+        from nanovllm.serve.app import build_app
+    except ImportError as e:
+        print(f"the server needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"",
+              file=sys.stderr)
+        return 2
+    parser, engine_names = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.host not in LOOPBACK:
+        logging.warning("listening on %s: reachable beyond this machine%s", args.host,
+                        "" if args.api_key else ", and with no --api-key")
+    from nanovllm.llm import LLM
+
+    options = {name: getattr(args, name) for name in engine_names}
+    defaults = {f.name: _default(f) for f in fields(Config) if f.init}
+    options = {k: v for k, v in options.items() if v != defaults.get(k)}  # pass only what was set
+    try:
+        llm = LLM(args.model, **options)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    app = build_app(llm, args.served_model_name or args.model, args.api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.graceful_timeout)
+    try:
+        _server_class(uvicorn)(config).run()
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `nanovllm` console script: `nanovllm serve MODEL [options]`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        print("usage: nanovllm serve MODEL [options]   (nanovllm serve --help for the options)",
+              file=sys.stderr)
+        return 2
+    return serve_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

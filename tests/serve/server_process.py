@@ -1,0 +1,87 @@
+"""A real server (`python -m nanovllm.serve`, uvicorn on 127.0.0.1 and a free port) in a subprocess,
+for the server tests (once per module) and scripts/bench_serve.py; SIGTERM stops it, and
+`terminate()` says whether it exited cleanly."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+API_KEY = "sk-test-key"
+# Loading a model on a busy 2-core machine can take a while.
+STARTUP_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, *options: str, api_key: str | None = API_KEY,
+                 startup_timeout: float = STARTUP_TIMEOUT_S, log_level: str = "warning",
+                 cpu: bool = True) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"nanovllm-serve-{self.port}.log")
+        self.log = open(self.log_path, "w")
+        args = [sys.executable, "-m", "nanovllm.serve", model, "--port", str(self.port),
+                "--log-level", log_level,
+                "--graceful-timeout", "5", *options]
+        if api_key:
+            args += ["--api-key", api_key]
+        env = {**os.environ, "PYTHONPATH": REPO, **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
+        self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"the server did not start in {startup_timeout}s:\n{self.output()}")
+            time.sleep(0.2)
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def output(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def metrics(self) -> dict[str, float]:
+        """The nanovllm:* samples of /metrics, by name plus labels other than model_name."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("nanovllm:"):
+                name, value = line.rsplit(" ", 1)
+                name = name.split("{")[0] + ("{" + name.split(",", 1)[0].split("{")[1] + "}"
+                                             if "finished_reason" in name else "")
+                values[name] = float(value)
+        return values
+
+    def terminate(self, timeout: float = 30) -> int:
+        """SIGTERM; returns the exit code (the test fails if it does not exit in time)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"the server ignored SIGTERM for {timeout}s:\n{self.output()}") from None
+        self.log.close()
+        return self.proc.returncode
