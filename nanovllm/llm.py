@@ -99,8 +99,9 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt leaves no half-added batch.
         if isinstance(self.engine, DataParallelEngine):  # each replica runs its own loop
-            seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
-            return self.engine.generate_sequences(seqs, use_tqdm)
+            requests = [self.engine.make_request(p, sp)
+                        for p, sp in zip(prompts, sampling_params, strict=True)]
+            return self.engine.generate_requests(requests, use_tqdm)
         requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
         with self.engine.lock:
             request_ids = [self.engine.start_request(seqs) for seqs in requests]

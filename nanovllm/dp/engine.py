@@ -15,6 +15,7 @@ from nanovllm.config import Config
 from nanovllm.dp.coordinator import DPCoordinator
 from nanovllm.engine.llm_engine import LLMEngine, Prompt
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stop_checker import eos_token_ids
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_engine_tokenizer
@@ -24,6 +25,7 @@ class DataParallelEngine(LLMEngine):
     def __init__(self, model: str, **options) -> None:  # LLMEngine's builds one engine here: not called
         self.config = config = Config.from_options(model, **options)
         self.tokenizer = load_engine_tokenizer(config)
+        self.eos_token_ids = eos_token_ids(config, self.tokenizer)  # make_request stops sequences on them
         self.coordinator = DPCoordinator(config.model, options, config)
         # Requests are checked against the smallest replica's cache.
         self.num_kvcache_blocks = self.coordinator.num_kvcache_blocks
@@ -31,10 +33,13 @@ class DataParallelEngine(LLMEngine):
     def _check_running(self) -> None:
         self.coordinator.check_running()
 
-    def generate_sequences(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestOutput]:
-        """Generate for validated sequences on the replicas; returns one output dict each, in order.
-        The requests are split between the replicas by tokens (prompt + max_tokens)."""
-        return self.coordinator.generate([(seq.token_ids, seq.sampling_params) for seq in seqs], use_tqdm)
+    def generate_requests(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestOutput]:
+        """Generate for validated requests (make_request's sequences) on the replicas; returns one
+        output dict each, in order. The requests are split between the replicas by tokens (prompt +
+        max_tokens); a replica runs a request's n completions itself."""
+        prompts = [(first.token_ids[:first.num_prompt_tokens], first.sampling_params)
+                   for first, *_ in requests]
+        return self.coordinator.generate(prompts, use_tqdm)
 
     def shutdown(self) -> None:
         """Stop every replica (each shuts its own engine down); any later call raises RuntimeError.

@@ -14,10 +14,17 @@ import types
 import typing
 from dataclasses import MISSING, Field, fields
 
-from nanovllm.config import VALID_ATTENTION_BACKENDS, VALID_DEVICES, VALID_DTYPES, VALID_LOAD_FORMATS, Config
+from nanovllm.config import (
+    VALID_ATTENTION_BACKENDS,
+    VALID_DEVICES,
+    VALID_DTYPES,
+    VALID_KV_CACHE_DTYPES,
+    VALID_LOAD_FORMATS,
+    Config,
+)
 
 CHOICES = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
-           "attention_backend": VALID_ATTENTION_BACKENDS}
+           "attention_backend": VALID_ATTENTION_BACKENDS, "kv_cache_dtype": VALID_KV_CACHE_DTYPES}
 ALIASES = {"tensor_parallel_size": ["-tp"], "kvcache_block_size": ["--block-size"],
            "num_kvcache_blocks": ["--num-gpu-blocks-override"]}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -25,10 +32,18 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 GRACEFUL_TIMEOUT_S = 30
 
 
-def _base_type(annotation) -> type:
-    """int for `int`, `int | None` and `Optional[int]`."""
+def _int_or_word(value: str) -> int | str:
+    """For options that take a number or a word (cpu_threads: 4 or "auto")."""
+    return int(value) if value.strip().isdigit() else value
+
+
+def _base_type(annotation):
+    """int for `int`, `int | None` and `Optional[int]`; a number-or-word parser for `int | str`."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if set(kinds) == {int, str}:
+            return _int_or_word
+        (annotation,) = kinds
     return annotation
 
 

@@ -81,7 +81,7 @@ def test_float32_picks_triton_and_flash_attention_refuses_it():
     from nanovllm.attention.registry import auto_backend, select_backend
 
     cuda = torch.device("cuda")  # only its type is read before the dtype check: no GPU needed
-    assert auto_backend(cuda, 16, torch.float32) == "triton"
+    assert auto_backend(cuda) == "triton" and auto_backend(torch.device("cpu")) == "torch"
     for name in ("fa3", "flash-attn"):
         with pytest.raises(ValueError, match="bfloat16/float16 only"):
             select_backend(name, cuda, 256, torch.float32, max_num_seqs=8, num_kv_heads=2)

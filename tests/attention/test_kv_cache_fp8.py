@@ -62,6 +62,6 @@ def test_flash_attention_backends_refuse_an_fp8_cache():
     from nanovllm.attention.registry import auto_backend, select_backend
 
     cuda = torch.device("cuda")  # only its type is read before the checks: no GPU needed
-    assert auto_backend(cuda, 16, torch.bfloat16, torch.float8_e4m3fn) == "triton"
+    assert auto_backend(cuda) == "triton"
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
         select_backend("fa3", cuda, 16, torch.bfloat16, 8, 2, torch.float8_e4m3fn)

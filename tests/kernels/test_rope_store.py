@@ -77,7 +77,7 @@ def test_bad_arguments_raise_value_errors():
     with pytest.raises(ValueError, match="both q_norm and k_norm"):
         norm_rope_store(q, k, v, torch.zeros(3, dtype=torch.long), cos, cos, cache, cache, slots,
                         q_norm=(torch.ones(32), 1e-6))
-    with pytest.raises(ValueError, match="share a dtype"):
+    with pytest.raises(ValueError, match="must both hold torch.float32 or torch.float8_e4m3fn"):
         norm_rope_store(q, k, v, torch.zeros(3, dtype=torch.long), cos, cos, cache.half(), cache, slots)
 
 
