@@ -47,7 +47,9 @@ PROGRAMS_PER_SM = 4
 MAX_NUM_SPLITS = 64
 
 
-@triton.jit
+# Triton compiles a variant per integer argument that is 1 or a multiple of 16; these vary from step to
+# step (block-table width, split count), and a variant first met mid-run costs a second or two to compile.
+@triton.jit(do_not_specialize=["block_tables_stride", "num_splits"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,

@@ -33,7 +33,9 @@ NUM_WARPS_HEAD_DIM_256 = 8
 NUM_STAGES = 2
 
 
-@triton.jit
+# Triton compiles a variant per integer argument that is 1 or a multiple of 16; these vary from step to
+# step (block-table width, split count), and a variant first met mid-run costs a second or two to compile.
+@triton.jit(do_not_specialize=["block_tables_stride"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
