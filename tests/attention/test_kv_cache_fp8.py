@@ -10,7 +10,7 @@ from conftest import PROMPTS
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.torch_backend import from_cache, store_kvcache_torch, to_cache
 
-OPTIONS = dict(kvcache_block_size=4, max_model_len=128, max_num_seqs=16)
+OPTIONS = dict(kvcache_block_size=4, max_model_len=128, max_num_seqs=16, device="cpu")  # the torch backend
 # One float32 block of the tiny model: 2 layers x K,V x 2 KV heads x 16 dims x 4 bytes x 4 tokens.
 FP32_BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4
 
