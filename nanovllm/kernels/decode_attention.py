@@ -16,6 +16,9 @@ sequence's chunk length, cdiv(seqlens_k[b], num_splits) rounded up to whole tile
 So there is no host sync and no data-dependent size: the call is CUDA-graph capturable. Chunks past a
 sequence's end write neutral partials (lse = -inf), so seqlens_k[b] == 0 (graph batch padding) gives
 zeros without reading the block table or the cache.
+
+This file is longer than most (~270 lines) because the kernel, its split-combining epilogue and the
+wrapper's argument checks belong together: splitting them would put one kernel's contract in two files.
 """
 
 import math

@@ -190,3 +190,29 @@ def test_stream_with_logprobs_and_penalties_matches_generate(llm):
     assert "".join(llm.stream(PROMPTS[3], params)) == output["text"]
     assert len(output["logprobs"]) == len(output["token_ids"])
     assert_idle(llm)
+
+
+def test_two_llms_in_two_threads_never_see_each_others_batches(qwen3_dir, expected):
+    """Per-step state is per engine (the attention metadata is an argument of forward, the TP group a
+    ContextVar): two engines stepping at once in two threads each give their single-engine output, over
+    many rounds (the interleaving differs every time)."""
+    engines = [LLM(qwen3_dir, kvcache_block_size=4, max_model_len=128, max_num_seqs=8) for _ in range(2)]
+    results: dict[tuple[int, int], list] = {}
+    errors = []
+
+    def worker(index: int) -> None:
+        try:
+            for round_ in range(3):
+                prompts = PROMPTS if (index + round_) % 2 else PROMPTS[::-1]
+                outputs = engines[index].generate(prompts, GREEDY, use_tqdm=False)
+                results[index, round_] = [o["token_ids"] for o in outputs][:: 1 if prompts is PROMPTS else -1]
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(results) == 6 and all(result == expected for result in results.values())

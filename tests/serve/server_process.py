@@ -37,7 +37,9 @@ class Server:
                 "--graceful-timeout", "5", *options]
         if api_key:
             args += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONPATH": REPO, **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
+        # This checkout first, then whatever path the caller had (e.g. packages carried to a GPU machine).
+        path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
         self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_timeout
         while True:
