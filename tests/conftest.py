@@ -75,6 +75,16 @@ def make_model_dir(path: str, arch: str = "qwen3", tie: bool = False, shard: boo
     return model
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread; two contend with the other processes on a small CI box.
+    Modules that run many tiny forwards use it (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("qwen3"))

@@ -5,19 +5,13 @@ there, with a clear error, and the engine keeps serving. Numeric ranges stay saf
 import math
 
 import pytest
-import torch
 from conftest import PROMPTS
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.sampling_params import MIN_TEMPERATURE
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models run fastest on one thread (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
