@@ -5,12 +5,6 @@ logging.WARNING)` silences it, and any logging configuration of the program's ow
 
 import logging
 import os
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # annotations only: the engine's bookkeeping imports this module
-    import torch
-
-    from nanovllm.config import Config
 
 LOGGER_NAME = "nanovllm"
 logger = logging.getLogger(LOGGER_NAME)
@@ -29,10 +23,11 @@ def ensure_default_handler() -> None:
         logger.setLevel(logging.INFO)
 
 
-def startup_line(config: "Config", device: "torch.device", dtype: "torch.dtype", backend: str,
-                 cpu_threads: int | None, num_kvcache_blocks: int) -> str:
-    """E.g. "SmolLM2-135M-Instruct.Q4_1.gguf (llama, gguf), float32 on cpu, attention torch,
-    KV cache 87,040 tokens, TP 1, CPU threads auto (1 now)"."""
+def startup_line(config, device: object, dtype: object, backend: str, cpu_threads: int | None,
+                 num_kvcache_blocks: int) -> str:
+    """The line for an engine built from `config` (a nanovllm.config.Config: this module sits below it
+    and only reads it). E.g. "SmolLM2-135M-Instruct.Q4_1.gguf (llama, gguf), float32 on cpu, attention
+    torch, KV cache 87,040 tokens, TP 1, CPU threads auto (1 now)"."""
     model = os.path.basename((config.gguf_path or config.model).rstrip(os.sep)) or config.model
     num_kv_tokens = num_kvcache_blocks * config.kvcache_block_size
     parts = [f"{model} ({config.hf_config.model_type}, {config.load_format})",
