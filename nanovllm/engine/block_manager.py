@@ -108,10 +108,9 @@ class BlockManager:
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed KV, so later sequences can share them."""
-        num_full = seq.num_computed_tokens // self.block_size
-        if not self.enable_prefix_caching or num_full == len(seq.block_hashes):  # the common case
+        if not self.enable_prefix_caching:
             return
-        for i in range(len(seq.block_hashes), num_full):
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
             tokens = seq.block(i)
             h = chain_hash(tokens, seq.block_hashes[-1] if seq.block_hashes else None)
             seq.block_hashes.append(h)

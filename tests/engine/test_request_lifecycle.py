@@ -18,6 +18,25 @@ def llm(qwen3_dir):
                max_num_batched_tokens=64, num_kvcache_blocks=48)
 
 
+def run_threads(worker, count: int) -> None:
+    """Run worker(0..count-1) in threads at once; re-raise the first error any of them met."""
+    errors = []
+
+    def guarded(i: int) -> None:
+        try:
+            worker(i)
+        except BaseException as e:  # noqa: BLE001 - reported by the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def assert_idle(llm):
     assert llm.engine.scheduler.is_finished()
     bm = llm.engine.scheduler.block_manager
@@ -105,24 +124,14 @@ def test_a_failing_request_is_failed_alone(llm, expected):
 
 def test_one_llm_from_several_threads_matches_single_thread(llm, expected):
     results: dict[int, list] = {}
-    errors = []
 
     def worker(i):
-        try:
-            if i % 2:
-                results[i] = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-            else:
-                text = "".join(llm.stream(PROMPTS[i % len(PROMPTS)], GREEDY))
-                results[i] = text
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
+        if i % 2:
+            results[i] = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        else:
+            results[i] = "".join(llm.stream(PROMPTS[i % len(PROMPTS)], GREEDY))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_threads(worker, 4)
     texts = [o["text"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     for i, result in results.items():
         assert result == (expected if i % 2 else texts[i % len(PROMPTS)])
@@ -198,21 +207,13 @@ def test_two_llms_in_two_threads_never_see_each_others_batches(qwen3_dir, expect
     many rounds (the interleaving differs every time)."""
     engines = [LLM(qwen3_dir, kvcache_block_size=4, max_model_len=128, max_num_seqs=8) for _ in range(2)]
     results: dict[tuple[int, int], list] = {}
-    errors = []
 
     def worker(index: int) -> None:
-        try:
-            for round_ in range(3):
-                prompts = PROMPTS if (index + round_) % 2 else PROMPTS[::-1]
-                outputs = engines[index].generate(prompts, GREEDY, use_tqdm=False)
-                results[index, round_] = [o["token_ids"] for o in outputs][:: 1 if prompts is PROMPTS else -1]
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
+        for round_ in range(3):
+            reverse = (index + round_) % 2 == 0  # the batches differ between the engines and rounds
+            prompts = PROMPTS[::-1] if reverse else PROMPTS
+            token_ids = [o["token_ids"] for o in engines[index].generate(prompts, GREEDY, use_tqdm=False)]
+            results[index, round_] = token_ids[::-1] if reverse else token_ids
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_threads(worker, 2)
     assert len(results) == 6 and all(result == expected for result in results.values())

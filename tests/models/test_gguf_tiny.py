@@ -12,6 +12,8 @@ from conftest import MAX_TOKENS, hf_greedy, make_model_dir
 from nanovllm import LLM, SamplingParams
 
 gguf = pytest.importorskip("gguf", reason="writing GGUF needs the gguf package: pip install -e '.[test]'")
+from gguf_files import finish_gguf, start_gguf  # noqa: E402
+
 PROMPT_IDS = [[5, 17, 42, 99, 3], [7, 8, 9]]
 
 
@@ -23,19 +25,8 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_gguf(hf_model, arch: str, path: str) -> None:
     cfg = hf_model.config
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = start_gguf(path, arch, cfg)
     writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_vocab_size(cfg.vocab_size)
     writer.add_eos_token_id(cfg.eos_token_id)
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
     names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
@@ -49,10 +40,7 @@ def write_gguf(hf_model, arch: str, path: str) -> None:
         elif arch == "llama" and base.endswith("k_proj"):
             weight = llama_cpp_permute(weight, cfg.num_key_value_heads)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(weight))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

@@ -151,23 +151,14 @@ GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": 
 
 def write_qwen3moe_gguf(hf, path: str) -> None:
     """A float32 GGUF of `hf` as llama.cpp's converter writes a Qwen3-MoE model (no tokenizer)."""
-    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("gguf")
+    from gguf_files import finish_gguf, start_gguf
+
     c, sd = hf.config, {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
-    w = gguf.GGUFWriter(path, "qwen3moe")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w = start_gguf(path, "qwen3moe", c)
     w.add_expert_count(c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_vocab_size(c.vocab_size)
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     w.add_tensor("output.weight", sd["lm_head.weight"])
@@ -178,10 +169,7 @@ def write_qwen3moe_gguf(hf, path: str) -> None:
         w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :width].copy())
         w.add_tensor(f"blk.{i}.ffn_up_exps.weight", gate_up[:, width:].copy())
         w.add_tensor(f"blk.{i}.ffn_down_exps.weight", sd[f"model.layers.{i}.mlp.experts.down_proj"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def test_gguf_matches_transformers(tmp_path):
