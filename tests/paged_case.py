@@ -1,6 +1,7 @@
-"""One builder of paged KV caches for the attention tests: sequences of given context lengths whose
-blocks are scattered at random, every slot no sequence owns filled with NaN (so a kernel that reads a
-position it should have masked produces NaN and fails its comparison)."""
+"""Paged KV caches for the attention tests and their float32 reference attention. The caches hold
+sequences of given context lengths whose blocks are scattered at random, every slot no sequence owns
+filled with NaN (so a kernel that reads a position it should have masked produces NaN and fails its
+comparison)."""
 
 import math
 
@@ -41,3 +42,30 @@ def seq_slots(block_table: torch.Tensor, kv_len: int, block_size: int) -> torch.
     return block_table.cpu()[pos // block_size].long() * block_size + pos % block_size
 
 
+def reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Float32 causal attention per sequence; its q_len queries are the last of its kv_len positions."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    k_flat = k_cache.cpu().float().view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.cpu().float().view(-1, num_kv_heads, head_dim)
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    q_start = 0
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if kv_len > 0:
+            slots = seq_slots(block_tables[b], kv_len, block_size)
+            k = k_flat[slots].repeat_interleave(group, dim=1)  # [kv_len, H, D]
+            v = v_flat[slots].repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[q_start : q_start + q_len].cpu().float(), k) * scale
+            q_pos = kv_len - q_len + torch.arange(q_len)
+            scores.masked_fill_(torch.arange(kv_len)[None, None, :] > q_pos[None, :, None], float("-inf"))
+            out[q_start : q_start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        q_start += q_len
+    return out

@@ -20,6 +20,9 @@ class AttentionMetadata:
     # True when some sequence reads KV it did not compute in this step (prefix cache or an earlier
     # chunk); without it, prefill attends to the step's own k/v and never reads the cache.
     has_prefix: bool = False
+    # Prefill steps: how many leading sequences compute exactly one token (the decoding rows of a
+    # mixed batch, which the scheduler puts first). A backend may run them through its decode kernel.
+    num_decode_rows: int = 0
     # Host copies for backends that loop over sequences in Python (the torch reference backend).
     cu_seqlens_q_host: list[int] | None = None
     seqlens_k_host: list[int] | None = None

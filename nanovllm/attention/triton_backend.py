@@ -1,6 +1,7 @@
 """Attention through the project's own Triton kernels (nanovllm.kernels): a fast GPU engine from
 `pip install` alone. Prefill reads every key/value, cached prefix included, from the paged cache;
-decode is one split-KV kernel a layer (its chunks are combined by the last one to finish)."""
+decode is one split-KV kernel a layer (its chunks are combined by the last one to finish). A mixed
+batch runs its decoding rows through the decode kernel and its prefill chunks through the prefill one."""
 
 import torch
 
@@ -22,10 +23,23 @@ class TritonBackend(GPUBackend):
         self.counters = torch.zeros(max_num_seqs * num_kv_heads, dtype=torch.int32, device=device)
 
     def attend(self, layer: PagedLayer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.is_prefill:
-            return paged_prefill_attention(q, layer.k_cache, layer.v_cache, meta.cu_seqlens_q, meta.seqlens_k,
-                                           meta.block_tables, layer.scale, meta.max_seqlen_q,
-                                           k_scale=layer.k_scale, v_scale=layer.v_scale)
-        return paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.seqlens_k, meta.block_tables,
-                                      layer.scale, counters=self.counters, k_scale=layer.k_scale,
+        if not meta.is_prefill:
+            return self._decode(layer, q, meta.seqlens_k, meta.block_tables)
+        # A mixed batch's decoding rows (the first num_decode_rows) go to the decode kernel: through the
+        # prefill kernel each would fill a 64-row query tile with one row and load K/V once per query
+        # head instead of once per GQA group. The prefill kernel addresses q and out by cu_seqlens_q's
+        # absolute offsets, so it takes the remaining rows' slice of the metadata and the whole q.
+        d = meta.num_decode_rows
+        out = torch.empty_like(q)
+        if d:
+            self._decode(layer, q[:d], meta.seqlens_k[:d], meta.block_tables[:d], out=out[:d])
+        if d < meta.seqlens_k.shape[0]:
+            paged_prefill_attention(q, layer.k_cache, layer.v_cache, meta.cu_seqlens_q[d:],
+                                    meta.seqlens_k[d:], meta.block_tables[d:], layer.scale,
+                                    meta.max_seqlen_q, out=out, k_scale=layer.k_scale, v_scale=layer.v_scale)
+        return out
+
+    def _decode(self, layer: PagedLayer, q, seqlens_k, block_tables, out=None) -> torch.Tensor:
+        return paged_decode_attention(q, layer.k_cache, layer.v_cache, seqlens_k, block_tables, layer.scale,
+                                      out=out, counters=self.counters, k_scale=layer.k_scale,
                                       v_scale=layer.v_scale)

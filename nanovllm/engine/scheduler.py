@@ -68,20 +68,24 @@ class Scheduler:
 
     def _schedule_running(self) -> tuple[list[Sequence], int]:
         """Every running sequence, oldest first, while budget lasts: its next token, or its next chunk.
-        Returns them and the budget left."""
-        budget, scheduled = self.max_num_batched_tokens, []
+        Returns them, decoding ones first (the attention backends run those rows through their
+        decode kernel), and the budget left."""
+        budget, decoding, prefilling = self.max_num_batched_tokens, [], []
+        in_order = []
         while self.running and budget > 0:
             seq = self.running.popleft()
             if seq.is_prefilling:  # holds the blocks of all its tokens since admission
                 seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
+                prefilling.append(seq)
             elif not self._reserve_decode_slot(seq):
                 continue  # preempted
             else:
                 seq.num_scheduled_tokens = 1
+                decoding.append(seq)
             budget -= seq.num_scheduled_tokens
-            scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
-        return scheduled, budget
+            in_order.append(seq)
+        self.running.extendleft(reversed(in_order))  # the running queue keeps its age order
+        return decoding + prefilling, budget
 
     def _reserve_decode_slot(self, seq: Sequence) -> bool:
         """Give seq the block its next token needs, preempting the most recently admitted sequences

@@ -43,6 +43,7 @@ def model_inputs(batch: StepBatch, device: torch.device) -> ModelInputs:
         max_seqlen_q=max(q_lens), max_seqlen_k=max(seqlens_k), seqlens_k_host=seqlens_k,
         has_prefix=any(k > q for k, q in zip(seqlens_k, q_lens)))
     if batch.is_prefill:
+        meta.num_decode_rows = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
         meta.cu_seqlens_q = to_device(cu_q, torch.int32, device)
         meta.cu_seqlens_k = to_device(cu_k, torch.int32, device)
         meta.cu_seqlens_q_host = cu_q

@@ -71,6 +71,21 @@ def test_mixed_step_chunks_the_newcomer_with_what_decode_leaves_of_the_budget():
     assert seqs == [a, b, c] and scheduled == [1, 1, 4]
 
 
+def test_mixed_step_puts_decoding_rows_first_and_keeps_the_running_order():
+    """Backends run a mixed batch's leading one-token rows through their decode kernel."""
+    sched = make_scheduler(mixed=True, max_num_batched_tokens=10)
+    a = make_seq(4)
+    sched.add(a)
+    run_step(sched)  # a decodes from now on
+    c = make_seq(12, start=50)
+    sched.add(c)
+    run_step(sched)  # a decodes, c gets its first chunk (9 of 12)
+    sched.running.rotate(1)  # c now older than a (as after a preemption and readmission of a)
+    seqs, is_prefill, scheduled, _ = run_step(sched)
+    assert seqs == [a, c] and scheduled == [1, 3] and is_prefill
+    assert list(sched.running) == [c, a]
+
+
 def test_long_prompt_is_chunked_under_the_token_budget():
     sched = make_scheduler(max_num_batched_tokens=4)
     a = make_seq(10)

@@ -8,7 +8,7 @@ so a kernel that reads a position it should have masked produces NaN and fails t
 import pytest
 import torch
 from conftest import triton_test_device
-from paged_case import make_paged_cache, seq_slots
+from paged_case import make_paged_cache, reference_attention
 
 pytest.importorskip("triton")
 
@@ -28,35 +28,6 @@ HEAD_DIM = 32
 # 256 is a multiple of the key tile, so it takes the one-lookup-per-tile path.
 BLOCK_SIZES = [1, 12, 16, 256]
 HEAD_LAYOUTS = [(4, 2), (2, 2)]  # (num_heads, num_kv_heads): GQA and plain multi-head
-
-
-def reference_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    q_lens: list[int],
-    kv_lens: list[int],
-    block_tables: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Float32 causal attention per sequence; its q_len queries are the last of its kv_len positions."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    group = q.shape[1] // num_kv_heads
-    k_flat = k_cache.cpu().float().view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.cpu().float().view(-1, num_kv_heads, head_dim)
-    out = torch.zeros(q.shape, dtype=torch.float32)
-    q_start = 0
-    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
-        if kv_len > 0:
-            slots = seq_slots(block_tables[b], kv_len, block_size)
-            k = k_flat[slots].repeat_interleave(group, dim=1)  # [kv_len, H, D]
-            v = v_flat[slots].repeat_interleave(group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q[q_start : q_start + q_len].cpu().float(), k) * scale
-            q_pos = kv_len - q_len + torch.arange(q_len)
-            scores.masked_fill_(torch.arange(kv_len)[None, None, :] > q_pos[None, :, None], float("-inf"))
-            out[q_start : q_start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-        q_start += q_len
-    return out
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

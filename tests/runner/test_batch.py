@@ -5,9 +5,12 @@ import pickle
 from dataclasses import replace
 from types import SimpleNamespace
 
+import torch
+
 from nanovllm.distributed.worker import CHANNEL_SLACK_BYTES, channel_size
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.batch import build_batch, slots
+from nanovllm.runner.inputs import model_inputs
 from nanovllm.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -44,6 +47,16 @@ def test_decode_computes_the_last_token_and_mixes_seeds_with_the_token_index():
     assert batch.sampling.temperatures == [0.7, 1.0] and batch.sampling.top_ks == [-1, 3]
     other_step = build_batch([scheduled(9, 8, 1, [0, 4, 2], seed=5)], is_prefill=False)
     assert batch.sampling.seeds[0] != other_step.sampling.seeds[0] and batch.sampling.seeds[1] is None
+
+
+def test_a_mixed_batch_counts_its_leading_decoding_rows():
+    seqs = [scheduled(9, computed=8, scheduled_tokens=1, block_table=[0, 4, 2]),
+            scheduled(4, computed=3, scheduled_tokens=1, block_table=[7]),
+            scheduled(10, computed=4, scheduled_tokens=6, block_table=[7, 3, 9]),
+            scheduled(6, computed=5, scheduled_tokens=1, block_table=[8, 1])]  # a prompt's last token
+    meta = model_inputs(build_batch(seqs, is_prefill=True), torch.device("cpu")).meta
+    assert meta.num_decode_rows == 2 and meta.max_seqlen_q == 6
+    assert model_inputs(build_batch(seqs[:2], is_prefill=True), torch.device("cpu")).meta.num_decode_rows == 2
 
 
 def test_slots_cross_block_boundaries():

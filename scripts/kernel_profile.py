@@ -1,0 +1,71 @@
+"""Which GPU kernels a decode step spends its time in (torch.profiler), at a given decode batch size:
+per kernel name its calls per step and microseconds per step, the step's kernel count and total GPU
+time, and its wall time per step. Random Qwen3-0.6B weights, CUDA graphs as in a real run.
+
+    python scripts/kernel_profile.py --batch 1 --batch 256 [--context 512] [--steps 32] [LLM options]
+
+Each batch size is one generate of `batch` prompts of `context` random tokens for `steps` + 1 tokens;
+the profile covers the whole generate, prefill included, and per-step figures divide by `steps`."""
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from random import randint, seed
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "Qwen3-0.6B")
+TOP_KERNELS = 15
+
+
+def kernel_table(prof, steps: int) -> tuple[list[dict], float, float]:
+    """(top kernels, kernels per step, GPU microseconds per step) from a finished profile."""
+    calls, micros = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name[:90]
+            calls[name] += 1
+            micros[name] += event.device_time
+    rows = [dict(kernel=name, calls_per_step=round(calls[name] / steps, 1),
+                 us_per_step=round(micros[name] / steps, 1)) for name, _ in micros.most_common(TOP_KERNELS)]
+    return rows, sum(calls.values()) / steps, sum(micros.values()) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, action="append", required=True)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=32)
+    args, extra = parser.parse_known_args()
+    options = dict(kv.split("=", 1) for kv in extra)
+    options = {k.lstrip("-").replace("-", "_"): (int(v) if v.isdigit() else v) for k, v in options.items()}
+    llm = LLM(CONFIG, load_format="dummy", skip_tokenizer_init=True, **options)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+    seed(0)
+    for batch in args.batch:
+        prompts = [[randint(0, 10000) for _ in range(args.context)] for _ in range(batch)]
+        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps + 1)
+        llm.generate(prompts, params, use_tqdm=False)  # warm: graphs, compiled variants
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate([[t + 1 for t in p] for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        rows, kernels, gpu_us = kernel_table(prof, args.steps)
+        if not rows:  # no device events (a CPU run, or a profiler that files kernels elsewhere)
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+        per_step_ms = round(wall * 1e3 / args.steps, 3)
+        print(json.dumps(dict(batch=batch, context=args.context, wall_ms_per_step=per_step_ms,
+                              kernels_per_step=round(kernels, 1), gpu_us_per_step=round(gpu_us, 1),
+                              top=rows)))
+
+
+if __name__ == "__main__":
+    main()
