@@ -3,9 +3,12 @@ per kernel name its calls per step and microseconds per step, the step's kernel 
 time, and its wall time per step. Random Qwen3-0.6B weights, CUDA graphs as in a real run.
 
     python scripts/kernel_profile.py --batch 1 --batch 256 [--context 512] [--steps 32] [LLM options]
+    python scripts/kernel_profile.py --mixed [--steps 32]      # mid-run steps of the 1024-request run
 
 Each batch size is one generate of `batch` prompts of `context` random tokens for `steps` + 1 tokens;
-the profile covers the whole generate, prefill included, and per-step figures divide by `steps`."""
+the profile covers the whole generate, prefill included, and per-step figures divide by `steps`.
+--mixed runs step_profile.py's 1024-request workload through engine.step() and profiles `steps` steps
+from step MIXED_WARM_STEPS on, when running requests finish and new ones join (mixed steps)."""
 
 import argparse
 import collections
@@ -23,6 +26,8 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "Qwen3-0.6B")
 TOP_KERNELS = 15
+# By this step of the 1024-request run the first requests finish and mixed steps admit new ones.
+MIXED_WARM_STEPS = 300
 
 
 def kernel_table(prof, steps: int) -> tuple[list[dict], float, float]:
@@ -38,16 +43,44 @@ def kernel_table(prof, steps: int) -> tuple[list[dict], float, float]:
     return rows, sum(calls.values()) / steps, sum(micros.values()) / steps
 
 
+def profile_mixed(llm: LLM, steps: int) -> None:
+    seed(0)
+    for _ in range(1024):
+        prompt = [randint(0, 10000) for _ in range(randint(100, 1024))]
+        llm.engine.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True,
+                                                      max_tokens=randint(100, 1024)))
+    for _ in range(MIXED_WARM_STEPS):
+        llm.engine.step()
+    kinds = collections.Counter()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            _, num_tokens = llm.engine.step()
+            kinds["mixed" if num_tokens > 0 else "decode"] += 1
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    rows, kernels, gpu_us = kernel_table(prof, steps)
+    print(json.dumps(dict(mixed_run=dict(kinds), wall_ms_per_step=round(wall * 1e3 / steps, 3),
+                          kernels_per_step=round(kernels, 1), gpu_us_per_step=round(gpu_us, 1), top=rows)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, action="append", required=True)
+    parser.add_argument("--batch", type=int, action="append", default=[])
+    parser.add_argument("--mixed", action="store_true")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
     args, extra = parser.parse_known_args()
+    if args.mixed == bool(args.batch):
+        parser.error("give --mixed or one or more --batch sizes")
     options = dict(kv.split("=", 1) for kv in extra)
     options = {k.lstrip("-").replace("-", "_"): (int(v) if v.isdigit() else v) for k, v in options.items()}
     llm = LLM(CONFIG, load_format="dummy", skip_tokenizer_init=True, **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+    if args.mixed:  # leaves the run's other requests queued: nothing else may follow in this engine
+        profile_mixed(llm, args.steps)
+        return
     seed(0)
     for batch in args.batch:
         prompts = [[randint(0, 10000) for _ in range(args.context)] for _ in range(batch)]

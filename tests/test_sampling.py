@@ -6,7 +6,7 @@ import torch
 from conftest import PROMPTS as ALL_PROMPTS
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.layers.sampler import Sampler, SamplingTensors, row_argmax
 
 PROMPTS = ALL_PROMPTS[:2]
 
@@ -134,3 +134,16 @@ def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
     t = SamplingTensors(torch.tensor([0.0, 1.0] * 50), all_greedy=False)
     out = Sampler()(logits, t)
     assert set(out[0::2].tolist()) == {0} and len(set(out[1::2].tolist())) > 1
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_equals_argmax_with_first_index_on_ties(rows, dtype):
+    """Few rows take the chunked reduction; the index must be argmax's, ties included."""
+    gen = torch.Generator().manual_seed(rows)
+    for vocab in (100, 1000, 151936):
+        x = torch.randn(rows, vocab, generator=gen).to(dtype)
+        x[:, 5::7] = x.max()  # the max tied in every chunk: the first one wins
+        assert torch.equal(row_argmax(x), x.argmax(-1))
+        few_values = torch.randint(0, 3, (rows, vocab), generator=gen).to(dtype)
+        assert torch.equal(row_argmax(few_values), few_values.argmax(-1))

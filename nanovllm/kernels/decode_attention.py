@@ -8,8 +8,9 @@ into num_splits chunks:
         the whole GQA group of query heads sharing that KV head (each K/V tile is loaded once), and
         writes a float32 partial per head: its output normalised by its own softmax sum, and its
         log-sum-exp (base 2);
-    stage 2: out = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse), done by the last
-        program of each (sequence, KV head) to finish (an atomic counter says which: one kernel in all).
+    stage 2: out = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse) over the chunks that
+        hold keys, done by the last program of each (sequence, KV head) to finish (an atomic counter
+        says which: one kernel in all).
 
 num_splits depends only on static shapes (batch size, KV heads, block_tables width, SM count); each
 sequence's chunk length, cdiv(seqlens_k[b], num_splits) rounded up to whole tiles, is computed on the GPU.
@@ -17,7 +18,7 @@ So there is no host sync and no data-dependent size: the call is CUDA-graph capt
 sequence's end write neutral partials (lse = -inf), so seqlens_k[b] == 0 (graph batch padding) gives
 zeros without reading the block table or the cache.
 
-This file is longer than most (~270 lines) because the kernel, its split-combining epilogue and the
+This file is longer than most (~290 lines) because the kernel, its split-combining epilogue and the
 wrapper's argument checks belong together: splitting them would put one kernel's contract in two files.
 """
 
@@ -48,6 +49,8 @@ MIN_GROUP_ROWS = 16
 PROGRAMS_PER_SM = 4
 # Caps the partials one head's reduce has to combine (and the scratch they take).
 MAX_NUM_SPLITS = 64
+# Partials the combining epilogue reads per vectorized load ([rows, head_dim] float32 in registers).
+COMBINE_ROWS = 16
 
 
 # Triton compiles a variant per integer argument that is 1 or a multiple of 16; these vary from step to
@@ -78,6 +81,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    COMBINE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -133,35 +137,43 @@ def _decode_split_kernel(
     counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
     if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
         tl.atomic_xchg(counter, 0)  # ready for the next call (kernel boundaries order the calls)
-        first_rows = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + heads) * num_splits
-        offs_s = tl.arange(0, BLOCK_S)
-        lse_all = tl.load(partial_lse_ptr + first_rows[:, None] + offs_s[None, :],
-                          mask=g_mask[:, None] & (offs_s[None, :] < num_splits), other=float("-inf"),
-                          cache_modifier=".cg")
-        _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_rows, lse_all, seq, heads,
-                        g_mask, out_stride_b, out_stride_h, num_splits, HEAD_DIM)
+        # Only the chunks that hold keys are combined: the split count is sized for the longest
+        # possible context, so a short one leaves most chunks empty.
+        num_used = tl.cdiv(kv_len, tl.maximum(split_len, BLOCK_N))
+        for g in tl.static_range(NUM_HEADS_PER_KV):
+            head = kv_head * NUM_HEADS_PER_KV + g
+            first_row = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + head) * num_splits
+            _combine_splits(partial_out_ptr, partial_lse_ptr,
+                            out_ptr + seq.to(tl.int64) * out_stride_b + head * out_stride_h,
+                            first_row, num_used, HEAD_DIM, BLOCK_S, COMBINE_ROWS)
 
 
 @triton.jit
-def _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_rows, lse_all, seq, heads, row_mask,
-                    out_stride_b, out_stride_h, num_splits, HEAD_DIM: tl.constexpr):
-    """out[seq, heads] = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse), for a vector of
-    heads whose partials start at first_rows; lse_all holds their [rows, splits] log-sum-exps."""
-    lse_max = tl.max(lse_all, 1)
-    # Every chunk empty (seqlens_k == 0): shift by 0 rather than -inf so weights are 2^-inf = 0, not NaN.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.sum(tl.exp2(lse_all - lse_max[:, None]), 1)
-    offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.zeros([first_rows.shape[0], HEAD_DIM], dtype=tl.float32)
-    for split in range(num_splits):
-        lse = tl.load(partial_lse_ptr + first_rows + split, mask=row_mask, other=float("-inf"),
+def _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_row, num_used, HEAD_DIM: tl.constexpr,
+                    BLOCK_S: tl.constexpr, COMBINE_ROWS: tl.constexpr):
+    """One head's out = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse) over its first
+    num_used partials (rows first_row ...). The partials are read COMBINE_ROWS at a time in one
+    vectorized load each, not one after another: this epilogue is on every decode's critical path."""
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_all = tl.load(partial_lse_ptr + first_row + offs_s, mask=offs_s < num_used, other=float("-inf"),
                       cache_modifier=".cg")
-        part = tl.load(partial_out_ptr + (first_rows + split)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=row_mask[:, None], other=0.0, cache_modifier=".cg")
-        acc += tl.exp2(lse - lse_max)[:, None] * part
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + seq.to(tl.int64) * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    lse_max = tl.max(lse_all, 0)
+    # No chunk used (seqlens_k == 0): shift by 0 rather than -inf so weights are 2^-inf = 0, not NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.sum(tl.exp2(lse_all - lse_max), 0)
+    offs_r = tl.arange(0, COMBINE_ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for start in range(0, num_used, COMBINE_ROWS):
+        rows = start + offs_r
+        used = rows < num_used
+        lse = tl.load(partial_lse_ptr + first_row + rows, mask=used, other=float("-inf"),
+                      cache_modifier=".cg")
+        part = tl.load(partial_out_ptr + (first_row + rows)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=used[:, None], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(tl.exp2(lse - lse_max)[:, None] * part, 0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_num_splits(
@@ -266,6 +278,7 @@ def paged_decode_attention(
         BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(num_heads_per_kv)),
         BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits),
+        COMBINE_ROWS=COMBINE_ROWS,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,

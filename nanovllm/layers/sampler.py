@@ -12,6 +12,11 @@ import torch
 
 from nanovllm.utils.compile import GPUCompiled
 
+# One GPU block reduces a row of an argmax: over a ~150k vocabulary at batch 1 that is one SM busy
+# for ~50 us. Batches below SPLIT_ARGMAX_ROWS rows reduce ARGMAX_CHUNKS chunks of each row first.
+SPLIT_ARGMAX_ROWS = 16
+ARGMAX_CHUNKS = 64
+
 
 @dataclass(slots=True)
 class SamplingTensors:
@@ -34,7 +39,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if params.all_greedy:
-            return logits.argmax(-1)  # half-precision logits widen to float32 exactly: same argmax
+            return row_argmax(logits)  # half-precision logits widen to float32 exactly: same argmax
         temps = params.temperatures
         if params.top_ks is not None or params.top_ps is not None:
             logits = logits.float() / _safe(temps).unsqueeze(1)
@@ -60,13 +65,26 @@ def _race(logits: torch.Tensor, temps: torch.Tensor, noise: torch.Tensor,
     """argmax(logits / T - log E) per row (argmax(logits) where T == 0), after dropping the tokens
     whose probability is below min_p times the top one's."""
     logits = logits.float()
-    greedy = logits.argmax(-1)
+    greedy = row_argmax(logits)
     scaled = logits / _safe(temps).unsqueeze(1)
     if min_ps is not None:
         floor = scaled.amax(-1, keepdim=True) + min_ps.unsqueeze(1).log()  # log(0) = -inf: no floor
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-    sampled = (scaled - noise.log()).argmax(-1)
+    sampled = row_argmax(scaled - noise.log())
     return torch.where(temps > 0, sampled, greedy)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) of a [rows, vocab] tensor, the same index on ties (the first), reduced in
+    ARGMAX_CHUNKS chunks per row first when there are few rows (see SPLIT_ARGMAX_ROWS)."""
+    rows, vocab = x.shape
+    if rows >= SPLIT_ARGMAX_ROWS or vocab < 2 * ARGMAX_CHUNKS:
+        return x.argmax(-1)
+    width = -(-vocab // ARGMAX_CHUNKS)
+    padded = torch.nn.functional.pad(x, (0, width * ARGMAX_CHUNKS - vocab), value=float("-inf"))
+    best, where = padded.view(rows, ARGMAX_CHUNKS, width).max(-1)  # first max within each chunk
+    chunk = best.argmax(-1, keepdim=True)  # first chunk holding the row's max
+    return (chunk * width + where.gather(1, chunk)).squeeze(1)
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor, max_k: int) -> torch.Tensor:

@@ -13,7 +13,10 @@ from nanovllm.runner.cuda_graph import DecodeGraphs, graph_batch_sizes
 pytest.importorskip("triton")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-OPTIONS = dict(kvcache_block_size=4, max_model_len=128, max_num_seqs=8, dtype="float32", enforce_eager=True)
+# A fixed KV cache (8 sequences x 32 blocks) rather than a share of free GPU memory: on a GPU, test
+# workers running side by side would each see the others' allocations and size theirs from what is left.
+OPTIONS = dict(kvcache_block_size=4, max_model_len=128, max_num_seqs=8, dtype="float32", enforce_eager=True,
+               num_kvcache_blocks=256)
 
 
 @pytest.fixture(scope="module")
