@@ -58,34 +58,44 @@ class Scheduler:
         (seq.num_scheduled_tokens). Returns (sequences, is_prefill): is_prefill is False for a decode
         step, where every sequence computes exactly its last token."""
         if self.mixed_batches:
-            scheduled, budget = self._schedule_running()
-            scheduled += self._admit(budget)
+            scheduled, num_decoding, budget = self._schedule_running()
+            admitted = self._admit(budget)
+            scheduled += admitted
         else:
-            scheduled = self._schedule_prefill() or self._schedule_decode()
+            scheduled, num_decoding = self._schedule_prefill(), 0
+            if not scheduled:
+                scheduled = self._schedule_decode()
+                num_decoding = len(scheduled)
         assert scheduled or self.waiting, "the scheduler found nothing to run and nothing waits"
-        is_decode = all(seq.num_scheduled_tokens == 1 and seq.num_uncomputed_tokens == 1 for seq in scheduled)
+        # A decode step: every sequence computes exactly its last token. The decoding ones do; of the
+        # others (prompt chunks, few) only a prompt whose last token alone lacks KV would.
+        is_decode = all(seq.num_scheduled_tokens == 1 and seq.num_uncomputed_tokens == 1
+                        for seq in scheduled[num_decoding:])
         return scheduled, not is_decode
 
-    def _schedule_running(self) -> tuple[list[Sequence], int]:
+    def _schedule_running(self) -> tuple[list[Sequence], int, int]:
         """Every running sequence, oldest first, while budget lasts: its next token, or its next chunk.
         Returns them, decoding ones first (the attention backends run those rows through their
-        decode kernel), and the budget left."""
+        decode kernel), how many decode, and the budget left."""
         budget, decoding, prefilling = self.max_num_batched_tokens, [], []
         in_order = []
-        while self.running and budget > 0:
-            seq = self.running.popleft()
-            if seq.is_prefilling:  # holds the blocks of all its tokens since admission
-                seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
+        running, block_size = self.running, self.block_manager.block_size
+        while running and budget > 0:
+            seq = running.popleft()
+            num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            if num_uncomputed > 1:  # still prefilling: holds the blocks of all its tokens since admission
+                seq.num_scheduled_tokens = min(num_uncomputed, budget)
                 prefilling.append(seq)
-            elif not self._reserve_decode_slot(seq):
-                continue  # preempted
+            elif (len(seq.block_table) * block_size < len(seq.token_ids)
+                  and not self._reserve_decode_slot(seq)):
+                continue  # its next token needs a new block, and it was preempted instead
             else:
                 seq.num_scheduled_tokens = 1
                 decoding.append(seq)
             budget -= seq.num_scheduled_tokens
             in_order.append(seq)
-        self.running.extendleft(reversed(in_order))  # the running queue keeps its age order
-        return decoding + prefilling, budget
+        running.extendleft(reversed(in_order))  # the running queue keeps its age order
+        return decoding + prefilling, len(decoding), budget
 
     def _reserve_decode_slot(self, seq: Sequence) -> bool:
         """Give seq the block its next token needs, preempting the most recently admitted sequences

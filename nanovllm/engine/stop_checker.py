@@ -47,9 +47,11 @@ class StopChecker:
 
     def check(self, seq: Sequence) -> str | None:
         """Return "stop" or "length" if seq is finished after its last token, else None."""
-        params, token = seq.sampling_params, seq.token_ids[-1]
+        params, token_ids = seq.sampling_params, seq.token_ids
+        token, num_tokens = token_ids[-1], len(token_ids)
+        num_completion_tokens = num_tokens - seq.num_prompt_tokens
         # min_tokens=k: the first k tokens never stop it (the runner also masks EOS and stop ids there).
-        if seq.num_completion_tokens > params.min_tokens:
+        if num_completion_tokens > params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return "stop"
             if token in params.stop_token_ids:
@@ -57,7 +59,7 @@ class StopChecker:
                 return "stop"
             if params.stop and self._hit_stop_string(seq):
                 return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+        if num_completion_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 
