@@ -10,6 +10,10 @@ requests' outputs, whichever thread ran the step that finished them (request_tra
 whose step fails is finished alone with finish_reason "error" and the exception's text in its output's
 "error"; the others keep running (failures.py).
 
+With async_scheduling (Config; on by default on CUDA with one rank), each step launches the next
+forward pass before it waits for the previous one's sampled ids (overlap.py): the host's scheduling
+hides behind the GPU's work, and a step's tokens reach its sequences one `advance` later.
+
 With tensor_parallel_size=N > 1, the engine's own ModelRunner is rank 0 and ranks 1..N-1 run in
 worker processes (nanovllm.distributed.worker). `shutdown()` stops them and frees the model; it also
 happens when a step fails under tensor parallelism (a dead worker, Ctrl-C), after which every call
@@ -67,8 +71,9 @@ class LLMEngine:
             self.eos_token_ids = eos_token_ids(config, self.tokenizer)
             stop_checker = StopChecker(self.eos_token_ids, config.max_model_len, self.tokenizer)
             self.scheduler = Scheduler(config, self.num_kvcache_blocks, stop_checker)
-            self.overlap = (OverlapLoop(self.scheduler, self.model_runner, self._run_sync, self._finish_requests)
-                            if config.async_scheduling else None)
+            if config.async_scheduling:
+                self.overlap = OverlapLoop(self.scheduler, self.model_runner, self._run_sync,
+                                           self._finish_requests)
         except BaseException:
             self.shutdown()  # no worker outlives a failed constructor
             raise

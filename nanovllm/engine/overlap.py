@@ -84,7 +84,7 @@ class OverlapLoop:
                 prev = None
         if self.scheduler.is_finished():  # prev's tokens finished every sequence
             return 0, False
-        seqs, is_prefill = self.scheduler.schedule()
+        seqs, is_prefill = self._schedule(prev)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         failed = False
         try:
@@ -100,6 +100,24 @@ class OverlapLoop:
             self.run_sync([seq for seq in seqs if not seq.is_finished], is_prefill)
         self.drop_if_idle()
         return num_tokens, is_prefill
+
+    def _schedule(self, prev: InFlightStep | None) -> tuple[list[Sequence], bool]:
+        """Schedule the next step, leaving out the sequences whose pending token ends them whatever
+        its value (max_tokens or max_model_len): as in the synchronous loop, where they are finished
+        by now, they neither take a row nor take KV blocks from the others (postprocess retires them)."""
+        max_model_len = self.scheduler.stop_checker.max_model_len
+        finishing = [] if prev is None else [
+            seq for seq in (prev.seqs[row] for row in prev.sample_rows) if not seq.is_finished and (
+                seq.num_completion_tokens >= seq.sampling_params.max_tokens or len(seq) >= max_model_len)]
+        running = self.scheduler.running
+        if not self.scheduler.waiting and len(finishing) == len(running):
+            return [], False
+        for seq in finishing:
+            running.remove(seq)
+        try:
+            return self.scheduler.schedule()
+        finally:
+            running.extend(finishing)
 
     def drop_if_idle(self) -> None:
         """Forget the step in flight when nothing is queued: each of its sequences finished or was

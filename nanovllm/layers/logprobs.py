@@ -83,7 +83,9 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     rows = [row for row, k in enumerate(ks) if k is not None]
     if not rows:
         return None
-    index = torch.tensor(rows, device=logits.device)
+    # Pinned and non-blocking: a plain host-to-GPU copy would wait for the step in flight (overlap).
+    on_gpu = logits.device.type == "cuda"
+    index = torch.tensor(rows, pin_memory=on_gpu).to(logits.device, non_blocking=on_gpu)
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
     chosen = tokens.index_select(0, index)
     row_ks = [ks[row] for row in rows]
