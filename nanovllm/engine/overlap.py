@@ -9,7 +9,8 @@ token for token the synchronous loop's.
 - Commit: step n's scheduled tokens count as computed (their KV is written before any later step
   reads it: one stream), and each sequence that samples in it gets PENDING_TOKEN_ID as its last
   token. Step n+1 is thus scheduled as if every sequence of step n went on; positions, slots and
-  lengths grow by one without the token's value.
+  lengths grow by one without the token's value. A sequence its pending token ends whatever the
+  value (max_tokens, max_model_len) is left out of step n+1, as the synchronous loop has retired it.
 - A row of step n+1 whose last input token is pending takes it on the device from step n's sampled
   ids (StepBatch.prev_token_*), never through the host.
 - Postprocess: the pending tokens are replaced by the sampled ones and the stop checks run. A sequence
@@ -104,7 +105,7 @@ class OverlapLoop:
     def _schedule(self, prev: InFlightStep | None) -> tuple[list[Sequence], bool]:
         """Schedule the next step, leaving out the sequences whose pending token ends them whatever
         its value (max_tokens or max_model_len): as in the synchronous loop, where they are finished
-        by now, they neither take a row nor take KV blocks from the others (postprocess retires them)."""
+        by now, they take no row and reserve no KV block (postprocess retires them)."""
         max_model_len = self.scheduler.stop_checker.max_model_len
         finishing = [] if prev is None else [
             seq for seq in (prev.seqs[row] for row in prev.sample_rows) if not seq.is_finished and (
