@@ -193,6 +193,19 @@ def test_one_host_sync_per_engine_step(engines, monkeypatch):
     assert [len(engine.take_output(i)["token_ids"]) for i in ids] == list(LENGTHS)
 
 
+def test_no_forward_pass_is_wasted_on_sequences_that_reach_max_tokens(engines, monkeypatch):
+    """A sequence whose pending token is its last (max_tokens) is left out of the next step: the
+    overlapped engine runs as many forward passes as the synchronous one."""
+    launches = []
+    for llm in engines:
+        runner, count = llm.engine.model_runner, []
+        counted = lambda *args, real=runner.launch, count=count: count.append(1) or real(*args)  # noqa: E731
+        monkeypatch.setattr(runner, "launch", counted)
+        llm.generate(PROMPTS, [greedy(n) for n in LENGTHS], use_tqdm=False)
+        launches.append(len(count))
+    assert launches[0] == launches[1] == max(LENGTHS)  # one prefill step, then one step per token
+
+
 def test_stream_matches_generate(engines):
     llm = engines[1]
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, stop=["e t"])
