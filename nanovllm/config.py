@@ -30,6 +30,8 @@ VALID_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn", "fa3")  # see nanovllm.attention
 # vLLM's names: "auto" keeps the model dtype; "fp8" is e4m3 with per-layer scales.
 VALID_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Options typed `bool | None` (None: the engine decides), whose environment variable is read as 0/1.
+BOOL_OR_NONE = ("async_scheduling",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Environment variables that set a default for the field of the same meaning.
 ENV_DEFAULTS = {
@@ -37,15 +39,17 @@ ENV_DEFAULTS = {
     "torch_compile": "NANOVLLM_COMPILE",
     "skinny_gemm": "NANOVLLM_SKINNY_GEMM",
     "cpu_threads": "NANOVLLM_CPU_THREADS",
+    "async_scheduling": "NANOVLLM_ASYNC_SCHEDULING",
 }
 
 
 def _env_default(name: str, default):
-    """The default of option `name`: its environment variable when set (0/1 for a bool), else `default`."""
+    """The default of option `name`: its environment variable when set (0/1 for a bool, or for a
+    `bool | None` whose default is None), else `default`."""
     value = os.environ.get(ENV_DEFAULTS[name])
     if value is None:
         return default
-    if isinstance(default, bool):
+    if isinstance(default, bool) or (default is None and name in BOOL_OR_NONE):
         return value != "0"
     return int(value) if value.strip().isdigit() else value.strip()
 
@@ -86,6 +90,12 @@ class Config:
     # Threads of the model's CPU operators: "auto" uses the cores other processes leave free
     # (nanovllm.utils.cpu_threads), an int fixes the count.
     cpu_threads: int | str = field(default_factory=lambda: _env_default("cpu_threads", "auto"))
+    # Overlap scheduling (vLLM v1's async scheduling): the host schedules and builds step n+1 while the
+    # device runs step n (nanovllm.engine.overlap). None resolves to True on CUDA, where it hides the
+    # host's work behind the GPU's, and False on the CPU, where host and "device" are the same cores
+    # (it works there, with identical output, but gains nothing). Tensor parallelism (> 1 rank) always
+    # runs the synchronous path: the workers would need the previous step's sampled ids.
+    async_scheduling: bool | None = field(default_factory=lambda: _env_default("async_scheduling", None))
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: str | None = field(init=False, default=None)  # the GGUF file, when the model is one
     # That file parsed, once: config, tokenizer and weights all come from it.
@@ -144,6 +154,9 @@ class Config:
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         self._check_tensor_parallel()
         self._check_data_parallel()
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device_type == "cuda"
+        self.async_scheduling = self.async_scheduling and self.tensor_parallel_size == 1
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
 

@@ -10,6 +10,10 @@ requests' outputs, whichever thread ran the step that finished them (request_tra
 whose step fails is finished alone with finish_reason "error" and the exception's text in its output's
 "error"; the others keep running (failures.py).
 
+With async_scheduling (Config; on by default on CUDA with one rank), each step launches the next
+forward pass before it waits for the previous one's sampled ids (overlap.py): the host's scheduling
+hides behind the GPU's work, and a step's tokens reach its sequences one `advance` later.
+
 With tensor_parallel_size=N > 1, the engine's own ModelRunner is rank 0 and ranks 1..N-1 run in
 worker processes (nanovllm.distributed.worker). `shutdown()` stops them and frees the model; it also
 happens when a step fails under tensor parallelism (a dead worker, Ctrl-C), after which every call
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from nanovllm.config import Config
 from nanovllm.distributed.worker import TPWorkers
 from nanovllm.engine.failures import run_isolating_failures
+from nanovllm.engine.overlap import OverlapLoop
 from nanovllm.engine.request import make_sequences, record_step, request_output
 from nanovllm.engine.request_tracker import RequestTracker, request_id_of
 from nanovllm.engine.scheduler import Scheduler
@@ -57,6 +62,7 @@ class LLMEngine:
         # Ranks 1..N-1 start loading in their own processes while rank 0 loads here.
         self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None
+        self.overlap: OverlapLoop | None = None  # with async_scheduling
         try:
             with self.workers.scope() if self.workers else nullcontext():
                 self.model_runner = ModelRunner(config)
@@ -65,6 +71,9 @@ class LLMEngine:
             self.eos_token_ids = eos_token_ids(config, self.tokenizer)
             stop_checker = StopChecker(self.eos_token_ids, config.max_model_len, self.tokenizer)
             self.scheduler = Scheduler(config, self.num_kvcache_blocks, stop_checker)
+            if config.async_scheduling:
+                self.overlap = OverlapLoop(self.scheduler, self.model_runner, self._run_sync,
+                                           self._finish_requests)
         except BaseException:
             self.shutdown()  # no worker outlives a failed constructor
             raise
@@ -137,6 +146,8 @@ class LLMEngine:
             if request_id not in self.requests.live:
                 return False
             self._finish_early(request_id, "abort")
+            if self.overlap is not None:
+                self.overlap.drop_if_idle()
             return True
 
     def abandon(self, request_ids: list[int]) -> None:
@@ -168,6 +179,7 @@ class LLMEngine:
         RuntimeError. Idempotent."""
         if self.workers is not None:
             self.workers.shutdown()
+        self.overlap = None  # a step in flight is dropped with the model
         if self.model_runner is not None:
             runner, self.model_runner = self.model_runner, None
             runner.release()
@@ -191,29 +203,41 @@ class LLMEngine:
     def _check_sampling(self, seqs: list[Sequence]) -> None:
         self.model_runner.check_sampling(sampling_batch(seqs))
 
+    def _run_sync(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        """Run a scheduled step and postprocess it, failing alone each request whose part fails."""
+        check = self._check_sampling if self.workers is not None else None
+        token_ids, failures = run_isolating_failures(self._run_model, seqs, is_prefill, check)
+        if failures:  # a request fails with all its completions
+            failed = {request_id_of(seq): error for seq in seqs if (error := failures.get(seq.seq_id))}
+            for request_id, error in failed.items():
+                self._finish_early(request_id, "error", error)
+            ok = [i for i, seq in enumerate(seqs) if request_id_of(seq) not in failed]
+            seqs, token_ids = [seqs[i] for i in ok], [token_ids[i] for i in ok]
+        self._finish_requests(self.scheduler.postprocess(seqs, token_ids))
+
+    def _finish_requests(self, finished: list[Sequence]) -> None:
+        """Make the outputs of the requests whose last sequence is among `finished`."""
+        for seq in finished:
+            request_id = request_id_of(seq)
+            group = self.requests.live.get(request_id)  # None: a sibling finishing now ended it
+            if group is not None and all(s.is_finished for s in group):
+                self.requests.finish(request_id, request_output(group, self.tokenizer))
+
     def advance(self) -> StepResult:
         """Schedule and run one step (none when nothing is queued), for callers that collect their own
         requests with `take_output`: the outputs of `add_request` requests stay for `step()`, and
-        the result's `outputs` is empty."""
+        the result's `outputs` is empty. With async_scheduling the step is launched, and the one
+        before it is finished (engine/overlap.py): a request's output comes one call later."""
         with self.lock:
             if self.scheduler.is_finished():
                 return StepResult([], 0, 0)
             self._check_running()
-            seqs, is_prefill = self.scheduler.schedule()
-            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-            check = self._check_sampling if self.workers is not None else None
-            token_ids, failures = run_isolating_failures(self._run_model, seqs, is_prefill, check)
-            if failures:  # a request fails with all its completions
-                failed = {request_id_of(seq): error for seq in seqs if (error := failures.get(seq.seq_id))}
-                for request_id, error in failed.items():
-                    self._finish_early(request_id, "error", error)
-                ok = [i for i, seq in enumerate(seqs) if request_id_of(seq) not in failed]
-                seqs, token_ids = [seqs[i] for i in ok], [token_ids[i] for i in ok]
-            for seq in self.scheduler.postprocess(seqs, token_ids):
-                request_id = request_id_of(seq)
-                group = self.requests.live.get(request_id)  # None: a sibling finishing now ended it
-                if group is not None and all(s.is_finished for s in group):
-                    self.requests.finish(request_id, request_output(group, self.tokenizer))
+            if self.overlap is not None:
+                num_tokens, is_prefill = self.overlap.step()
+            else:
+                seqs, is_prefill = self.scheduler.schedule()
+                num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+                self._run_sync(seqs, is_prefill)
             return StepResult([], num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)
 
     def run_step(self) -> StepResult:

@@ -49,15 +49,19 @@ def make_sequences(token_ids: list[int], params: SamplingParams, block_size: int
 
 def record_step(seqs: list[Sequence], sample_rows: list[int], out: StepOutput) -> list[int | None]:
     """The sampled token of each of a step's sequences (None for those that only computed part of
-    their prompt); records on them the logprobs and prompt logprobs they asked for."""
+    their prompt, and for those that finished while the step ran: overlap scheduling drops their
+    token); records on them the logprobs and prompt logprobs they asked for."""
     token_ids: list[int | None] = [None] * len(seqs)
     for i, (row, token) in enumerate(zip(sample_rows, out.token_ids, strict=True)):
+        if seqs[row].is_finished:
+            continue
         token_ids[row] = token
         if out.logprobs is not None and out.logprobs[i] is not None:
             seqs[row].logprobs.append(out.logprobs[i])
             seqs[row].cumulative_logprob += out.logprobs[i][token]
     for row, logprobs in (out.prompt_logprobs or {}).items():
-        seqs[row].prompt_logprobs.extend(logprobs)
+        if not seqs[row].is_finished:
+            seqs[row].prompt_logprobs.extend(logprobs)
     return token_ids
 
 

@@ -162,6 +162,12 @@ class Scheduler:
     def finish_early(self, seq: Sequence, reason: str) -> None:
         """Retire seq before it ends on its own (an abort, a failure), whatever its state: waiting
         (new or preempted), prefilling or decoding. Its KV blocks go back to the pool at once."""
+        self._retire(seq)
+        seq.finish_reason = reason
+
+    def _retire(self, seq: Sequence) -> None:
+        """Take seq off its queue (a preempted one waits, with overlap scheduling even when its last
+        step's token ends it) and give its KV blocks back."""
         if seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.RUNNING:
@@ -170,25 +176,36 @@ class Scheduler:
             self.block_manager.deallocate(seq)
         seq.num_scheduled_tokens = 0
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
         """Record a finished step: advance computed tokens, append sampled tokens, retire finished
         sequences. token_ids[i] is None when seqs[i] only computed part of its prompt."""
         assert len(seqs) == len(token_ids), "one sampled token (or None) per scheduled sequence"
-        finished, block_size = [], self.block_manager.block_size
+        self.record_computed(seqs)
+        sampled = []
         for seq, token_id in zip(seqs, token_ids):
+            if token_id is not None:
+                seq.token_ids.append(token_id)
+                sampled.append(seq)
+        return self.check_stops(sampled)
+
+    def record_computed(self, seqs: list[Sequence]) -> None:
+        """The first half of postprocess: the step's scheduled tokens have KV now. Overlap scheduling
+        calls it while the step still runs: its KV is written before any later step reads it (one
+        stream), so its full blocks may already be shared."""
+        block_size = self.block_manager.block_size
+        for seq in seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block just filled up
                 self.block_manager.cache_computed_blocks(seq)
-            if token_id is None:
-                continue
-            seq.token_ids.append(token_id)
+
+    def check_stops(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The second half of postprocess: retire the sequences that their new last token ends."""
+        finished = []
+        for seq in seqs:
             seq.finish_reason = self.stop_checker.check(seq)
             if seq.finish_reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+                self._retire(seq)
                 finished.append(seq)
         return finished

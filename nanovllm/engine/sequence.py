@@ -6,6 +6,10 @@ from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
+# Stands for the token a step in flight is sampling, until its id reaches the host (overlap scheduling,
+# nanovllm.engine.overlap). Never a vocabulary id: a read of it before it is replaced fails loudly.
+PENDING_TOKEN_ID = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()

@@ -6,6 +6,7 @@ before logits processors, penalties, temperature and top-k/top-p. Only rows that
 and the results reach the host in one copy per step."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -16,36 +17,79 @@ PROMPT_LOGPROBS_CHUNK = 256
 TokenLogprobs = dict[int, float]  # token id -> logprob: the top-k, and the chosen token's own
 
 
-def _top_k_dicts(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
-    """logprobs [N, V] float32, chosen [N]: for each row, {top-k token: logprob} plus the chosen one."""
+@dataclass(slots=True)
+class SampledLogprobs:
+    """The logprobs of the sampled rows that asked for them, as tensors: on the device when computed,
+    and read on the host by `dicts` once copied there (one copy per step, which overlap scheduling
+    makes non-blocking)."""
+
+    rows: list[int]  # the sampled rows that asked, ascending
+    ks: list[int]  # their top-k
+    token_ids: torch.Tensor  # [R] the sampled token of each
+    token_logprobs: torch.Tensor  # [R] float32
+    top_ids: torch.Tensor | None  # [R, max k]; None when every k is 0
+    top_logprobs: torch.Tensor | None  # [R, max k] float32
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "SampledLogprobs":
+        """The same logprobs with fn (e.g. a copy to the host) applied to each tensor."""
+        top = (None, None) if self.top_ids is None else (fn(self.top_ids), fn(self.top_logprobs))
+        return SampledLogprobs(self.rows, self.ks, fn(self.token_ids), fn(self.token_logprobs), *top)
+
+    def dicts(self, num_rows: int) -> list[TokenLogprobs | None]:
+        """Per sampled row of the step: {token: logprob} of its token and top-k, or None where it did
+        not ask. Reads the tensors with .tolist(): call it on host copies, or it syncs."""
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else [[] for _ in self.rows]
+        top_lp = self.top_logprobs.tolist() if self.top_logprobs is not None else top_ids
+        entries = _dicts(self.token_ids.tolist(), self.token_logprobs.tolist(), top_ids, top_lp, self.ks)
+        out: list[TokenLogprobs | None] = [None] * num_rows
+        for row, entry in zip(self.rows, entries, strict=True):
+            out[row] = entry
+        return out
+
+
+def _top_k(logprobs: torch.Tensor, chosen: torch.Tensor, max_k: int
+           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """logprobs [N, V] float32, chosen [N]: the chosen tokens' logprobs [N] and the top max_k ids and
+    logprobs [N, max_k] (None when max_k is 0). On the device, no sync."""
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    max_k = max(ks)
-    if max_k:
-        top_lp, top_ids = logprobs.topk(max_k, dim=-1)
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-    else:
-        top_lp = top_ids = [[] for _ in ks]
+    if not max_k:
+        return chosen_lp, None, None
+    top_lp, top_ids = logprobs.topk(max_k, dim=-1)
+    return chosen_lp, top_ids, top_lp
+
+
+def _dicts(chosen: list[int], chosen_lp: list[float], top_ids: list[list[int]], top_lp: list[list[float]],
+           ks: list[int]) -> list[TokenLogprobs]:
     out = []
-    for k, tok, lp, ids, lps in zip(ks, chosen.tolist(), chosen_lp.tolist(), top_ids, top_lp, strict=True):
+    for k, tok, lp, ids, lps in zip(ks, chosen, chosen_lp, top_ids, top_lp, strict=True):
         entry = {tok: lp}  # the chosen token first, as vLLM lists it
         entry.update((i, v) for i, v in zip(ids[:k], lps[:k]) if i != tok)
         out.append(entry)
     return out
 
 
+def _top_k_dicts(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    """logprobs [N, V] float32, chosen [N]: for each row, {top-k token: logprob} plus the chosen one."""
+    chosen_lp, top_ids, top_lp = _top_k(logprobs, chosen, max(ks))
+    ids = top_ids.tolist() if top_ids is not None else [[] for _ in ks]
+    lps = top_lp.tolist() if top_lp is not None else ids
+    return _dicts(chosen.tolist(), chosen_lp.tolist(), ids, lps, ks)
+
+
 def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                     ks: list[int | None]) -> list[TokenLogprobs | None]:
-    """Per sampled row: {token: logprob} of its sampled token and top-k, or None where k is None."""
+                     ks: list[int | None]) -> SampledLogprobs | None:
+    """The logprobs of the sampled tokens `tokens` [N] and the top-k of each row of logits [N, V] whose
+    k is not None, on the device; None when no row asked."""
     rows = [row for row, k in enumerate(ks) if k is not None]
     if not rows:
-        return [None] * len(ks)
-    index = torch.tensor(rows, device=logits.device)
+        return None
+    # Pinned and non-blocking: a plain host-to-GPU copy would wait for the step in flight (overlap).
+    on_gpu = logits.device.type == "cuda"
+    index = torch.tensor(rows, pin_memory=on_gpu).to(logits.device, non_blocking=on_gpu)
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-    dicts = _top_k_dicts(logprobs, tokens.index_select(0, index), [ks[row] for row in rows])
-    out: list[TokenLogprobs | None] = [None] * len(ks)
-    for row, entry in zip(rows, dicts, strict=True):
-        out[row] = entry
-    return out
+    chosen = tokens.index_select(0, index)
+    row_ks = [ks[row] for row in rows]
+    return SampledLogprobs(rows, row_ks, chosen, *_top_k(logprobs, chosen, max(row_ks)))
 
 
 def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor | None], hidden: torch.Tensor,

@@ -93,6 +93,11 @@ class StepBatch:
     # Sequences that compute prompt logprobs this step (prefill only): every rank computes their
     # logits, since the LM head gathers across ranks.
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
+    # Overlap scheduling (rank 0 alone): input tokens the previous step is still sampling. Token
+    # prev_token_indices[i] of input_ids is a placeholder that the runner replaces, on the device, by
+    # row prev_token_rows[i] of the previous step's sampled ids.
+    prev_token_indices: list[int] = field(default_factory=list)
+    prev_token_rows: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -3,8 +3,10 @@ up to the largest decode batch the scheduler can form, and replayed with the bat
 next captured size (padded rows store no KV and attend to nothing). Block tables are sized for
 max_model_len, so every sequence the scheduler admits fits.
 
-Inputs are staged in one pinned host buffer laid out like the graphs' static device buffer, so a
-decode step costs one host-to-device copy and one graph launch."""
+Inputs are staged in a pinned host buffer laid out like the graphs' static device buffer, so a
+decode step costs one host-to-device copy and one graph launch. There are two staging buffers, used
+in turn: with overlap scheduling the host fills step n+1's while step n's copy may not have run yet;
+an event per buffer says when its last copy has landed."""
 
 import logging
 
@@ -21,6 +23,10 @@ logger = logging.getLogger("nanovllm")
 # graph every 16 rows keeps the padding waste under 16 rows while capture stays quick.
 SMALL_BATCH_SIZES = (1, 2, 4, 8)
 BATCH_SIZE_STEP = 16
+
+
+# Host staging buffers used in turn: one for the step being built, one for the step in flight.
+NUM_STAGING = 2
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -49,8 +55,10 @@ class DecodeGraphs:
         self.width = max_blocks_per_seq
         # |input_ids|positions|slot_mapping|seqlens_k| (b each) |block_tables (b x width)|, int32
         size = 4 * b + b * max_blocks_per_seq
-        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.host_np = self.host.numpy()
+        pin = device.type == "cuda"
+        self.staging = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(NUM_STAGING)]
+        self.staged: list[torch.cuda.Event | None] = [None] * NUM_STAGING  # each buffer's last copy
+        self.next_staging = 0
         self.static = torch.zeros(size, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.seqlens_k = self.static[: 4 * b].view(4, b)
         self.block_tables = self.static[4 * b :].view(b, max_blocks_per_seq)
@@ -102,12 +110,24 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch_size and (bool(self.graphs) or not self.use_cuda_graph)
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
+    def _take_staging(self) -> int:
+        """The next host staging buffer, once the copy that last read it has run."""
+        i = self.next_staging
+        self.next_staging = (i + 1) % NUM_STAGING
+        if self.staged[i] is not None:
+            self.staged[i].synchronize()  # long done: the step that used it has been waited for
+        return i
+
+    def run(self, batch: StepBatch, prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:
         """Decode the batch through the graph of the smallest captured size >= its number of sequences;
-        returns the hidden states [num_seqs, hidden]."""
+        returns the hidden states [num_seqs, hidden]. prev_tokens: (indices, tokens) of input ids the
+        previous step sampled, on the device (overlap scheduling)."""
         n, b, width = batch.num_seqs, self.max_batch_size, self.width
         padded = next(size for size in self.batch_sizes if size >= n)
-        host = self.host_np
+        i = self._take_staging()
+        staging = self.staging[i]
+        host = staging.numpy()
         host[:n] = batch.input_ids
         host[b : b + n] = batch.positions
         host[2 * b : 2 * b + n] = batch.slot_mapping
@@ -115,10 +135,17 @@ class DecodeGraphs:
         for i, table in enumerate(batch.block_tables):
             row = 4 * b + i * width
             host[row : row + len(table)] = table
-        host[2 * b + n : 2 * b + padded] = -1  # padded rows store nothing ...
+        host[n:padded] = 0  # padded rows embed a real token (a stale one may be a pending -1) ...
+        host[2 * b + n : 2 * b + padded] = -1  # ... store nothing ...
         host[3 * b + n : 3 * b + padded] = 0  # ... and attend to nothing
         used = 4 * b + padded * width
-        self.static[:used].copy_(self.host[:used], non_blocking=True)
+        self.static[:used].copy_(staging[:used], non_blocking=True)
+        if self.static.device.type == "cuda":
+            self.staged[i] = torch.cuda.Event()
+            self.staged[i].record()
+        if prev_tokens is not None:
+            indices, tokens = prev_tokens
+            self.input_ids[indices] = tokens.to(self.input_ids.dtype)
         if self.use_cuda_graph:
             self.graphs[padded].replay()
         else:

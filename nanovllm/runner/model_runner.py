@@ -17,8 +17,9 @@ from nanovllm.layers.parallel import get_tp_rank, min_across_ranks
 from nanovllm.models import get_model_class
 from nanovllm.runner.batch import SamplingBatch, StepBatch, StepOutput
 from nanovllm.runner.cuda_graph import DecodeGraphs
-from nanovllm.runner.inputs import model_inputs
+from nanovllm.runner.inputs import model_inputs, to_device
 from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row, worst_case_sampling
+from nanovllm.runner.step_output import PendingOutput
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
@@ -181,14 +182,28 @@ class ModelRunner:
         return activation_peak
 
     # ---- one step ----
-    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _previous_tokens(self, batch: StepBatch, prev_sampled: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(indices into the step's input ids, the tokens to put there) for the inputs the previous step
+        sampled (overlap scheduling): gathered on the device, never read on the host."""
+        if not batch.prev_token_indices:
+            return None
+        assert prev_sampled is not None, "the batch takes tokens from a previous step but got none"
+        rows = to_device(batch.prev_token_rows, torch.int64, self.device)
+        return to_device(batch.prev_token_indices, torch.int64, self.device), prev_sampled[rows]
+
+    def _forward(self, batch: StepBatch, prev_sampled: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The hidden states of the sampling rows' last tokens [len(batch.sample_rows), hidden], and
         those of every token of the step [num_tokens, hidden] (None from a CUDA graph)."""
         if self.cpu_threads is not None:
             self.cpu_threads.apply()
+        prev_tokens = self._previous_tokens(batch, prev_sampled)
         if not batch.is_prefill and self.decode_graphs and self.decode_graphs.can_run(batch.num_seqs):
-            return self.decode_graphs.run(batch), None  # decode: every row samples
+            return self.decode_graphs.run(batch, prev_tokens), None  # decode: every row samples
         inputs = model_inputs(batch, self.device)
+        if prev_tokens is not None:
+            inputs.input_ids[prev_tokens[0]] = prev_tokens[1]
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return hidden[inputs.logits_indices], hidden
 
@@ -207,7 +222,15 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> StepOutput | None:
         """Run one step; returns on rank 0 the new token of each sampling row (batch.sample_rows order)
         with the logprobs and prompt logprobs its sequences asked for; None on the other ranks."""
-        hidden, all_hidden = self._forward(batch)
+        pending = self.launch(batch)
+        return None if pending is None else pending.wait()
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch, prev_sampled: torch.Tensor | None = None) -> PendingOutput | None:
+        """Start one step without waiting for it: forward, sampling and the copy of the sampled ids to
+        the host are queued on the device; `wait()` on the result reads them (None on the other ranks).
+        prev_sampled: the previous step's sampled ids, for the batch's prev_token_* inputs."""
+        hidden, all_hidden = self._forward(batch, prev_sampled)
         prompt_lps = None
         if batch.prompt_logprob_spans:  # every rank: the LM head gathers across ranks
             assert all_hidden is not None, "prompt logprobs come from prefill steps, which use no graph"
@@ -216,9 +239,11 @@ class ModelRunner:
         logits = self._sampling_logits(hidden, batch)
         if logits is None:
             return None
-        out = self.sampler(logits, batch.sampling) if batch.sample_rows else StepOutput([])
-        out.prompt_logprobs = prompt_lps
-        return out
+        if batch.sample_rows:
+            tokens, logprobs = self.sampler.sample(logits, batch.sampling)
+        else:
+            tokens, logprobs = torch.empty(0, dtype=torch.int64, device=self.device), None
+        return PendingOutput(tokens, logprobs, prompt_lps)
 
     def check_sampling(self, sampling: SamplingBatch) -> None:
         """Raise what rank 0 would raise turning these sampling rows into tensors (on the CPU)."""

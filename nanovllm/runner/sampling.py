@@ -6,11 +6,12 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.layers.logprobs import prompt_logprobs, sampled_logprobs
+from nanovllm.layers.logprobs import SampledLogprobs, prompt_logprobs, sampled_logprobs
 from nanovllm.layers.sampler import Sampler
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.runner.batch import ProcessorRow, PromptLogprobSpan, SamplingBatch, StepOutput
 from nanovllm.runner.inputs import logits_processor_tensors, sampling_tensors
+from nanovllm.runner.step_output import PendingOutput
 from nanovllm.sampling_params import MAX_LOGPROBS
 
 
@@ -28,8 +29,10 @@ class StepSampler:
         self.device = device
         self.sampler = Sampler(compiled=compiled)
 
-    def __call__(self, logits: torch.Tensor, sampling: SamplingBatch) -> StepOutput:
-        """Sample each row of logits [rows, vocab] with its parameters, processors and logprobs."""
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch
+               ) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """Sample each row of logits [rows, vocab] with its parameters, processors and logprobs; the
+        tokens [rows] and logprobs stay on the device (no sync)."""
         raw = logits
         processors = logits_processor_tensors(sampling.processors, self.vocab_size, self.device)
         if processors is not None:
@@ -37,8 +40,11 @@ class StepSampler:
         tokens = self.sampler(logits, sampling_tensors(sampling, self.vocab_size, self.device))
         ks = sampling.num_logprobs
         # Raw-model logprobs (vLLM's default logprobs_mode), only when some row asked.
-        logprobs = sampled_logprobs(raw, tokens, ks) if any(k is not None for k in ks) else None
-        return StepOutput(tokens.tolist(), logprobs)
+        return tokens, sampled_logprobs(raw, tokens, ks)
+
+    def __call__(self, logits: torch.Tensor, sampling: SamplingBatch) -> StepOutput:
+        """`sample`, read on the host."""
+        return PendingOutput(*self.sample(logits, sampling), prompt_logprobs=None).wait()
 
     def check(self, sampling: SamplingBatch) -> None:
         """Build the sampler's and the processors' inputs on the CPU, raising what a step would raise

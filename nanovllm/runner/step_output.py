@@ -1,0 +1,45 @@
+"""A step's output on its way to the host. When the step is launched, its sampled ids (and the
+logprobs some rows asked for) are copied without blocking into pinned host memory, behind one CUDA
+event; `wait()` waits for that event, the one host sync of a step, and reads them. Until then the host
+is free to schedule and launch the next step, whose decode rows take their input token from
+`sampled`, still on the device (overlap scheduling, nanovllm.engine.overlap). On the CPU there is
+nothing to wait for: the tensors are read where they are."""
+
+import torch
+
+from nanovllm.layers.logprobs import SampledLogprobs
+from nanovllm.outputs import TokenLogprobs
+from nanovllm.runner.batch import StepOutput
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of t that is only safe to read after the step's event (pinned, so the copy is
+    asynchronous); t itself on the CPU."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+class PendingOutput:
+    def __init__(self, sampled: torch.Tensor, logprobs: SampledLogprobs | None,
+                 prompt_logprobs: dict[int, list[TokenLogprobs]] | None) -> None:
+        """sampled: [sampling rows] int64, on the step's device; prompt_logprobs are on the host already
+        (those steps sync while they run, and overlap scheduling waits for them at once)."""
+        self.sampled = sampled
+        self._token_ids = _to_host(sampled)
+        self._logprobs = logprobs.map(_to_host) if logprobs is not None else None
+        self._prompt_logprobs = prompt_logprobs
+        self._event: torch.cuda.Event | None = None
+        if sampled.device.type == "cuda":
+            # Recorded after the copies on the step's stream: once it has passed, they have landed.
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> StepOutput:
+        """Block until the step's sampled ids are on the host; returns them with their logprobs."""
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids = self._token_ids.tolist()
+        logprobs = self._logprobs.dicts(len(token_ids)) if self._logprobs is not None else None
+        return StepOutput(token_ids, logprobs, self._prompt_logprobs)

@@ -1,0 +1,119 @@
+"""Property-based tests of overlap scheduling (nanovllm.engine.overlap) on the real Scheduler and
+OverlapLoop with a fake device: random arrivals, aborts of requests in the step in flight, preemption
+under small caches, chunked prefill and prefix caching, as in test_properties.
+
+The fake device runs each step when it is launched, in launch order (as one CUDA stream would): it
+writes into each slot the context its token extends, read through the block table from the slot of
+the position before (as attention reads KV), and samples f(context). A pending input token is taken
+from the previous step's sampled ids, as the real runner does on the GPU. So a sequence's output is
+f of its true prefix at every step only if every block it read held its own KV when read and every
+pending token was fed: any reuse of a block still needed, any hash of a block before its KV, any
+placeholder leaking into the inputs breaks it."""
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from test_properties import EOS, MAX_STEPS, VOCAB, workloads
+
+from nanovllm.engine.invariants import check_invariants
+from nanovllm.engine.overlap import OverlapLoop
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import PENDING_TOKEN_ID, Sequence
+from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.runner.batch import StepBatch, StepOutput
+from nanovllm.sampling_params import SamplingParams
+
+
+def model(context: tuple[int, ...]) -> int:
+    """The fake model's next token: a function of the whole context (EOS now and then)."""
+    return hash(context) % VOCAB
+
+
+class FakePending:
+    def __init__(self, sampled: list[int], waits: list[int]) -> None:
+        self.sampled, self.waits = sampled, waits
+
+    def wait(self) -> StepOutput:
+        self.waits.append(1)
+        return StepOutput(list(self.sampled))
+
+
+class FakeDevice:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: dict[int, tuple[int, ...]] = {}  # slot -> the context its KV stands for
+        self.waits: list[int] = []
+
+    def launch(self, batch: StepBatch, prev_sampled: list[int] | None) -> FakePending:
+        input_ids = list(batch.input_ids)
+        for index, row in zip(batch.prev_token_indices, batch.prev_token_rows, strict=True):
+            input_ids[index] = prev_sampled[row]
+        assert PENDING_TOKEN_ID not in input_ids, "a pending token reached the device"
+        contexts = []
+        for row, table in enumerate(batch.block_tables):
+            for i in range(batch.cu_seqlens_q[row], batch.cu_seqlens_q[row + 1]):
+                pos = batch.positions[i]
+                before = self._slot(table, pos - 1) if pos else None
+                context = (self.slots[before] if pos else ()) + (input_ids[i],)
+                assert batch.slot_mapping[i] == self._slot(table, pos)
+                self.slots[batch.slot_mapping[i]] = context
+            contexts.append(context)
+        return FakePending([model(contexts[row]) for row in batch.sample_rows], self.waits)
+
+    def _slot(self, table: list[int], pos: int) -> int:
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+def run_overlapped(config, requests, aborts, seed) -> Scheduler:
+    scheduler = Scheduler(config, config.num_kvcache_blocks, StopChecker((EOS,), max_model_len=10**6))
+    device = FakeDevice(config.kvcache_block_size)
+    finished: list[Sequence] = []
+
+    def run_sync(seqs, is_prefill):
+        raise AssertionError("the fake device never fails a launch")
+
+    loop = OverlapLoop(scheduler, device, run_sync, finished.extend)
+    seqs = [Sequence(r.token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos),
+                     config.kvcache_block_size) for r in requests]
+    rng = random.Random(seed)
+    aborted: set[int] = set()
+    step = 0
+    while step <= max(r.arrival for r in requests) or not scheduler.is_finished():
+        assert step < MAX_STEPS, "the workload does not finish: a request is stuck"
+        for i, r in enumerate(requests):
+            if r.arrival == step:
+                scheduler.add(seqs[i])
+        if step in aborts and not (seq := seqs[aborts[step]]).is_finished and seq in [
+                *scheduler.waiting, *scheduler.running]:
+            scheduler.finish_early(seq, "abort")  # as LLMEngine.abort_request, the step in flight or not
+            aborted.add(seq.seq_id)
+            loop.drop_if_idle()
+        step += 1
+        if rng.random() < 0.1:
+            check_invariants(scheduler)  # between engine steps too, with a step in flight
+        if scheduler.is_finished():
+            assert loop.in_flight is None, "an idle engine keeps a step in flight"
+            continue
+        waits = len(device.waits)
+        loop.step()
+        assert len(device.waits) - waits <= 1, "more than one host sync in one engine step"
+        check_invariants(scheduler)
+        for seq in [*scheduler.waiting, *scheduler.running]:
+            assert PENDING_TOKEN_ID not in seq.token_ids, "a pending token outlived its engine step"
+    ids = [seq.seq_id for seq in finished]
+    assert len(ids) == len(set(ids)), "a request finished twice"
+    assert not set(ids) & aborted, "an aborted request also finished"
+    assert set(ids) | aborted == {seq.seq_id for seq in seqs}, "a request was lost"
+    for seq in finished:
+        assert seq.finish_reason in ("stop", "length")
+        assert seq.num_completion_tokens <= seq.sampling_params.max_tokens
+        for i in range(seq.num_prompt_tokens, len(seq)):  # each token is the model's on its true prefix
+            assert seq.token_ids[i] == model(tuple(seq.token_ids[:i])), f"sequence {seq.seq_id} token {i}"
+    assert scheduler.block_manager.num_free_blocks == config.num_kvcache_blocks
+    return scheduler
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_overlapped_steps_keep_kv_and_outputs_right(workload):
+    run_overlapped(*workload)
