@@ -132,17 +132,15 @@ class DecodeGraphs:
         host[b : b + n] = batch.positions
         host[2 * b : 2 * b + n] = batch.slot_mapping
         host[3 * b : 3 * b + n] = batch.seqlens_k
-        for i, table in enumerate(batch.block_tables):
-            row = 4 * b + i * width
+        for seq_row, table in enumerate(batch.block_tables):
+            row = 4 * b + seq_row * width
             host[row : row + len(table)] = table
         host[n:padded] = 0  # padded rows embed a real token (a stale one may be a pending -1) ...
         host[2 * b + n : 2 * b + padded] = -1  # ... store nothing ...
         host[3 * b + n : 3 * b + padded] = 0  # ... and attend to nothing
         used = 4 * b + padded * width
         self.static[:used].copy_(staging[:used], non_blocking=True)
-        if self.static.device.type == "cuda":
-            self.staged[i] = torch.cuda.Event()
-            self.staged[i].record()
+        self.staged[i] = _copy_done_event(self.static.device)
         if prev_tokens is not None:
             indices, tokens = prev_tokens
             self.input_ids[indices] = tokens.to(self.input_ids.dtype)
@@ -151,3 +149,13 @@ class DecodeGraphs:
         else:
             self._run_model(padded)
         return self.hidden[:n]
+
+
+def _copy_done_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded after the staging copy just queued (None on the CPU, where copies are done
+    when they return)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
