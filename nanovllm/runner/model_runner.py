@@ -15,6 +15,7 @@ from nanovllm.config import Config
 from nanovllm.layers.options import KernelOptions, use_kernel_options
 from nanovllm.layers.parallel import get_tp_rank, min_across_ranks
 from nanovllm.models import get_model_class
+from nanovllm.runner import kv_cache
 from nanovllm.runner.batch import SamplingBatch, StepBatch, StepOutput
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.inputs import model_inputs, to_device
@@ -96,56 +97,31 @@ class ModelRunner:
         self.decode_graphs.capture()
 
     # ---- KV cache ----
-    def _block_bytes(self) -> int:
-        layer = self.attention_layers[0]
-        per_token = 2 * len(self.attention_layers) * layer.num_kv_heads * layer.head_dim
-        return per_token * self.block_size * torch.empty((), dtype=self.kv_dtype).element_size()
-
     def _num_kvcache_blocks(self) -> int:
         config = self.config
         if config.num_kvcache_blocks is not None:
             return config.num_kvcache_blocks
+        activation_peak = 0
         if self.device.type == "cuda":
             activation_peak = self._warmup()
             logger.debug("warm-up forward done: %.2f GiB of activations at the largest batch",
-                        activation_peak / 2**30)
+                         activation_peak / 2**30)
             torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Room for the KV cache: the allowed share of the GPU, minus what is in use now, minus the
-            # activation peak the warm-up showed (it recurs during real steps).
-            budget = total * config.gpu_memory_utilization - (total - free) - activation_peak
-            source = f"gpu_memory_utilization={config.gpu_memory_utilization}"
-        else:
-            budget = config.cpu_kvcache_space_gib * 2**30
-            source = f"cpu_kvcache_space_gib={config.cpu_kvcache_space_gib}"
-        num_blocks = int(budget // self._block_bytes())
-        if self.device.type == "cpu":  # never allocate more than the engine could ever use
-            max_blocks = config.max_num_seqs * math.ceil(config.max_model_len / self.block_size)
-            num_blocks = min(num_blocks, max_blocks)
-        # One scheduler on rank 0 hands out block ids for every rank: all must hold as many blocks.
+        bytes_per_block = kv_cache.block_bytes(self.attention_layers, self.block_size, self.kv_dtype)
+        num_blocks = kv_cache.blocks_for_budget(config, self.device, bytes_per_block, activation_peak)
+        # One scheduler on rank 0 hands out block ids for every rank: all must hold as many blocks
+        # (and all raise together when one has none).
         num_blocks = min_across_ranks(num_blocks)
         if num_blocks < 1:
-            raise ValueError(f"no memory left for the KV cache under {source}; raise it, or lower "
-                             "max_num_batched_tokens / max_num_seqs")
+            raise kv_cache.no_room_error(config, self.device)
         return num_blocks
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
-        layer = self.attention_layers[0]
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
-                 layer.head_dim)
-        # On the CPU, zero-filling GiBs took seconds at start; uninitialised memory costs nothing until
-        # a block is written. Nothing reads a slot before it is written except the torch backend's
-        # padded decode gather, which zeroes those positions itself (attention/torch_backend.py).
-        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
-        self.kv_cache = alloc(shape, dtype=self.kv_dtype, device=self.device)
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        logger.debug("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
-                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        self.kv_cache = kv_cache.allocate(self.attention_layers, num_blocks, self.block_size, self.kv_dtype,
+                                          self.device)
 
     def _release_kv_cache(self) -> None:
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)
+        kv_cache.detach(self.attention_layers)
         del self.kv_cache
 
     @torch.inference_mode()
