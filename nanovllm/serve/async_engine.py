@@ -45,7 +45,8 @@ class RequestStream:
     def _add(self, new_token_ids: list[int], output: dict | None) -> None:
         """On the event loop."""
         self._token_ids += new_token_ids
-        self._output = output
+        if output is not None:
+            self._output = output
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
