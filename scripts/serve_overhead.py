@@ -4,14 +4,17 @@ temperature 0.6, ignore_eos, return_token_ids, as scripts/bench_serve.py), on a 
 (tests/conftest.py's) and one CPU thread. Prints both throughputs and the CPU time per generated
 token of each process; their difference is what serving costs per token (per step per stream).
 
-By default the model step is a stand-in for a GPU's: it sleeps --step-ms (releasing the GIL, as a
-CUDA sync does) and samples random tokens, while everything on the host (scheduler, batch records,
-the server) runs for real. That is the regime of issue 14's target, where the server's Python work
-competes with the engine thread for the GIL while the device computes: offline, the step takes
---step-ms plus the engine's bookkeeping; served, whatever the server adds shows in tok/s.
---step-ms 0 runs the tiny model itself instead.
+By default the model step is a stand-in for a GPU's: it sleeps --step-ms in --gil-releases pieces
+(releasing the GIL each time, as each launched torch op and the CUDA sync do) and samples random
+tokens, while everything on the host (scheduler, batch records, the server) runs for real. That is
+the regime of issue 14's target, where the server's Python work competes with the engine thread
+for the GIL while the device computes: each time the engine thread wants the GIL back it may wait
+for the event loop. Offline, a step takes --step-ms plus the engine's bookkeeping; served, whatever
+the server adds shows in tok/s. (The server before serve-speed's changes measured 51% of offline
+here, near the 45% that scripts/bench_serve.py measured on an H200.) --step-ms 0 runs the tiny
+model itself instead; on a 2-core machine shared with other jobs that mode is too noisy to compare.
 
-    python scripts/serve_overhead.py                         # 256 clients, bench.py's lengths, 8 ms steps
+    python scripts/serve_overhead.py                # 256 clients, bench.py's lengths, 8 ms steps
     python scripts/serve_overhead.py --step-ms 0 --max-input-len 64 --max-output-len 300
 
 The clients run in their own processes (scripts/stream_clients.py), and their CPU time is reported
@@ -49,24 +52,25 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def use_stand_in_step(step_ms: float, vocab_size: int) -> None:
-    """Make every model step sleep step_ms and sample uniformly random tokens."""
+def use_stand_in_step(step_ms: float, num_releases: int, vocab_size: int) -> None:
+    """Make every model step sleep step_ms, in num_releases pieces, and sample uniformly random tokens."""
     import random
 
     from nanovllm.runner.batch import StepOutput
     from nanovllm.runner.model_runner import ModelRunner
 
     def run(self, batch):
-        time.sleep(step_ms / 1000)
+        for _ in range(num_releases):
+            time.sleep(step_ms / 1000 / num_releases)
         return StepOutput([random.randrange(vocab_size) for _ in batch.sample_rows])
     ModelRunner.run = run
 
 
-def offline(model: str, jobs, step_ms: float, vocab_size: int) -> dict:
+def offline(model: str, jobs, step_ms: float, num_releases: int, vocab_size: int) -> dict:
     from nanovllm import LLM, SamplingParams
 
     if step_ms:
-        use_stand_in_step(step_ms, vocab_size)
+        use_stand_in_step(step_ms, num_releases, vocab_size)
     llm = LLM(model, **ENGINE_OPTIONS)
     try:
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for _, n in jobs]
@@ -80,10 +84,11 @@ def offline(model: str, jobs, step_ms: float, vocab_size: int) -> dict:
     return {"tok_s": num_tokens / elapsed, "cpu_us_per_token": cpu / num_tokens * 1e6, "tokens": num_tokens}
 
 
-def served(model: str, jobs, clients: int, extra: list[str], step_ms: float, vocab_size: int) -> dict:
+def served(model: str, jobs, clients: int, extra: list[str], step_ms: float, num_releases: int,
+           vocab_size: int) -> dict:
     options = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_OPTIONS.items()]
-    launcher = (os.path.abspath(__file__), SERVER_FLAG, str(step_ms), str(vocab_size)) if step_ms else \
-        ("-m", "nanovllm.serve")
+    launcher = ((os.path.abspath(__file__), SERVER_FLAG, str(step_ms), str(num_releases), str(vocab_size))
+                if step_ms else ("-m", "nanovllm.serve"))
     server = Server(model, *options, *extra, api_key=None, launcher=launcher)
     try:
         run_level(server.url, [([1, 2, 3], 8)], 1)  # warm-up
@@ -96,7 +101,7 @@ def served(model: str, jobs, clients: int, extra: list[str], step_ms: float, voc
             "client_cpu_us_per_token": level["client_cpu_s"] / level["tokens"] * 1e6}
 
 
-# `serve_overhead.py --as-server STEP_MS VOCAB MODEL [serve options]` runs the server under the stand-in.
+# `serve_overhead.py --as-server STEP_MS RELEASES VOCAB MODEL [serve options]`: the server on the stand-in.
 SERVER_FLAG = "--as-server"
 
 
@@ -104,14 +109,18 @@ def main() -> None:
     if sys.argv[1:2] == [SERVER_FLAG]:
         from nanovllm.serve.cli import serve_main
 
-        use_stand_in_step(float(sys.argv[2]), int(sys.argv[3]))
-        sys.exit(serve_main(sys.argv[4:]))
+        use_stand_in_step(float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        sys.exit(serve_main(sys.argv[5:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: a tiny random Qwen3 made in a temp dir")
     parser.add_argument("--clients", type=int, default=256)
     parser.add_argument("--step-ms", type=float, default=8.0,
                         help="the stand-in model step (a 256-row decode step of Qwen3-0.6B on an H200: "
                              "~8 ms); 0: run the tiny model")
+    parser.add_argument("--gil-releases", type=int, default=30,
+                        help="the stand-in step sleeps in this many pieces: a step launching that many "
+                             "torch ops releases the GIL as often (a CUDA-graph decode step still runs a "
+                             "few dozen: input copies, the replay, sampling)")
     parser.add_argument("--min-len", type=int, default=100, help="shortest prompt and output")
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -127,8 +136,9 @@ def main() -> None:
         from transformers import AutoConfig
         vocab_size = AutoConfig.from_pretrained(model).vocab_size
         jobs = workload(args.clients, vocab_size, args.min_len, args.max_input_len, args.max_output_len)
-        srv = served(model, jobs, args.clients, args.server_option, args.step_ms, vocab_size)
-        off = offline(model, jobs, args.step_ms, vocab_size)
+        srv = served(model, jobs, args.clients, args.server_option, args.step_ms, args.gil_releases,
+                     vocab_size)
+        off = offline(model, jobs, args.step_ms, args.gil_releases, vocab_size)
     print(json.dumps({"offline": off, "server": srv}, indent=1))
     overhead = srv["cpu_us_per_token"] - off["cpu_us_per_token"]
     print(f"\n{args.clients} clients, {srv['tokens']} tokens: offline {off['tok_s']:.0f} tok/s, server "
