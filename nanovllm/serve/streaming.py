@@ -4,8 +4,9 @@ incrementally and never splits a character, so the deltas join to the non-stream
 
 This runs once per stream per engine step, on the event loop that shares the GIL with the engine
 thread, so it does as little as it can per chunk: whatever arrived since the last chunk goes out
-as one (a handler that fell behind catches up in one send), text is decoded only when the request
-streams text, and the chunk is filled into its request's template. `stream_interval` > 1 sends a
+as one (a handler that fell behind catches up in one send), text is decoded only where there is a
+tokenizer (without one, chunks carry token ids alone), and the chunk is filled into its request's
+template. `stream_interval` > 1 sends a
 chunk only every that-many tokens (the first and the last at once): fewer, larger events."""
 
 import json
