@@ -84,6 +84,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     parser.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT_S,
                         help="seconds in-flight requests may finish after SIGTERM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="streamed responses send a chunk every this-many tokens (vLLM's flag; "
+                             "default 1: each token as it is generated)")
     return parser, add_engine_options(parser)
 
 
@@ -120,6 +123,8 @@ def serve_main(argv: list[str] | None = None) -> int:
                         "" if args.api_key else ", and with no --api-key")
     from nanovllm.llm import LLM
 
+    if args.stream_interval < 1:
+        parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
     options = {name: getattr(args, name) for name in engine_names}
     defaults = {f.name: _default(f) for f in fields(Config) if f.init}
     options = {k: v for k, v in options.items() if v != defaults.get(k)}  # pass only what was set
@@ -127,7 +132,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         llm = LLM(args.model, **options)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
-    app = build_app(llm, args.served_model_name or args.model, args.api_key)
+    app = build_app(llm, args.served_model_name or args.model, args.api_key, args.stream_interval)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_timeout)
     try:

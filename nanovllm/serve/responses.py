@@ -1,9 +1,26 @@
 """OpenAI response bodies for one request: the full completion, and the server-sent-event chunks
-of a streamed one (text_completion or chat.completion.chunk), each as `data: {json}\\n\\n`."""
+of a streamed one (text_completion or chat.completion.chunk), each as `data: {json}\\n\\n`. The
+chunks in mid-stream, one per stream per step, are filled into a template made once per request:
+only their text and token ids are encoded each time."""
 
 import json
 
-from nanovllm.serve.protocol import now
+from nanovllm.serve.protocol import RequestError, now
+
+# Stands in for a chunk's text while its template is made: JSON escapes NUL, so the encoded
+# marker cannot occur anywhere else in the event.
+_TEXT_SLOT = "\0text\0"
+# How every chunk event ends: the choice, the choices list and the body close.
+_CLOSE = "}]}\n\n"
+
+
+def check_finished(output: dict) -> None:
+    """Raise the RequestError that an aborted or failed request answers with."""
+    if output["finish_reason"] == "abort":
+        raise RequestError(output.get("error", "the request was aborted"), status=503, kind="server_error")
+    if output["finish_reason"] == "error":
+        raise RequestError(f"the request failed in the engine: {output['error']}", status=500,
+                           kind="server_error")
 
 
 class Reply:
@@ -11,6 +28,10 @@ class Reply:
         assert kind in ("text_completion", "chat.completion"), f"unknown reply kind {kind}"
         self.is_chat = kind == "chat.completion"
         self.kind, self.id, self.model, self.created = kind, request_id, model_name, now()
+        # A mid-stream chunk is head + json(text) + middle [+ ', "token_ids": [...]'] + _CLOSE.
+        head, tail = self._chunk_event(_TEXT_SLOT, None, None).split(json.dumps(_TEXT_SLOT))
+        assert tail.endswith(_CLOSE), f"a chunk event ends {tail[-8:]!r}, not {_CLOSE!r}"
+        self._head, self._middle = head, tail[:-len(_CLOSE)]
 
     def _body(self, obj: str, choice: dict) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -33,6 +54,13 @@ class Reply:
             "finish_reason": None}))
 
     def chunk(self, text: str, token_ids: list[int] | None, finish_reason: str | None = None) -> str:
+        """One event: a delta of text (and, when given, its token ids), or the last one's finish reason."""
+        if finish_reason is not None:
+            return self._chunk_event(text, token_ids, finish_reason)
+        ids = "" if token_ids is None else f', "token_ids": [{", ".join(map(str, token_ids))}]'
+        return f"{self._head}{json.dumps(text, ensure_ascii=False)}{self._middle}{ids}{_CLOSE}"
+
+    def _chunk_event(self, text: str, token_ids: list[int] | None, finish_reason: str | None) -> str:
         if self.is_chat:
             choice = {"index": 0, "delta": {"content": text} if text or finish_reason is None else {},
                       "logprobs": None, "finish_reason": finish_reason}

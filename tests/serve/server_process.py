@@ -26,13 +26,15 @@ def free_port() -> int:
 class Server:
     def __init__(self, model: str, *options: str, api_key: str | None = API_KEY,
                  startup_timeout: float = STARTUP_TIMEOUT_S, log_level: str = "warning",
-                 cpu: bool = True) -> None:
+                 cpu: bool = True, launcher: tuple[str, ...] = ("-m", "nanovllm.serve")) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"nanovllm-serve-{self.port}.log")
         self.log = open(self.log_path, "w")
-        args = [sys.executable, "-m", "nanovllm.serve", model, "--port", str(self.port),
+        # launcher: what runs `nanovllm serve`'s CLI (scripts/serve_overhead.py puts a stand-in
+        # model step under it).
+        args = [sys.executable, *launcher, model, "--port", str(self.port),
                 "--log-level", log_level,
                 "--graceful-timeout", "5", *options]
         if api_key:

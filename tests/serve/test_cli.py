@@ -1,10 +1,13 @@
 """`nanovllm serve`'s flags: every LLM option in vLLM's spelling (and vLLM's aliases), loopback by
-default, and the console script's usage line."""
+default, --stream-interval, and the console script's usage line."""
 
 from dataclasses import fields
 
+import pytest
+
 from nanovllm.config import Config
-from nanovllm.serve.cli import build_parser, main
+from nanovllm.serve.app import build_app
+from nanovllm.serve.cli import build_parser, main, serve_main
 
 
 def test_every_config_option_is_a_flag():
@@ -24,3 +27,14 @@ def test_every_config_option_is_a_flag():
 def test_console_script_wants_the_serve_command(capsys):
     assert main([]) == 2
     assert "nanovllm serve MODEL" in capsys.readouterr().err
+
+
+def test_stream_interval_defaults_to_each_token_and_must_be_positive(capsys):
+    parser, _ = build_parser()
+    assert parser.parse_args(["m"]).stream_interval == 1
+    assert parser.parse_args(["m", "--stream-interval", "4"]).stream_interval == 4
+    with pytest.raises(SystemExit):
+        serve_main(["m", "--stream-interval", "0"])  # refused before any model loads
+    assert "--stream-interval must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="stream_interval must be a positive integer"):
+        build_app(None, "m", stream_interval=0)
