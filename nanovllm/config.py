@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.utils.config_checks import check_model_config, check_option_types
+from nanovllm.utils.config_checks import check_model_config, check_option_types, check_parallel_layout
 from nanovllm.utils.gguf_loader import GGUF_SUFFIX, GGUFCheckpoint
 from nanovllm.utils.hf_options import HF_LOCAL_ONLY
 
@@ -153,45 +153,12 @@ class Config:
         self.kv_cache_torch_dtype = self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        self._check_tensor_parallel()
-        self._check_data_parallel()
+        check_parallel_layout(self)
         if self.async_scheduling is None:
             self.async_scheduling = False
         self.async_scheduling = self.async_scheduling and self.tensor_parallel_size == 1
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
-
-    def _check_tensor_parallel(self) -> None:
-        """Before anything is spawned: the sizes the model's layers must split evenly across ranks."""
-        n, hf = self.tensor_parallel_size, self.hf_config
-        if n == 1:
-            return
-        num_heads = hf.num_attention_heads
-        num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
-        intermediate = getattr(hf, "intermediate_size", None)
-        moe_intermediate = getattr(hf, "moe_intermediate_size", None)  # each expert's (MoE families)
-
-        def fits(size: int) -> bool:
-            # Query heads and MLP columns split evenly; K/V heads split evenly, or are replicated
-            # when there are fewer of them than ranks (each rank then keeps the one it needs).
-            kv_ok = num_kv_heads % size == 0 or size % num_kv_heads == 0
-            mlp_ok = all(i is None or i % size == 0 for i in (intermediate, moe_intermediate))
-            return num_heads % size == 0 and kv_ok and mlp_ok
-
-        if not fits(n):
-            valid = [size for size in range(1, num_heads + 1) if fits(size)]
-            raise ValueError(
-                f"tensor_parallel_size={n} does not fit this model ({num_heads} attention heads, "
-                f"{num_kv_heads} key/value heads, intermediate_size {intermediate}"
-                + (f", moe_intermediate_size {moe_intermediate}" if moe_intermediate else "")
-                + "): it must divide the "
-                "attention heads and the intermediate size, and divide or be a multiple of the key/value "
-                f"heads; valid sizes: {valid}")
-        if self.device_type == "cuda":
-            num_gpus = torch.cuda.device_count()
-            if n > num_gpus:
-                raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs but {num_gpus} are visible; "
-                                 "lower it, or expose more GPUs (CUDA_VISIBLE_DEVICES)")
 
     def _resolve_device(self) -> str:
         if self.device == "auto":
@@ -215,17 +182,6 @@ class Config:
             raise ValueError(f"tokenizer {self.tokenizer!r} is not a local folder or file; nanovllm never "
                              "downloads from the Hugging Face Hub: download it first (e.g. `hf "
                              "download NAME --local-dir DIR`) and pass that folder")
-    def _check_data_parallel(self) -> None:
-        """Before any replica is spawned: every replica gets tensor_parallel_size GPUs of its own."""
-        if self.data_parallel_size == 1:
-            return
-        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
-            dp, tp = self.data_parallel_size, self.tensor_parallel_size
-            num_gpus = torch.cuda.device_count()
-            if dp * tp > num_gpus:
-                raise ValueError(f"data_parallel_size={dp} replicas of tensor_parallel_size={tp} need "
-                                 f"{dp * tp} GPUs but {num_gpus} are visible; lower one of them, or expose "
-                                 "more GPUs (CUDA_VISIBLE_DEVICES)")
 
     def _find_gguf(self) -> str | None:
         """The GGUF file the options name, or None when the model is a Hugging Face folder."""

@@ -4,6 +4,8 @@ before any weight is loaded, with a message that says what to change.
 - `check_option_types(config)`: every option has the type its Config field declares. A string is
   never taken for a bool (`enforce_eager="no"` is truthy), a bool never for an int (True == 1), and
   a float option must be a finite number.
+- `check_parallel_layout(config)`: tensor_parallel_size splits the model evenly, and the GPUs that
+  tensor and data parallelism need are visible.
 - `check_model_config(hf_config)`: the sizes the model is built from are positive integers that fit
   together (heads divide the hidden size when the config has no head_dim, query heads are a multiple
   of key/value heads), so that `num_attention_heads=0` is refused here instead of at the first step."""
@@ -14,6 +16,7 @@ import typing
 from dataclasses import fields
 from typing import Any
 
+import torch
 from transformers import PretrainedConfig
 
 # Model-config sizes that must be positive integers, and whether a config may leave them out.
@@ -84,3 +87,57 @@ def check_model_config(hf_config: PretrainedConfig) -> None:
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
                             or not math.isfinite(eps) or eps <= 0):
         raise ValueError(f"the model config's rms_norm_eps must be a positive finite number, got {eps!r}")
+
+
+def check_parallel_layout(config) -> None:
+    """Before anything is spawned: tensor_parallel_size fits the model's heads and MLP, and the GPUs
+    that tensor and data parallelism ask for are visible. `config` is a nanovllm Config (device and
+    hf_config resolved)."""
+    _check_tensor_parallel(config)
+    _check_data_parallel(config)
+
+
+def _check_tensor_parallel(config) -> None:
+    """Before anything is spawned: the sizes the model's layers must split evenly across ranks."""
+    n, hf = config.tensor_parallel_size, config.hf_config
+    if n == 1:
+        return
+    num_heads = hf.num_attention_heads
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+    intermediate = getattr(hf, "intermediate_size", None)
+    moe_intermediate = getattr(hf, "moe_intermediate_size", None)  # each expert's (MoE families)
+
+    def fits(size: int) -> bool:
+        # Query heads and MLP columns split evenly; K/V heads split evenly, or are replicated
+        # when there are fewer of them than ranks (each rank then keeps the one it needs).
+        kv_ok = num_kv_heads % size == 0 or size % num_kv_heads == 0
+        mlp_ok = all(i is None or i % size == 0 for i in (intermediate, moe_intermediate))
+        return num_heads % size == 0 and kv_ok and mlp_ok
+
+    if not fits(n):
+        valid = [size for size in range(1, num_heads + 1) if fits(size)]
+        raise ValueError(
+            f"tensor_parallel_size={n} does not fit this model ({num_heads} attention heads, "
+            f"{num_kv_heads} key/value heads, intermediate_size {intermediate}"
+            + (f", moe_intermediate_size {moe_intermediate}" if moe_intermediate else "")
+            + "): it must divide the "
+            "attention heads and the intermediate size, and divide or be a multiple of the key/value "
+            f"heads; valid sizes: {valid}")
+    if config.device_type == "cuda":
+        num_gpus = torch.cuda.device_count()
+        if n > num_gpus:
+            raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs but {num_gpus} are visible; "
+                             "lower it, or expose more GPUs (CUDA_VISIBLE_DEVICES)")
+
+
+def _check_data_parallel(config) -> None:
+    """Before any replica is spawned: every replica gets tensor_parallel_size GPUs of its own."""
+    if config.data_parallel_size == 1:
+        return
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        dp, tp = config.data_parallel_size, config.tensor_parallel_size
+        num_gpus = torch.cuda.device_count()
+        if dp * tp > num_gpus:
+            raise ValueError(f"data_parallel_size={dp} replicas of tensor_parallel_size={tp} need "
+                             f"{dp * tp} GPUs but {num_gpus} are visible; lower one of them, or expose "
+                             "more GPUs (CUDA_VISIBLE_DEVICES)")
