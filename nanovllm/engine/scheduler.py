@@ -59,8 +59,7 @@ class Scheduler:
         step, where every sequence computes exactly its last token."""
         if self.mixed_batches:
             scheduled, num_decoding, budget = self._schedule_running()
-            admitted = self._admit(budget)
-            scheduled += admitted
+            scheduled += self._admit(budget)
         else:
             scheduled, num_decoding = self._schedule_prefill(), 0
             if not scheduled:
@@ -77,8 +76,7 @@ class Scheduler:
         """Every running sequence, oldest first, while budget lasts: its next token, or its next chunk.
         Returns them, decoding ones first (the attention backends run those rows through their
         decode kernel), how many decode, and the budget left."""
-        budget, decoding, prefilling = self.max_num_batched_tokens, [], []
-        in_order = []
+        budget, decoding, prefilling, in_order = self.max_num_batched_tokens, [], [], []
         running, block_size = self.running, self.block_manager.block_size
         while running and budget > 0:
             seq = running.popleft()
