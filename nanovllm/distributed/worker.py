@@ -32,8 +32,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from multiprocessing import parent_process
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 
 import torch
 import torch.multiprocessing as mp
@@ -45,6 +44,7 @@ from nanovllm.distributed.state import DEATH_GRACE_S, HEARTBEAT_INTERVAL_S, TPGr
 from nanovllm.layers.parallel import use_tp_group
 from nanovllm.runner.batch import StepBatch, StepOutput
 from nanovllm.runner.model_runner import ModelRunner, runner_device
+from nanovllm.utils.parent_watch import exit_with_parent
 
 # Workers log at this level (e.g. INFO) to stderr when it is set; they are silent otherwise.
 LOG_LEVEL_ENV_VAR = "NANOVLLM_WORKER_LOG_LEVEL"
@@ -77,18 +77,6 @@ def channel_size(config: Config) -> int:
 
 
 # ---- a worker process ----
-def _exit_with_parent() -> None:
-    """Leave as soon as rank 0's process is gone, even from inside a collective that waits for it."""
-    parent = parent_process()
-    assert parent is not None, "a tensor-parallel worker must be a spawned child"
-
-    def watch() -> None:
-        wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
-
-
 def _start_heartbeat(heartbeats: "ctypes.Array[ctypes.c_double]", index: int) -> None:
     """Stamp this worker's heartbeat slot from a thread of its own (see tp_state.HEARTBEAT_TIMEOUT_S):
     it beats whatever the main thread is doing, and stops only when the whole process stops."""
@@ -106,7 +94,7 @@ def _worker_main(config: Config, rank: int, store_port: int, handle: ChannelHand
     if os.environ.get(LOG_LEVEL_ENV_VAR):  # spawned: the caller's logging setup does not reach us
         logging.basicConfig(level=os.environ[LOG_LEVEL_ENV_VAR],
                             format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
-    _exit_with_parent()
+    exit_with_parent("tensor-parallel worker")
     _start_heartbeat(heartbeats, rank - 1)
     group = channel = None
     healthy = True

@@ -19,12 +19,12 @@ import gc
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from multiprocessing import parent_process
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
+
+from nanovllm.utils.parent_watch import exit_with_parent
 
 # A replica sends the throughput counters at least this often while it works, so that the progress
 # bar stays live between finished requests (outputs that finish are sent after the step at once).
@@ -67,18 +67,6 @@ class ReplicaInfo:
     shm_names: list[str] = field(default_factory=list)
 
 
-def _exit_with_parent() -> None:
-    """Leave as soon as the coordinator's process is gone, whatever this process is doing."""
-    parent = parent_process()
-    assert parent is not None, "a data-parallel replica must be a spawned child"
-
-    def watch() -> None:
-        wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="nanovllm-dp-parent-watch", daemon=True).start()
-
-
 def _leave_on_sigterm(signum: int, frame: object) -> None:
     sys.exit(128 + signum)  # unwinds through the engine's shutdown, unlike the default action
 
@@ -86,7 +74,7 @@ def _leave_on_sigterm(signum: int, frame: object) -> None:
 def replica_main(index: int, model: str, options: dict, placement: Placement, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _leave_on_sigterm)
-    _exit_with_parent()
+    exit_with_parent("data-parallel replica")
     exit_code = 0
     engine = None
     try:

@@ -11,6 +11,7 @@ from paged_case import make_paged_cache, reference_attention
 
 pytest.importorskip("triton")
 
+from nanovllm.attention import triton_backend  # noqa: E402
 from nanovllm.attention.metadata import AttentionMetadata  # noqa: E402
 from nanovllm.attention.triton_backend import TritonBackend  # noqa: E402
 
@@ -47,8 +48,8 @@ def test_mixed_batch_splits_between_decode_and_prefill_kernels(q_lens, kv_lens, 
     backend = TritonBackend(max_num_seqs=8, num_kv_heads=NUM_KV_HEADS, device=torch.device(DEVICE))
     calls = []
     for kernel in ("paged_decode_attention", "paged_prefill_attention"):
-        real = getattr(__import__("nanovllm.attention.triton_backend", fromlist=[kernel]), kernel)
-        monkeypatch.setattr(f"nanovllm.attention.triton_backend.{kernel}",
+        real = getattr(triton_backend, kernel)
+        monkeypatch.setattr(triton_backend, kernel,
                             lambda *a, _k=kernel, _real=real, **kw: calls.append(_k) or _real(*a, **kw))
     out = backend.attend(Layer(k_cache, v_cache), q, None, None, meta)
     scale = 1 / math.sqrt(HEAD_DIM)
