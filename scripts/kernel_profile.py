@@ -8,7 +8,8 @@ time, and its wall time per step. Random Qwen3-0.6B weights, CUDA graphs as in a
 Each batch size is one generate of `batch` prompts of `context` random tokens for `steps` + 1 tokens;
 the profile covers the whole generate, prefill included, and per-step figures divide by `steps`.
 --mixed runs step_profile.py's 1024-request workload through engine.step() and profiles `steps` steps
-from step MIXED_WARM_STEPS on, when running requests finish and new ones join (mixed steps)."""
+from step MIXED_WARM_STEPS on, when running requests finish and new ones join (mixed steps); before the
+profile, as many steps again are timed by phase on the host (host_phases), mixed and decode apart."""
 
 import argparse
 import collections
@@ -43,6 +44,52 @@ def kernel_table(prof, steps: int) -> tuple[list[dict], float, float]:
     return rows, sum(calls.values()) / steps, sum(micros.values()) / steps
 
 
+def host_phases(llm: LLM, steps: int) -> None:
+    """Host milliseconds per step in each phase of the synchronous step (schedule, build_batch, the
+    forward's input building and launches, sampling launches, the wait for the sampled ids, postprocess),
+    for mixed and decode steps apart: whether a slow step waits on the GPU or on the host."""
+    import nanovllm.engine.llm_engine as engine_module
+    engine, runner = llm.engine, llm.engine.model_runner
+    acc = collections.Counter()
+
+    def timed(owner, name, label):
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[label] += time.perf_counter() - t
+        setattr(owner, name, wrapper)
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.scheduler, "postprocess", "postprocess")
+    timed(engine_module, "build_batch", "build_batch")
+    timed(runner, "_forward", "forward_launch")
+    timed(runner.sampler, "sample", "sample_launch")
+    timed(runner, "run", "run")
+    totals = {"mixed": collections.Counter(), "decode": collections.Counter()}
+    counts = collections.Counter()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(steps):
+        acc.clear()
+        sync()
+        t = time.perf_counter()
+        _, num_tokens = engine.step()
+        sync()
+        acc["step"] = time.perf_counter() - t
+        kind = "mixed" if num_tokens > 0 else "decode"
+        counts[kind] += 1
+        totals[kind].update(acc)
+    for kind, total in totals.items():
+        if counts[kind]:
+            per_step = {k: round(v * 1e3 / counts[kind], 3) for k, v in total.items()}
+            per_step["wait"] = round(per_step.get("run", 0) - per_step.get("forward_launch", 0)
+                                     - per_step.get("sample_launch", 0), 3)
+            print(json.dumps(dict(host_ms_per_step=kind, steps=counts[kind], **per_step)), flush=True)
+
+
 def profile_mixed(llm: LLM, steps: int) -> None:
     seed(0)
     for _ in range(1024):
@@ -51,6 +98,7 @@ def profile_mixed(llm: LLM, steps: int) -> None:
                                                       max_tokens=randint(100, 1024)))
     for _ in range(MIXED_WARM_STEPS):
         llm.engine.step()
+    host_phases(llm, steps)
     kinds = collections.Counter()
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -32,7 +32,7 @@ def gen(llm, prompts, params):
 def correctness():
     d = tempfile.mkdtemp()
     make_model_dir(d)
-    base = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512,
+    base = dict(kvcache_block_size=4, num_kvcache_blocks=512, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512,
                 dtype="float32", torch_compile=False)
     g = lambda m, **kw: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, **kw)  # noqa: E731
     cases = {
