@@ -91,11 +91,10 @@ class Config:
     # (nanovllm.utils.cpu_threads), an int fixes the count.
     cpu_threads: int | str = field(default_factory=lambda: _env_default("cpu_threads", "auto"))
     # Overlap scheduling (vLLM v1's async scheduling): the host schedules and builds step n+1 while the
-    # device runs step n (nanovllm.engine.overlap). Opt-in for now (None resolves to False): its output
-    # equals the synchronous loop's in the CPU tests, but its one GPU run so far stopped on a bug since
-    # fixed, and what it gains on a GPU is not measured yet (BENCHMARKS.md). On the CPU it gains nothing:
-    # host and "device" are the same cores. Tensor parallelism (> 1 rank) always runs the synchronous
-    # path: the workers would need the previous step's sampled ids.
+    # device runs step n (nanovllm.engine.overlap). None: on for CUDA, where it made bench.py 1.39x
+    # faster on an H200 with the same tokens (BENCHMARKS.md, call G2); off on the CPU, where host and
+    # "device" are the same cores and it gains nothing. Tensor parallelism (> 1 rank) always runs the
+    # synchronous path: the workers would need the previous step's sampled ids.
     async_scheduling: bool | None = field(default_factory=lambda: _env_default("async_scheduling", None))
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: str | None = field(init=False, default=None)  # the GGUF file, when the model is one
@@ -155,7 +154,7 @@ class Config:
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         check_parallel_layout(self)
         if self.async_scheduling is None:
-            self.async_scheduling = False
+            self.async_scheduling = self.device_type == "cuda"
         self.async_scheduling = self.async_scheduling and self.tensor_parallel_size == 1
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")

@@ -90,7 +90,7 @@ def host_phases(llm: LLM, steps: int) -> None:
             print(json.dumps(dict(host_ms_per_step=kind, steps=counts[kind], **per_step)), flush=True)
 
 
-def profile_mixed(llm: LLM, steps: int) -> None:
+def profile_mixed(llm: LLM, steps: int, cprofile: bool = False) -> None:
     seed(0)
     for _ in range(1024):
         prompt = [randint(0, 10000) for _ in range(randint(100, 1024))]
@@ -98,7 +98,14 @@ def profile_mixed(llm: LLM, steps: int) -> None:
                                                       max_tokens=randint(100, 1024)))
     for _ in range(MIXED_WARM_STEPS):
         llm.engine.step()
-    host_phases(llm, steps)
+    if cprofile:  # where the host time of the phases goes, by Python function
+        import cProfile
+        import pstats
+        with cProfile.Profile() as prof:
+            host_phases(llm, steps)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    else:
+        host_phases(llm, steps)
     kinds = collections.Counter()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -117,6 +124,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, action="append", default=[])
     parser.add_argument("--mixed", action="store_true")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="with --mixed: the host phases under cProfile")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
     args, extra = parser.parse_known_args()
@@ -127,7 +136,7 @@ def main() -> None:
     llm = LLM(CONFIG, load_format="dummy", skip_tokenizer_init=True, **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     if args.mixed:  # leaves the run's other requests queued: nothing else may follow in this engine
-        profile_mixed(llm, args.steps)
+        profile_mixed(llm, args.steps, args.cprofile)
         return
     seed(0)
     for batch in args.batch:

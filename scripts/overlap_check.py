@@ -32,7 +32,8 @@ def gen(llm, prompts, params):
 def correctness():
     d = tempfile.mkdtemp()
     make_model_dir(d)
-    base = dict(kvcache_block_size=4, num_kvcache_blocks=512, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512,
+    base = dict(kvcache_block_size=4, num_kvcache_blocks=512, max_model_len=256, max_num_seqs=8,
+                max_num_batched_tokens=512,
                 dtype="float32", torch_compile=False)
     g = lambda m, **kw: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, **kw)  # noqa: E731
     cases = {
@@ -66,7 +67,8 @@ def correctness():
 def speed():
     from transformers import Qwen3Config
     d = tempfile.mkdtemp()
-    Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    Qwen3Config(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024,
+                intermediate_size=3072, num_hidden_layers=28,
                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
                 tie_word_embeddings=True, dtype="bfloat16").save_pretrained(d)
     g = torch.Generator().manual_seed(0)

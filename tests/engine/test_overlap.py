@@ -5,6 +5,7 @@ processors and failing requests; one host sync per engine step; the decode graph
 take the previous step's tokens on the device."""
 
 import pytest
+import torch
 from conftest import PROMPTS
 
 from nanovllm import LLM, SamplingParams
@@ -65,6 +66,10 @@ def test_default_is_on_for_cuda_off_for_cpu_and_tensor_parallel(qwen3_dir, monke
     assert Config(qwen3_dir, device="cpu").async_scheduling is True
     with pytest.raises(TypeError, match="async_scheduling must be bool or None"):
         Config(qwen3_dir, device="cpu", async_scheduling="yes")
+    monkeypatch.delenv(ENV_DEFAULTS["async_scheduling"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a Config only, no CUDA call
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert Config(qwen3_dir, device="cuda").async_scheduling is True
 
 
 def test_greedy_with_requests_finishing_at_different_steps(engines):

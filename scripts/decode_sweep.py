@@ -1,0 +1,87 @@
+"""The split-KV decode kernel (nanovllm.kernels.decode_attention) under other launch settings: tile
+length, warps, pipeline stages and programs per SM, for a bf16 and an fp8 cache, at the decode shapes
+of the benchmarks (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, 256-token blocks). Prints
+each setting's time and KV-read bandwidth as a fraction of a plain device copy's, best first per case,
+so a default is chosen by measurement. GPU only.
+
+    python scripts/decode_sweep.py [--quick]"""
+
+import argparse
+import functools
+import itertools
+import json
+import math
+
+import torch
+import triton.testing
+
+from nanovllm.kernels import decode_attention as dk
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
+CASES = [(1, 4096), (64, 2048), (256, 512), (256, 1024), (512, 1024)]  # (batch, context)
+SETTINGS = dict(BLOCK_N=(32, 64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3, 4), PROGRAMS_PER_SM=(4, 16))
+QUICK = dict(BLOCK_N=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3), PROGRAMS_PER_SM=(4,))
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (read + write)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def make_case(batch: int, context: int, kv_dtype: torch.dtype):
+    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda").to(kv_dtype)
+    v_cache = torch.randn(shape, device="cuda").to(kv_dtype)
+    # Scattered blocks, as a long-running cache holds them.
+    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+    return q, k_cache, v_cache, seqlens, tables, kv_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller grid of settings")
+    args = parser.parse_args()
+    grid = QUICK if args.quick else SETTINGS
+    defaults = {name: getattr(dk, name) for name in grid}
+    copy_bps = copy_bandwidth()
+    print(json.dumps(dict(copy_gb_s=round(copy_bps / 1e9), defaults=defaults)), flush=True)
+    workspace = torch.empty(64 * 2**20, dtype=torch.float32, device="cuda")
+    counters = torch.zeros(512 * NUM_KV_HEADS, dtype=torch.int32, device="cuda")
+    for kv_dtype, (batch, context) in itertools.product((torch.bfloat16, torch.float8_e4m3fn), CASES):
+        q, k_cache, v_cache, seqlens, tables, kv_bytes = make_case(batch, context, kv_dtype)
+        run = functools.partial(dk.paged_decode_attention, q, k_cache, v_cache, seqlens, tables,
+                                HEAD_DIM**-0.5, workspace=workspace, counters=counters)
+        results = []
+        for values in itertools.product(*grid.values()):
+            setting = dict(zip(grid, values))
+            for name, value in setting.items():
+                setattr(dk, name, value)
+            try:
+                ms = triton.testing.do_bench(run)
+            except Exception as e:  # e.g. a tile and stage count that overflow shared memory
+                print(f"skipped {setting}: {type(e).__name__}", flush=True)
+                continue
+            results.append((ms, setting))
+        for name, value in defaults.items():
+            setattr(dk, name, value)
+        results.sort(key=lambda r: r[0])
+        default_ms = next(ms for ms, s in results if s == {k: defaults[k] for k in s})
+        best_ms, best = results[0]
+        copy_ms = kv_bytes / copy_bps * 1e3  # a copy that reads as many bytes
+        print(json.dumps(dict(
+            kv=str(kv_dtype).removeprefix("torch."), batch=batch, context=context,
+            default_us=round(default_ms * 1e3, 1), default_of_copy=round(copy_ms / default_ms, 3),
+            best_us=round(best_ms * 1e3, 1), best_of_copy=round(copy_ms / best_ms, 3),
+            best=best, next=[dict(us=round(ms * 1e3, 1), **s) for ms, s in results[1:4]])), flush=True)
+
+
+if __name__ == "__main__":
+    main()
