@@ -50,7 +50,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller grid of settings")
     args = parser.parse_args()
     grid = QUICK if args.quick else SETTINGS
+    wide = dk.WIDE_BLOCK_N
     defaults = {name: getattr(dk, name) for name in grid}
+    defaults["BLOCK_N"] = dk.decode_block_n(HEAD_DIM, 2, torch.device("cuda"))  # what a bf16 cache gets
     copy_bps = copy_bandwidth()
     print(json.dumps(dict(copy_gb_s=round(copy_bps / 1e9), defaults=defaults)), flush=True)
     workspace = torch.empty(64 * 2**20, dtype=torch.float32, device="cuda")
@@ -64,6 +66,7 @@ def main() -> None:
             setting = dict(zip(grid, values))
             for name, value in setting.items():
                 setattr(dk, name, value)
+            dk.WIDE_BLOCK_N = dk.BLOCK_N  # the tile is what the setting says, whatever fits
             try:
                 ms = triton.testing.do_bench(run)
             except Exception as e:  # e.g. a tile and stage count that overflow shared memory
@@ -72,6 +75,7 @@ def main() -> None:
             results.append((ms, setting))
         for name, value in defaults.items():
             setattr(dk, name, value)
+        dk.WIDE_BLOCK_N = wide
         results.sort(key=lambda r: r[0])
         default_ms = next(ms for ms, s in results if s == {k: defaults[k] for k in s})
         best_ms, best = results[0]

@@ -114,8 +114,10 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-# SM count assumed off-GPU (the Triton interpreter, ahead-of-time compiles): an H100/H200 has 132.
+# SM count and shared memory per block assumed off-GPU (the Triton interpreter, ahead-of-time
+# compiles): an H100/H200's.
 DEFAULT_NUM_SMS = 132
+DEFAULT_SHARED_MEMORY = 232448
 
 
 @functools.cache
@@ -125,3 +127,24 @@ def sm_count(device: torch.device) -> int:
         return DEFAULT_NUM_SMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program of a kernel on `device` may use."""
+    if device.type != "cuda":
+        return DEFAULT_SHARED_MEMORY
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+@triton.jit
+def fp8_dot_operands(q, scale_log2, CACHE_IS_FP8: tl.constexpr):
+    """(q, the scale its scores take) for dots against K/V tiles widened from the cache to q's dtype.
+    With an fp8 cache and a 16-bit q, the tiles widen to float16, which e4m3 converts to in one
+    instruction per pair (bfloat16 takes a detour through float32, which made the decode kernel
+    compute-bound at the speed of a bf16 cache); q joins them pre-scaled, so that float16's range
+    holds it. Otherwise (a float32 q keeps its exact products) q and the scale as given."""
+    if CACHE_IS_FP8 and q.dtype != tl.float32:
+        q, scale_log2 = (q.to(tl.float32) * scale_log2).to(tl.float16), 1.0
+    return q, scale_log2

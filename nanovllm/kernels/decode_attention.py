@@ -31,15 +31,22 @@ import triton.language as tl
 from nanovllm.kernels.common import (
     check_paged_attention_args,
     dot_precision,
+    fp8_dot_operands,
     online_softmax_step,
     paged_kv_offsets,
+    max_shared_memory,
     sm_count,
 )
 
-# Key positions per tile; at head_dim 256 the tile halves so K, V and their pipeline stages fit in
-# shared memory.
+# Key positions per tile: WIDE_BLOCK_N where its K and V tiles and their pipeline stages fit in shared
+# memory with room to spare (an H100/H200 at head_dim <= 128: the fastest tile at every decode shape
+# that scripts/decode_sweep.py tried on an H200, up to 3x at batch 1 with an fp8 cache), else BLOCK_N;
+# at head_dim 256 the tile shrinks further so they fit.
+WIDE_BLOCK_N = 128
 BLOCK_N = 64
 BLOCK_N_HEAD_DIM_256 = 32
+# Shared memory left for what else the kernel keeps there (q, the dot operands' layouts).
+SHARED_MEMORY_HEADROOM = 32 * 1024
 NUM_WARPS = 4
 NUM_STAGES = 2
 # tl.dot needs at least 16 rows, so a GQA group (often 1-8 query heads) is padded to 16 masked rows.
@@ -102,6 +109,7 @@ def _decode_split_kernel(
         mask=g_mask[:, None],
         other=0.0,
     )
+    q, qk_scale = fp8_dot_operands(q, scale_log2, k_cache_ptr.dtype.element_ty == tl.float8e4nv)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -114,11 +122,11 @@ def _decode_split_kernel(
         kv_offs = paged_kv_offsets(
             block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N
         )
-        # An fp8 cache widens to q's dtype here; its scales are folded into scale_log2 and v_scale.
-        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
-        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
+        # An fp8 cache widens to q's (float16) here; its scales are folded into qk_scale and v_scale.
+        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
         # Position tile_start is always valid (the chunk is not empty), so every row sees a key.
-        m_i, l_i, acc = online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2,
+        m_i, l_i, acc = online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
                                             DOT_PRECISION)
 
     # A non-empty chunk has l_i >= 1 (its max term is 2^0); an empty one has l_i == 0 and becomes
@@ -176,6 +184,14 @@ def _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_row, num_us
     tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+def decode_block_n(head_dim: int, cache_element_size: int, device: torch.device) -> int:
+    """Key positions per tile for this head size, cache dtype and device (see WIDE_BLOCK_N)."""
+    if head_dim > 128:
+        return BLOCK_N_HEAD_DIM_256
+    wide_tiles = NUM_STAGES * 2 * WIDE_BLOCK_N * head_dim * cache_element_size
+    return WIDE_BLOCK_N if wide_tiles + SHARED_MEMORY_HEADROOM <= max_shared_memory(device) else BLOCK_N
+
+
 def decode_num_splits(
     batch_size: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int
 ) -> int:
@@ -222,7 +238,7 @@ def paged_decode_attention(
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
     if batch_size == 0:
         return out
-    block_n = BLOCK_N_HEAD_DIM_256 if head_dim > 128 else BLOCK_N
+    block_n = decode_block_n(head_dim, k_cache.element_size(), q.device)
     if num_splits is None:
         max_context_len = block_tables.shape[1] * block_size
         num_splits = decode_num_splits(batch_size, num_kv_heads, max_context_len, block_n, sm_count(q.device))

@@ -19,6 +19,7 @@ import triton.language as tl
 from nanovllm.kernels.common import (
     check_paged_attention_args,
     dot_precision,
+    fp8_dot_operands,
     online_softmax_step,
     paged_kv_offsets,
 )
@@ -81,6 +82,7 @@ def _prefill_kernel(
         mask=m_mask[:, None],
         other=0.0,
     )
+    q, qk_scale = fp8_dot_operands(q, scale_log2, k_cache_ptr.dtype.element_ty == tl.float8e4nv)
     q_pos = num_cached + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -95,12 +97,12 @@ def _prefill_kernel(
         kv_offs = paged_kv_offsets(
             block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N
         )
-        # An fp8 cache widens to q's dtype here; its scales are folded into scale_log2 and v_scale.
-        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
-        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
+        # An fp8 cache widens to q's (float16) here; its scales are folded into qk_scale and v_scale.
+        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
         # Every row (padding rows too: their position is >= kv_len > 0) sees key 0 of the first tile.
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     out = acc / l_i[:, None] * v_scale
     tl.store(

@@ -58,7 +58,7 @@ POINTER_TYPES = {
 FLOAT_SCALARS = {"scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_inv", "v_scale"}
 # Cases reading or writing an fp8 (e4m3) KV cache: their cache pointers hold fp8.
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
-DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=64,
+DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=128,
               BLOCK_S=64, COMBINE_ROWS=16)
 
 
@@ -79,6 +79,9 @@ def cases() -> dict:
                            dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, BLOCK_D=128,
                                 HAS_NORM=True, QUANT=True), FP8_CACHE),
         "decode-fp8": (decode_attention._decode_split_kernel, dict(DECODE, DOT_PRECISION="tf32"), FP8_CACHE),
+        "prefill-fp8": (prefill_attention._prefill_kernel,
+                        dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=64,
+                             BLOCK_N=64, DOT_PRECISION="tf32"), FP8_CACHE),
         "skinny-gemm": (skinny_gemm._skinny_gemm_kernel,
                         dict(BLOCK_N=64, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True, NUM_STAGES=3)),
         "split-k-reduce": (skinny_gemm._split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
@@ -146,7 +149,7 @@ def compile_all() -> dict[str, str]:
 
 
 DTYPES = ("bf16", "fp32")
-CASE_NAMES = ("prefill", "decode", "decode-fp8", "rope-store-qk-norm", "rope-store", "rope-store-fp8",
+CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "rope-store-qk-norm", "rope-store", "rope-store-fp8",
               "skinny-gemm", "split-k-reduce",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
               "moe-topk-softmax")

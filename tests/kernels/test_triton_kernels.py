@@ -175,10 +175,12 @@ def test_rejects_head_dim_that_is_not_a_power_of_two() -> None:
         )
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["prefill", "decode"])
-def test_fp8_cache_is_read_through_its_scales(kind: str) -> None:
+def test_fp8_cache_is_read_through_its_scales(kind: str, q_dtype: torch.dtype) -> None:
     """An fp8 (e4m3) cache holds k / k_scale and v / v_scale: the kernels widen it and multiply the
-    scales back in, so they match the reference over the dequantized float32 cache."""
+    scales back in, so they match the reference over the dequantized float32 cache (exactly for a
+    float32 q; for a bfloat16 q the dots run in float16, within its rounding)."""
     num_heads, num_kv_heads = 4, 2
     q_lens, kv_lens = ([3, 1], [20, 37]) if kind == "prefill" else ([1, 1], [20, 37])
     k_cache, v_cache, block_tables = make_paged_cache(
@@ -186,7 +188,8 @@ def test_fp8_cache_is_read_through_its_scales(kind: str) -> None:
     )
     k_scale, v_scale = 0.5, 2.0
     k8, v8 = (k_cache / k_scale).to(torch.float8_e4m3fn), (v_cache / v_scale).to(torch.float8_e4m3fn)
-    q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(12))
+    q = q.to(DEVICE, q_dtype)
     seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
     scale = HEAD_DIM**-0.5
     if kind == "prefill":
@@ -196,6 +199,7 @@ def test_fp8_cache_is_read_through_its_scales(kind: str) -> None:
     else:
         out = paged_decode_attention(q, k8, v8, seqlens_k, block_tables, scale, k_scale=k_scale,
                                      v_scale=v_scale)
-    expected = reference_attention(q, k8.float() * k_scale, v8.float() * v_scale, q_lens, kv_lens,
+    expected = reference_attention(q.float(), k8.float() * k_scale, v8.float() * v_scale, q_lens, kv_lens,
                                    block_tables, scale)
-    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=RTOL)
+    tol = ATOL if q_dtype == torch.float32 else 2e-2  # bfloat16's output rounding (8 bits)
+    torch.testing.assert_close(out.cpu().float(), expected, atol=tol, rtol=tol)
