@@ -6,13 +6,12 @@ finished, aborted or failed together; its id is its first sequence's.
 
 Threads: one engine may be driven from several threads at once (generate, stream, add_request, step,
 abort_request, the server's loop): `lock` serializes the steps, and each caller gets exactly its own
-requests' outputs, whichever thread ran the step that finished them (request_tracker.py). A request
-whose step fails is finished alone with finish_reason "error" and the exception's text in its output's
-"error"; the others keep running (failures.py).
+requests' outputs, whichever thread ran the step that finished them (request_tracker.py).
 
-With async_scheduling (Config; on by default on CUDA with one rank), each step launches the next
-forward pass before it waits for the previous one's sampled ids (overlap.py): the host's scheduling
-hides behind the GPU's work, and a step's tokens reach its sequences one `advance` later.
+Steps run in sync_loop.py (a request whose step fails ends alone, with finish_reason "error"), or with
+async_scheduling (Config; on by default on CUDA with one rank) in overlap.py, which launches each step
+before it waits for the previous one's sampled ids: a step's tokens reach its sequences one `advance`
+later.
 
 With tensor_parallel_size=N > 1, the engine's own ModelRunner is rank 0 and ranks 1..N-1 run in
 worker processes (nanovllm.distributed.worker). `shutdown()` stops them and frees the model; it also
@@ -25,16 +24,16 @@ from dataclasses import dataclass
 
 from nanovllm.config import Config
 from nanovllm.distributed.worker import TPWorkers
-from nanovllm.engine.failures import run_isolating_failures
 from nanovllm.engine.overlap import OverlapLoop
-from nanovllm.engine.request import make_sequences, record_step, request_output
+from nanovllm.engine.request import make_sequences, request_output
 from nanovllm.engine.request_tracker import RequestTracker, request_id_of
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker, eos_token_ids
+from nanovllm.engine.sync_loop import SyncLoop
 from nanovllm.engine.validation import Prompt, check_fits, tokenize_prompt
 from nanovllm.outputs import RequestOutput
-from nanovllm.runner.batch import build_batch, sampling_batch
+from nanovllm.runner.batch import StepBatch, StepOutput, build_batch
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.log import ensure_default_handler, logger, startup_line
@@ -71,8 +70,11 @@ class LLMEngine:
             self.eos_token_ids = eos_token_ids(config, self.tokenizer)
             stop_checker = StopChecker(self.eos_token_ids, config.max_model_len, self.tokenizer)
             self.scheduler = Scheduler(config, self.num_kvcache_blocks, stop_checker)
+            check = self.model_runner.check_sampling if self.workers is not None else None
+            self.sync = SyncLoop(self.scheduler, self._run_batch, check, self._finish_early,
+                                 self._finish_requests)
             if config.async_scheduling:
-                self.overlap = OverlapLoop(self.scheduler, self.model_runner, self._run_sync,
+                self.overlap = OverlapLoop(self.scheduler, self.model_runner, self.sync.run,
                                            self._finish_requests)
         except BaseException:
             self.shutdown()  # no worker outlives a failed constructor
@@ -84,9 +86,6 @@ class LLMEngine:
                                  self.num_kvcache_blocks))
 
     # ---- requests ----
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        return tokenize_prompt(prompt, self.tokenizer, self.config.hf_config.vocab_size)
-
     def make_request(self, prompt: Prompt, params: SamplingParams | None) -> list[Sequence]:
         """Validate and tokenize one request without queueing it: its n sequences (one per
         completion). Bad input raises here."""
@@ -96,15 +95,14 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         # Again, now: fields may have been changed since construction, and token ids need the vocabulary.
         params.validate(self.config.hf_config.vocab_size)
-        token_ids = self._tokenize(prompt)
+        token_ids = tokenize_prompt(prompt, self.tokenizer, self.config.hf_config.vocab_size)
         check_fits(self.config, self.num_kvcache_blocks, token_ids, params, self.tokenizer is not None)
         return make_sequences(token_ids, params, self.config.kvcache_block_size, self.eos_token_ids,
                               self.tokenizer)
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
         """`make_request` for a request of one completion (n=1), as one Sequence."""
-        seqs = self.make_request(prompt, params)
-        if len(seqs) != 1:
+        if len(seqs := self.make_request(prompt, params)) != 1:
             raise ValueError(f"make_sequence makes one sequence, but n={len(seqs)}; use make_request")
         return seqs[0]
 
@@ -185,35 +183,16 @@ class LLMEngine:
             runner.release()
 
     # ---- the loop ----
-    def _run_model(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
-        """Run one step over seqs; returns the sampled token of each (None for those that only computed
-        part of their prompt), and records on them the logprobs and prompt logprobs they asked for."""
+    def _run_batch(self, batch: StepBatch) -> StepOutput:
+        """Run one batch on every rank; rank 0's output."""
         self._check_running()
-        batch = build_batch(seqs, is_prefill)
         if self.workers is None:
-            out = self.model_runner.run(batch)
-        else:
-            try:
-                out = self.workers.run(self.model_runner, batch)
-            except BaseException:
-                self.shutdown()  # the workers are gone already; free rank 0's share as well
-                raise
-        return record_step(seqs, batch.sample_rows, out)
-
-    def _check_sampling(self, seqs: list[Sequence]) -> None:
-        self.model_runner.check_sampling(sampling_batch(seqs))
-
-    def _run_sync(self, seqs: list[Sequence], is_prefill: bool) -> None:
-        """Run a scheduled step and postprocess it, failing alone each request whose part fails."""
-        check = self._check_sampling if self.workers is not None else None
-        token_ids, failures = run_isolating_failures(self._run_model, seqs, is_prefill, check)
-        if failures:  # a request fails with all its completions
-            failed = {request_id_of(seq): error for seq in seqs if (error := failures.get(seq.seq_id))}
-            for request_id, error in failed.items():
-                self._finish_early(request_id, "error", error)
-            ok = [i for i, seq in enumerate(seqs) if request_id_of(seq) not in failed]
-            seqs, token_ids = [seqs[i] for i in ok], [token_ids[i] for i in ok]
-        self._finish_requests(self.scheduler.postprocess(seqs, token_ids))
+            return self.model_runner.run(batch)
+        try:
+            return self.workers.run(self.model_runner, batch)
+        except BaseException:
+            self.shutdown()  # the workers are gone already; free rank 0's share as well
+            raise
 
     def _finish_requests(self, finished: list[Sequence]) -> None:
         """Make the outputs of the requests whose last sequence is among `finished`."""
@@ -232,12 +211,7 @@ class LLMEngine:
             if self.scheduler.is_finished():
                 return StepResult([], 0, 0)
             self._check_running()
-            if self.overlap is not None:
-                num_tokens, is_prefill = self.overlap.step()
-            else:
-                seqs, is_prefill = self.scheduler.schedule()
-                num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-                self._run_sync(seqs, is_prefill)
+            num_tokens, is_prefill = (self.overlap or self.sync).step()
             return StepResult([], num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)
 
     def run_step(self) -> StepResult:
@@ -268,7 +242,8 @@ class LLMEngine:
         self._check_running()
         if self.workers is not None:
             raise ValueError("prompt_logits runs on single-rank engines only (tensor_parallel_size=1)")
-        seq = Sequence(self._tokenize(token_ids), block_size=self.config.kvcache_block_size)
+        token_ids = tokenize_prompt(token_ids, self.tokenizer, self.config.hf_config.vocab_size)
+        seq = Sequence(token_ids, block_size=self.config.kvcache_block_size)
         block_manager = self.scheduler.block_manager
         block_manager.allocate(seq)
         try:

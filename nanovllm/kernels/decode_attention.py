@@ -18,7 +18,7 @@ So there is no host sync and no data-dependent size: the call is CUDA-graph capt
 sequence's end write neutral partials (lse = -inf), so seqlens_k[b] == 0 (graph batch padding) gives
 zeros without reading the block table or the cache.
 
-This file is longer than most (~290 lines) because the kernel, its split-combining epilogue and the
+This file is longer than most (~300 lines) because the kernel, its split-combining epilogue and the
 wrapper's argument checks belong together: splitting them would put one kernel's contract in two files.
 """
 
