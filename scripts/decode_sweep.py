@@ -18,7 +18,7 @@ import triton.testing
 from nanovllm.kernels import decode_attention as dk
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
-CASES = [(1, 4096), (64, 2048), (256, 512), (256, 1024), (512, 1024)]  # (batch, context)
+CASES = [(1, 1024), (1, 4096), (64, 2048), (256, 512), (256, 1024), (512, 1024)]  # (batch, context)
 SETTINGS = dict(BLOCK_N=(32, 64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3, 4), PROGRAMS_PER_SM=(4, 16))
 QUICK = dict(BLOCK_N=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3), PROGRAMS_PER_SM=(4,))
 

@@ -64,6 +64,17 @@ def correctness():
             print("  sync ", res[0], "\n  async", res[1], flush=True)
 
 
+def show_live_tensors() -> None:
+    """The largest CUDA tensors still alive, and what refers to them: for a leak after shutdown."""
+    import gc
+    gc.collect()
+    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    for t in sorted(live, key=lambda t: -t.untyped_storage().nbytes())[:8]:
+        referrers = [type(r).__name__ for r in gc.get_referrers(t)][:5]
+        mib = t.untyped_storage().nbytes() / 2**20
+        print(f"  live: {tuple(t.shape)} {t.dtype} {mib:.0f} MiB <- {referrers}", flush=True)
+
+
 def speed():
     from transformers import Qwen3Config
     d = tempfile.mkdtemp()
@@ -84,8 +95,13 @@ def speed():
             out = llm.generate(prompts, params, use_tqdm=False)
             dt = time.perf_counter() - t
             n = sum(len(o["token_ids"]) for o in out)
-            print(f"batch {batch} async={a}: {n / dt:.0f} tok/s ({dt:.2f}s)", flush=True)
             llm.engine.shutdown()
+            del llm
+            held = torch.cuda.memory_allocated() / 2**30  # what the engine left behind: should be ~0
+            print(f"batch {batch} async={a}: {n / dt:.0f} tok/s ({dt:.2f}s); "
+                  f"{held:.2f} GiB held after shutdown", flush=True)
+            if held > 0.5:
+                show_live_tensors()
 
 
 if __name__ == "__main__":
