@@ -85,6 +85,7 @@ class EngineProcess:
                 raise EngineStartError(self.describe_end()) from None
             if kind == "ready":
                 self.info = payload
+                self.stats = EngineStats(num_free_blocks=payload.num_kvcache_blocks)
             elif kind == "error":
                 self.traceback = payload
                 raise EngineStartError(self.describe_end())
