@@ -7,15 +7,16 @@ token of each process; their difference is what serving costs per token (per ste
 By default the model step is a stand-in for a GPU's: it sleeps --step-ms in --gil-releases pieces
 (releasing the GIL each time, as each launched torch op and the CUDA sync do) and samples random
 tokens, while everything on the host (scheduler, batch records, the server) runs for real. That is
-the regime of issue 14's target, where the server's Python work competes with the engine thread
-for the GIL while the device computes: each time the engine thread wants the GIL back it may wait
-for the event loop. Offline, a step takes --step-ms plus the engine's bookkeeping; served, whatever
-the server adds shows in tok/s. (The server before serve-speed's changes measured 51% of offline
-here, near the 45% that scripts/bench_serve.py measured on an H200.) --step-ms 0 runs the tiny
-model itself instead; on a 2-core machine shared with other jobs that mode is too noisy to compare.
-The server runs its engine in a process of its own: the stand-in is put there too (this script is
-the spawned engine's main module, see STAND_IN_VAR), and the CPU time of the HTTP process and of the
-engine process are reported apiece.
+the regime of issue 14's target, where the server's Python work ran beside the engine's host work
+while the device computes. Offline, a step takes --step-ms plus the engine's bookkeeping; served,
+whatever the server adds shows in tok/s. (The server before serve-speed's changes measured 51% of
+offline here, near the 45% that scripts/bench_serve.py measured on an H200.) --step-ms 0 runs the
+tiny model itself instead; on a 2-core machine shared with other jobs that mode is too noisy to
+compare. The server runs its engine in a process of its own (it used to be a thread, taking turns
+with the event loop for the GIL): the stand-in is put there too (this script is the spawned
+engine's main module, see STAND_IN_VAR), and the CPU time of the HTTP process and of the engine
+process are reported apiece. On a machine with fewer cores than busy processes (2 cores: the
+clients, the HTTP process and the engine) they compete for cores instead.
 
     python scripts/serve_overhead.py                # 256 clients, bench.py's lengths, 8 ms steps
     python scripts/serve_overhead.py --step-ms 0 --max-input-len 64 --max-output-len 300
