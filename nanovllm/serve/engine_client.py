@@ -129,6 +129,8 @@ class EngineClient:
             if owner is engine:
                 del self._streams[request_id]
                 stream.add([], {**output, "text": "", "token_ids": []})
+        # Now rather than at exit: a server may run on for long (answering 503s) after its engine died.
+        self._loop.run_in_executor(None, engine.clean_up)
         self._num_running -= 1
         if self._num_running == 0:
             self._all_gone.set()

@@ -108,7 +108,8 @@ class EngineProcess:
         self.send(("stop",))
         self.send(None)
         self._sender.join(KILL_TIMEOUT_S)
-        self._drain_until_exit(time.monotonic() + EXIT_TIMEOUT_S)
+        # One still loading reads no message until it is built (which may take minutes): SIGTERM now.
+        self._drain_until_exit(time.monotonic() + (EXIT_TIMEOUT_S if self.info is not None else 0))
         for stop in (self.process.terminate, self.process.kill):
             if self.process.is_alive():
                 stop()
@@ -116,6 +117,11 @@ class EngineProcess:
         self.process.join()
         self.inbox.close()
         self.outbox.close()
+        self.clean_up()
+
+    def clean_up(self) -> None:
+        """Remove what the process left if it was killed (nothing if it shut down cleanly). Blocks
+        up to KILL_TIMEOUT_S for its workers to follow it."""
         if self.info is not None:
             clean_up_after(self.info)
 
