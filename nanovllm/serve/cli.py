@@ -134,7 +134,11 @@ def serve_main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError) as e:  # the options, checked in this process first
         parser.error(str(e))
     except EngineStartError as e:
-        print(f"nanovllm serve: the engine failed to start: {e}", file=sys.stderr)
+        if e.traceback:
+            logging.debug("the engine process's traceback:\n%s", e.traceback)
+        print(f"nanovllm serve: the engine failed to start: {e}"
+              + ("" if args.log_level == "debug" else " (--log-level debug shows its traceback)"),
+              file=sys.stderr)
         return 1
     try:
         app = build_app(engine, args.served_model_name or args.model, args.api_key, args.stream_interval)

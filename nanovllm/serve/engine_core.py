@@ -27,10 +27,14 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from nanovllm.dp.replica import Placement, replica_info
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.parent_watch import exit_with_parent
+
+if TYPE_CHECKING:
+    from nanovllm.llm import LLM
 
 # A traceback goes through the pipe before the process exits: keep it well under the pipe's buffer
 # (64 KiB on Linux) so that sending it never blocks a dying process.
@@ -60,8 +64,8 @@ class _Tracked:
 class EngineCore:
     """The loop: drain the inbox, run a step, publish what changed."""
 
-    def __init__(self, llm, outbox: Connection) -> None:
-        self.llm, self.engine, self.outbox = llm, llm.engine, outbox
+    def __init__(self, llm: "LLM", outbox: Connection) -> None:
+        self.engine, self.outbox = llm.engine, outbox
         self.requests: dict[int, _Tracked] = {}  # by the HTTP process's request id
         self.rejected: list[tuple[int, list[int], dict]] = []  # updates for requests refused here
         self.num_prompt_tokens = self.num_generation_tokens = 0

@@ -24,7 +24,11 @@ KILL_TIMEOUT_S = 2.0
 
 
 class EngineStartError(RuntimeError):
-    """An engine process failed (or died) before it was ready."""
+    """An engine process failed (or died) before it was ready; `traceback` is its own, if it sent one."""
+
+    def __init__(self, message: str, traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.traceback = traceback
 
 
 class EngineProcess:
@@ -88,7 +92,7 @@ class EngineProcess:
                 self.stats = EngineStats(num_free_blocks=payload.num_kvcache_blocks)
             elif kind == "error":
                 self.traceback = payload
-                raise EngineStartError(self.describe_end())
+                raise EngineStartError(self.describe_end(), payload)
 
     def describe_end(self) -> str:
         """How the process ended, with the last line of its error when it sent one."""
