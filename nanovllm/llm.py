@@ -18,6 +18,7 @@ from nanovllm.engine.llm_engine import LLMEngine, Prompt
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tokenizer import chat_token_ids
 
 Message = dict[str, str]
 # Seconds between redraws of the progress bar's live prefill/decode throughput.
@@ -165,11 +166,7 @@ class LLM:
         """The prompt token ids of one conversation, formatted with the tokenizer's chat template."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer, but skip_tokenizer_init=True")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  **(chat_template_kwargs or {}))
-        # The template already placed any special tokens (BOS) it wants.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_token_ids(self.tokenizer, conversation, add_generation_prompt, chat_template_kwargs)
 
     # ---- streaming ----
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:

@@ -7,12 +7,16 @@ token of each process; their difference is what serving costs per token (per ste
 By default the model step is a stand-in for a GPU's: it sleeps --step-ms in --gil-releases pieces
 (releasing the GIL each time, as each launched torch op and the CUDA sync do) and samples random
 tokens, while everything on the host (scheduler, batch records, the server) runs for real. That is
-the regime of issue 14's target, where the server's Python work competes with the engine thread
-for the GIL while the device computes: each time the engine thread wants the GIL back it may wait
-for the event loop. Offline, a step takes --step-ms plus the engine's bookkeeping; served, whatever
-the server adds shows in tok/s. (The server before serve-speed's changes measured 51% of offline
-here, near the 45% that scripts/bench_serve.py measured on an H200.) --step-ms 0 runs the tiny
-model itself instead; on a 2-core machine shared with other jobs that mode is too noisy to compare.
+the regime of issue 14's target, where the server's Python work ran beside the engine's host work
+while the device computes. Offline, a step takes --step-ms plus the engine's bookkeeping; served,
+whatever the server adds shows in tok/s. (The server before serve-speed's changes measured 51% of
+offline here, near the 45% that scripts/bench_serve.py measured on an H200.) --step-ms 0 runs the
+tiny model itself instead; on a 2-core machine shared with other jobs that mode is too noisy to
+compare. The server runs its engine in a process of its own (it used to be a thread, taking turns
+with the event loop for the GIL): the stand-in is put there too (this script is the spawned
+engine's main module, see STAND_IN_VAR), and the CPU time of the HTTP process and of the engine
+process are reported apiece. On a machine with fewer cores than busy processes (2 cores: the
+clients, the HTTP process and the engine) they compete for cores instead.
 
     python scripts/serve_overhead.py                # 256 clients, bench.py's lengths, 8 ms steps
     python scripts/serve_overhead.py --step-ms 0 --max-input-len 64 --max-output-len 300
@@ -92,24 +96,34 @@ def served(model: str, jobs, clients: int, extra: list[str], step_ms: float, num
     server = Server(model, *options, *extra, api_key=None, launcher=launcher)
     try:
         run_level(server.url, [([1, 2, 3], 8)], 1)  # warm-up
-        cpu = process_cpu_s(server.proc.pid)
+        engines = server.engine_pids()
+        http_cpu, engine_cpu = process_cpu_s(server.proc.pid), sum(map(process_cpu_s, engines))
         level = run_level(server.url, jobs, clients)
-        cpu = process_cpu_s(server.proc.pid) - cpu
+        http_cpu = process_cpu_s(server.proc.pid) - http_cpu
+        engine_cpu = sum(map(process_cpu_s, engines)) - engine_cpu
     finally:
         server.terminate()
-    return {**level, "cpu_us_per_token": cpu / level["tokens"] * 1e6,
-            "client_cpu_us_per_token": level["client_cpu_s"] / level["tokens"] * 1e6}
+    per_token = 1e6 / level["tokens"]
+    return {**level, "cpu_us_per_token": (http_cpu + engine_cpu) * per_token,
+            "http_cpu_us_per_token": http_cpu * per_token, "engine_cpu_us_per_token": engine_cpu * per_token,
+            "engine_processes": len(engines), "client_cpu_us_per_token": level["client_cpu_s"] * per_token}
 
 
 # `serve_overhead.py --as-server STEP_MS RELEASES VOCAB MODEL [serve options]`: the server on the stand-in.
 SERVER_FLAG = "--as-server"
+# "STEP_MS RELEASES VOCAB" in the server's environment: its spawned engine process, which imports this
+# script as its main module (not running main()), puts the stand-in step in place on import, below.
+STAND_IN_VAR = "NANOVLLM_SERVE_OVERHEAD_STAND_IN"
+if os.environ.get(STAND_IN_VAR) and __name__ != "__main__":
+    _step_ms, _releases, _vocab = os.environ[STAND_IN_VAR].split()
+    use_stand_in_step(float(_step_ms), int(_releases), int(_vocab))
 
 
 def main() -> None:
     if sys.argv[1:2] == [SERVER_FLAG]:
         from nanovllm.serve.cli import serve_main
 
-        use_stand_in_step(float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        os.environ[STAND_IN_VAR] = " ".join(sys.argv[2:5])
         sys.exit(serve_main(sys.argv[5:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: a tiny random Qwen3 made in a temp dir")
@@ -145,8 +159,10 @@ def main() -> None:
           f"{srv['output_tok_s']:.0f} tok/s ({srv['output_tok_s'] / off['tok_s']:.1%}); ITL p50 "
           f"{srv['itl_p50_ms']:.1f}ms p99 {srv['itl_p99_ms']:.1f}ms")
     print(f"CPU per token: offline {off['cpu_us_per_token']:.0f}us, server {srv['cpu_us_per_token']:.0f}us "
-          f"-> serving overhead {overhead:.0f}us per token (per step per stream); clients "
-          f"{srv['client_cpu_us_per_token']:.0f}us per token in {srv['client_processes']} processes")
+          f"(HTTP process {srv['http_cpu_us_per_token']:.0f}us, engine process "
+          f"{srv['engine_cpu_us_per_token']:.0f}us) -> serving overhead {overhead:.0f}us per token (per step "
+          f"per stream); clients {srv['client_cpu_us_per_token']:.0f}us per token in "
+          f"{srv['client_processes']} processes")
 
 
 if __name__ == "__main__":

@@ -92,8 +92,8 @@ async def one_request(host: str, port: int, prompt: list[int], max_tokens: int) 
     num_tokens = sum(n for _, n in arrivals)
     assert num_tokens == max_tokens, f"got {num_tokens} tokens, asked for {max_tokens}"
     gaps = [(b[0] - a[0]) / b[1] for a, b in zip(arrivals, arrivals[1:])]  # per token
-    return {"ttft": arrivals[0][0] - start, "itl": gaps, "tokens": num_tokens, "start": start,
-            "end": arrivals[-1][0]}
+    return {"ttft": arrivals[0][0] - start, "itl": gaps, "tokens": num_tokens, "events": len(arrivals),
+            "start": start, "end": arrivals[-1][0]}
 
 
 async def _run_share(url: str, jobs: list[tuple[list[int], int]], concurrency: int) -> list[dict]:
@@ -135,4 +135,6 @@ def run_level(url: str, jobs: list[tuple[list[int], int]], concurrency: int,
             "ttft_p99_ms": pct(ttft, 0.99), "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99),
             "itl_mean_ms": statistics.fmean(itl) * 1000 if itl else 0.0, "tokens": num_tokens,
             "output_tok_s": num_tokens / elapsed, "seconds": elapsed,
+            # Above 1 when the server merged steps into one event (its handlers were behind).
+            "tokens_per_event": num_tokens / sum(r["events"] for r in results),
             "client_processes": num_processes, "client_cpu_s": sum(cpu for _, cpu in outs)}

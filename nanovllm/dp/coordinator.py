@@ -41,7 +41,7 @@ Request = tuple[list[int], SamplingParams]
 
 
 @contextmanager
-def _spawned_with_devices(placement: Placement) -> Iterator[None]:
+def spawned_with_devices(placement: Placement) -> Iterator[None]:
     """A spawned child starts with this process's environment: while a replica is started, that
     environment names the replica's GPUs, so that CUDA, whenever the child first touches it (even in
     an import before the replica's code runs), sees only those. This process's own CUDA view was
@@ -90,7 +90,7 @@ class DPCoordinator:
                 # Not a daemon: a replica with tensor_parallel_size > 1 starts worker processes itself.
                 process = ctx.Process(target=replica_main, name=f"nanovllm-dp{index}",
                                       args=(index, model, replica_options, placement, replica_conn))
-                with _spawned_with_devices(placement):
+                with spawned_with_devices(placement):
                     process.start()
                 replica_conn.close()
                 state.replicas.append(Replica(index, process, conn, placement))

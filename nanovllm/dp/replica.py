@@ -88,7 +88,7 @@ def replica_main(index: int, model: str, options: dict, placement: Placement, co
         # sampled on two replicas would come out alike; each replica draws its own stream. (The seed
         # itself stays shared: dummy weights are drawn from it and must be one model everywhere.)
         torch.manual_seed(engine.config.seed + index)
-        conn.send(("ready", _info(engine)))
+        conn.send(("ready", replica_info(engine)))
         while True:
             message = conn.recv()
             if message[0] == "exit" or not _run_batch(engine, conn, message[1]):
@@ -112,7 +112,8 @@ def replica_main(index: int, model: str, options: dict, placement: Placement, co
     os._exit(exit_code)
 
 
-def _info(engine) -> ReplicaInfo:
+def replica_info(engine) -> ReplicaInfo:
+    """What a built engine (in a replica, or the server's engine process) reports to its parent."""
     info = ReplicaInfo(engine.num_kvcache_blocks)
     workers = getattr(engine, "workers", None)  # its tensor-parallel workers, when it has some
     if workers is not None:

@@ -53,6 +53,25 @@ def _is_running(pid: int) -> bool:
         return True
 
 
+def clean_up_after(info: ReplicaInfo) -> None:
+    """An engine process (a replica, the server's engine) shut down cleanly leaves nothing; a killed one
+    leaves its tensor-parallel workers (they follow it within moments, see nanovllm.distributed.worker)
+    and its step channel."""
+    deadline = time.monotonic() + KILL_TIMEOUT_S
+    for pid in info.worker_pids:
+        while _is_running(pid) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if _is_running(pid):
+            os.kill(pid, signal.SIGKILL)
+    for name in info.shm_names:
+        try:
+            shm = SharedMemory(name=name)
+        except FileNotFoundError:
+            continue
+        shm.close()
+        shm.unlink()
+
+
 class ReplicaSet:
     """The replicas and why they failed; holds no reference to the coordinator, so that a finalizer
     can own it."""
@@ -111,7 +130,7 @@ class ReplicaSet:
             replica.process.join()
             replica.conn.close()
             if replica.info is not None:
-                self._clean_up_after(replica.info)
+                clean_up_after(replica.info)
 
     def _wait_for_exit(self, deadline: float) -> None:
         """Wait for the replicas to leave, reading (and dropping) what they still send meanwhile: a
@@ -126,21 +145,3 @@ class ReplicaSet:
                 except (EOFError, OSError):
                     open_conns.discard(conn)
             pending = [replica for replica in pending if replica.process.is_alive()]
-
-    @staticmethod
-    def _clean_up_after(info: ReplicaInfo) -> None:
-        """A replica shut down cleanly leaves nothing; a killed one leaves its tensor-parallel workers
-        (they follow it within moments, see nanovllm.distributed.worker) and its step channel."""
-        deadline = time.monotonic() + KILL_TIMEOUT_S
-        for pid in info.worker_pids:
-            while _is_running(pid) and time.monotonic() < deadline:
-                time.sleep(POLL_S)
-            if _is_running(pid):
-                os.kill(pid, signal.SIGKILL)
-        for name in info.shm_names:
-            try:
-                shm = SharedMemory(name=name)
-            except FileNotFoundError:
-                continue
-            shm.close()
-            shm.unlink()

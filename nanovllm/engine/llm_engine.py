@@ -31,7 +31,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker, eos_token_ids
 from nanovllm.engine.sync_loop import SyncLoop
-from nanovllm.engine.validation import Prompt, check_fits, tokenize_prompt
+from nanovllm.engine.validation import Prompt, check_request, tokenize_prompt
 from nanovllm.outputs import RequestOutput
 from nanovllm.runner.batch import StepBatch, StepOutput, build_batch
 from nanovllm.runner.model_runner import ModelRunner
@@ -90,15 +90,9 @@ class LLMEngine:
         """Validate and tokenize one request without queueing it: its n sequences (one per
         completion). Bad input raises here."""
         self._check_running()
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        # Again, now: fields may have been changed since construction, and token ids need the vocabulary.
-        params.validate(self.config.hf_config.vocab_size)
-        token_ids = tokenize_prompt(prompt, self.tokenizer, self.config.hf_config.vocab_size)
-        check_fits(self.config, self.num_kvcache_blocks, token_ids, params, self.tokenizer is not None)
-        return make_sequences(token_ids, params, self.config.kvcache_block_size, self.eos_token_ids,
-                              self.tokenizer)
+        config, tokenizer = self.config, self.tokenizer
+        token_ids, params = check_request(config, self.num_kvcache_blocks, tokenizer, prompt, params)
+        return make_sequences(token_ids, params, config.kvcache_block_size, self.eos_token_ids, tokenizer)
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
         """`make_request` for a request of one completion (n=1), as one Sequence."""

@@ -1,7 +1,8 @@
-"""Checks a request where it arrives, before anything is queued: the prompt (a string to tokenize, or
-token ids inside the vocabulary), whether prompt + max_tokens fit the context and the KV cache, and
-that the options needing a tokenizer have one.
-Each error says what to change. Pure Python."""
+"""Checks a request where it arrives, before anything is queued: its SamplingParams against the
+vocabulary, the prompt (a string to tokenize, or token ids inside the vocabulary), whether prompt +
+max_tokens fit the context and the KV cache, and that the options needing a tokenizer have one.
+Each error says what to change. Pure Python: the engine and the server's HTTP process (which holds
+no model) run the same checks."""
 
 from collections.abc import Sequence as SequenceLike
 
@@ -48,3 +49,16 @@ def check_fits(config: Config, num_kvcache_blocks: int, token_ids: list[int], pa
     if params.bad_words and not has_tokenizer:
         raise ValueError("bad_words need a tokenizer, but skip_tokenizer_init=True; use logit_bias "
                          "with -100 for single tokens")
+
+
+def check_request(config: Config, num_kvcache_blocks: int, tokenizer, prompt: Prompt,
+                  params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+    """Every check of one request; returns its prompt token ids and its params (the defaults for None)."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    # Again, now: fields may have been changed since construction, and token ids need the vocabulary.
+    params.validate(config.hf_config.vocab_size)
+    token_ids = tokenize_prompt(prompt, tokenizer, config.hf_config.vocab_size)
+    check_fits(config, num_kvcache_blocks, token_ids, params, tokenizer is not None)
+    return token_ids, params

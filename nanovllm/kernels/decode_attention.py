@@ -32,9 +32,9 @@ from nanovllm.kernels.common import (
     check_paged_attention_args,
     dot_precision,
     fp8_dot_operands,
+    max_shared_memory,
     online_softmax_step,
     paged_kv_offsets,
-    max_shared_memory,
     sm_count,
 )
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app (FastAPI): /v1/models, /v1/completions, /v1/chat/completions
 (streamed as server-sent events in OpenAI's chunk format, ending in `data: [DONE]`), /health and
-/metrics. Bad input is a 400 with OpenAI's error object and never reaches the engine; a wrong or
-missing key is a 401 when the server has one; a client that goes away has its request aborted."""
+/metrics. Bad input is a 400 with OpenAI's error object and never reaches the engine process; a wrong
+or missing key is a 401 when the server has one; a client that goes away has its request aborted."""
 
 import asyncio
 import logging
@@ -14,8 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from nanovllm.llm import LLM
-from nanovllm.serve.async_engine import AsyncEngine, RequestStream
+from nanovllm.serve.admission import Admission
+from nanovllm.serve.engine_client import EngineClient
 from nanovllm.serve.metrics import make_registry
 from nanovllm.serve.protocol import (
     ChatCompletionRequest,
@@ -27,6 +27,7 @@ from nanovllm.serve.protocol import (
     now,
     usage,
 )
+from nanovllm.serve.request_stream import RequestStream, ServerRequest
 from nanovllm.serve.responses import Reply, check_finished
 from nanovllm.serve.streaming import sse_events
 
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 # A non-streaming handler checks this often whether its client is still there.
 DISCONNECT_POLL_S = 1.0
+# After uvicorn's graceful shutdown, the engine gets this long to abort what is left and shut down.
+ENGINE_STOP_TIMEOUT_S = 30.0
 
 
 def parse(model: type[BaseModel], body: bytes) -> BaseModel:
@@ -43,18 +46,21 @@ def parse(model: type[BaseModel], body: bytes) -> BaseModel:
         raise describe_validation_error(e) from None
 
 
-def build_app(llm: LLM, model_name: str, api_key: str | None = None, stream_interval: int = 1) -> FastAPI:
-    """stream_interval: a streamed response sends a chunk every this-many tokens (1: each token)."""
+def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
+              stream_interval: int = 1) -> FastAPI:
+    """engine: started (its processes ready). stream_interval: a streamed response sends a chunk
+    every this-many tokens (1: each token)."""
     if not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"stream_interval must be a positive integer, got {stream_interval!r}")
-    engine = AsyncEngine(llm)
+    admission = Admission(engine.config, engine.tokenizer, engine.num_kvcache_blocks)
     registry = make_registry(engine, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        engine.attach(asyncio.get_running_loop())
         yield
-        engine.stop()  # uvicorn has drained the connections it could; abort the rest
+        # uvicorn has drained the connections it could; abort the rest
+        await engine.stop(ENGINE_STOP_TIMEOUT_S)
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     app.state.engine = engine
@@ -88,7 +94,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, stream_inte
     @app.get("/health")
     async def health():
         if not engine.healthy:
-            return JSONResponse(error_body(f"the engine failed: {engine.error!r}", "server_error"), 503)
+            why = f"the engine failed: {engine.error}" if engine.error else "the engine is not running"
+            return JSONResponse(error_body(why, "server_error"), 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -98,63 +105,47 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, stream_inte
     @v1.get("/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
-                                            "owned_by": "nanovllm", "root": llm.config.model,
-                                            "max_model_len": llm.config.max_model_len}]}
+                                            "owned_by": "nanovllm", "root": engine.config.model,
+                                            "max_model_len": engine.config.max_model_len}]}
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise RequestError(f"the model {name!r} does not exist; this server serves {model_name!r}",
                                "model", status=404, code="model_not_found")
 
-    def make_sequence(prompt: str | list[int], req):
-        """Tokenize and validate; max_tokens defaults to what the context and the cache leave."""
-        try:
-            probe = llm.engine.make_sequence(prompt, req.sampling_params(max_tokens=1))
-            num_prompt = probe.num_prompt_tokens
-            config = llm.config
-            capacity = llm.engine.num_kvcache_blocks * config.kvcache_block_size
-            room = min(config.max_model_len, capacity) - num_prompt
-            max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or max(room, 1)
-            return llm.engine.make_sequence(probe.token_ids, req.sampling_params(max_tokens))
-        except (TypeError, ValueError) as e:
-            raise RequestError(str(e)) from e
-
     @v1.post("/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await request.body())
         check_model(req.model)
-        seq = make_sequence(req.single_prompt(), req)
-        return await respond(request, req, seq, Reply("text_completion", new_id("cmpl"), model_name))
+        server_request = admission.make_request(req.single_prompt(), req)
+        return await respond(request, req, server_request,
+                             Reply("text_completion", new_id("cmpl"), model_name))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await request.body())
         check_model(req.model)
-        if llm.tokenizer is None:
-            raise RequestError("chat needs a tokenizer, but the server runs with --skip-tokenizer-init")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
-        try:
-            token_ids = llm.chat_token_ids(messages, req.add_generation_prompt)
-        except Exception as e:  # a template may reject any conversation it does not expect
-            raise RequestError(f"the chat template rejected the messages: {e}", "messages") from e
-        seq = make_sequence(token_ids, req)
-        return await respond(request, req, seq, Reply("chat.completion", new_id("chatcmpl"), model_name))
+        token_ids = admission.chat_token_ids(messages, req.add_generation_prompt)
+        server_request = admission.make_request(token_ids, req)
+        return await respond(request, req, server_request,
+                             Reply("chat.completion", new_id("chatcmpl"), model_name))
 
-    async def respond(request: Request, req, seq, reply: Reply):
+    async def respond(request: Request, req, server_request: ServerRequest, reply: Reply):
         try:
-            stream = engine.submit(seq)
+            stream = engine.submit(server_request)
         except RuntimeError as e:
             raise RequestError(str(e), status=503, kind="server_error") from e
-        with_token_ids = req.return_token_ids or llm.tokenizer is None
+        with_token_ids = req.return_token_ids or engine.tokenizer is None
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            events = sse_events(engine, stream, reply, llm.tokenizer, with_token_ids, include_usage,
+            events = sse_events(engine, stream, reply, engine.tokenizer, with_token_ids, include_usage,
                                 stream_interval)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await collect(request, seq, stream, reply, with_token_ids)
+        return await collect(request, stream, reply, with_token_ids)
 
-    async def collect(request: Request, seq, stream: RequestStream, reply: Reply, with_token_ids: bool):
+    async def collect(request: Request, stream: RequestStream, reply: Reply, with_token_ids: bool):
         output = None
         try:
             while output is None:
@@ -165,12 +156,12 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, stream_inte
                         return Response(status_code=499)
         finally:
             if output is None:
-                engine.abort(seq.seq_id)
+                engine.abort(stream.request.request_id)
         check_finished(output)
         body = reply.full(output["text"], output["finish_reason"])
         if with_token_ids:
             body["choices"][0]["token_ids"] = output["token_ids"]
-        body["usage"] = usage(seq.num_prompt_tokens, len(output["token_ids"]))
+        body["usage"] = usage(stream.request.num_prompt_tokens, len(output["token_ids"]))
         return body
 
     app.include_router(v1)

@@ -2,9 +2,11 @@
 engine option of `LLM(...)` is a flag in vLLM's spelling (`max_model_len` -> `--max-model-len`,
 booleans as `--enforce-eager` / `--no-enforce-eager`), built from Config's fields so the two never
 drift apart; vLLM's own names for a few are accepted too (`-tp`, `--block-size`,
-`--num-gpu-blocks-override`). SIGTERM or Ctrl-C: uvicorn stops accepting, lets the requests in
-flight finish for up to --graceful-timeout seconds, then the rest are aborted and the engine shut
-down."""
+`--num-gpu-blocks-override`). The engine runs in a process of its own (one per data-parallel
+replica; nanovllm.serve.engine_client), and `serve` waits until it is built: an engine that fails
+to start ends `serve` with its error and status 1. SIGTERM or Ctrl-C: uvicorn stops accepting, lets
+the requests in flight finish for up to --graceful-timeout seconds, then the rest are aborted and
+the engine process stopped."""
 
 import argparse
 import contextlib
@@ -111,6 +113,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from nanovllm.serve.app import build_app
+        from nanovllm.serve.engine_client import EngineClient, EngineStartError
     except ImportError as e:
         print(f"the server needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"",
               file=sys.stderr)
@@ -121,24 +124,29 @@ def serve_main(argv: list[str] | None = None) -> int:
     if args.host not in LOOPBACK:
         logging.warning("listening on %s: reachable beyond this machine%s", args.host,
                         "" if args.api_key else ", and with no --api-key")
-    from nanovllm.llm import LLM
-
     if args.stream_interval < 1:
         parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
     options = {name: getattr(args, name) for name in engine_names}
     defaults = {f.name: _default(f) for f in fields(Config) if f.init}
     options = {k: v for k, v in options.items() if v != defaults.get(k)}  # pass only what was set
     try:
-        llm = LLM(args.model, **options)
-    except (TypeError, ValueError) as e:
+        engine = EngineClient(args.model, options)
+    except (TypeError, ValueError) as e:  # the options, checked in this process first
         parser.error(str(e))
-    app = build_app(llm, args.served_model_name or args.model, args.api_key, args.stream_interval)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.graceful_timeout)
+    except EngineStartError as e:
+        if e.traceback:
+            logging.debug("the engine process's traceback:\n%s", e.traceback)
+        print(f"nanovllm serve: the engine failed to start: {e}"
+              + ("" if args.log_level == "debug" else " (--log-level debug shows its traceback)"),
+              file=sys.stderr)
+        return 1
     try:
+        app = build_app(engine, args.served_model_name or args.model, args.api_key, args.stream_interval)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.graceful_timeout)
         _server_class(uvicorn)(config).run()
     finally:
-        llm.shutdown()
+        engine.close()
     return 0
 
 

@@ -40,3 +40,13 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         raise ValueError(f"the tokenizer in {path!r} has {len(tokenizer)} token(s); is it the model's "
                          "tokenizer? pass tokenizer='FOLDER' or skip_tokenizer_init=True")
     return tokenizer
+
+
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, conversation: list[dict[str, str]],
+                   add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[int]:
+    """The prompt token ids of one conversation, formatted with the tokenizer's chat template."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **(chat_template_kwargs or {}))
+    # The template already placed any special tokens (BOS) it wants.
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from nanovllm.dp.balance import replica_cpus, replica_devices, split_by_tokens
-from nanovllm.dp.coordinator import _spawned_with_devices
+from nanovllm.dp.coordinator import spawned_with_devices
 from nanovllm.dp.replica import Placement
 
 
@@ -55,10 +55,10 @@ def test_a_replica_refuses_a_cuda_view_that_is_not_its_own(monkeypatch):
 def test_the_devices_are_in_the_environment_only_while_a_replica_starts(monkeypatch):
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    with _spawned_with_devices(Placement(cuda_devices=["6", "7"])):
+    with spawned_with_devices(Placement(cuda_devices=["6", "7"])):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    with _spawned_with_devices(Placement(cuda_devices=["1"])):
+    with spawned_with_devices(Placement(cuda_devices=["1"])):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
     assert "CUDA_VISIBLE_DEVICES" not in os.environ

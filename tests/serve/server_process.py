@@ -1,6 +1,7 @@
 """A real server (`python -m nanovllm.serve`, uvicorn on 127.0.0.1 and a free port) in a subprocess,
 for the server tests (once per module) and scripts/bench_serve.py; SIGTERM stops it, and
-`terminate()` says whether it exited cleanly."""
+`terminate()` says whether it exited cleanly; `engine_pids()` and `descendants()` find the processes
+it started."""
 
 import os
 import signal
@@ -15,6 +16,32 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 API_KEY = "sk-test-key"
 # Loading a model on a busy 2-core machine can take a while.
 STARTUP_TIMEOUT_S = 120
+
+
+def children(pid: int) -> list[int]:
+    """pid's child processes, from /proc."""
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(child) for child in f.read().split()]
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below pid: its children, theirs, and so on."""
+    return [p for child in children(pid) for p in (child, *descendants(child))]
+
+
+def is_running(pid: int) -> bool:
+    """Whether pid is a live process (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def free_port() -> int:
@@ -56,6 +83,15 @@ class Server:
                 self.proc.kill()
                 raise RuntimeError(f"the server did not start in {startup_timeout}s:\n{self.output()}")
             time.sleep(0.2)
+
+    def engine_pids(self) -> list[int]:
+        """The server's engine processes: its spawned children (not multiprocessing's resource tracker)."""
+        pids = []
+        for pid in children(self.proc.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    pids.append(pid)
+        return pids
 
     @property
     def headers(self) -> dict:

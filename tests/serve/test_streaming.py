@@ -9,9 +9,8 @@ import json
 
 import pytest
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.serve.async_engine import RequestStream
+from nanovllm.serve.request_stream import RequestStream, ServerRequest
 from nanovllm.serve.responses import Reply
 from nanovllm.serve.streaming import sse_events
 
@@ -22,8 +21,8 @@ class FakeEngine:
     def __init__(self) -> None:
         self.aborted: list[int] = []
 
-    def abort(self, seq_id: int) -> None:
-        self.aborted.append(seq_id)
+    def abort(self, request_id: int) -> None:
+        self.aborted.append(request_id)
 
 
 def test_request_stream_merges_steps_and_survives_timeouts():
@@ -31,11 +30,10 @@ def test_request_stream_merges_steps_and_survives_timeouts():
         stream = RequestStream(None, asyncio.get_running_loop())
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(stream.next(), 0.01)  # nothing yet; the timed-out wait takes nothing
-        stream.post([1, 2], None)
-        stream.post([3], None)
-        await asyncio.sleep(0)  # both posts land before the handler looks
+        stream.add([1, 2], None)
+        stream.add([3], None)  # both steps land before the handler looks
         first = await stream.next()
-        stream.post([4], {"finish_reason": "length"})
+        asyncio.get_running_loop().call_later(0.01, stream.add, [4], {"finish_reason": "length"})
         last = await asyncio.wait_for(stream.next(), 1)
         return first, last
     first, last = asyncio.run(main())
@@ -47,18 +45,18 @@ def events_of(tokenizer, token_ids: list[int], steps: list[int], stream_interval
     """Run sse_events over a request whose tokens arrive `steps[i]` at a time, the handler taking
     each step before the next lands; returns the parsed events before [DONE], and the engine."""
     engine = FakeEngine()
-    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=len(token_ids)))
+    request = ServerRequest(7, [1, 2, 3], SamplingParams(max_tokens=len(token_ids)))
     output = {"text": tokenizer.decode(token_ids, skip_special_tokens=True), "token_ids": token_ids,
               "finish_reason": "length"}
 
     async def main():
-        stream = RequestStream(seq, asyncio.get_running_loop())
+        stream = RequestStream(request, asyncio.get_running_loop())
         events = sse_events(engine, stream, Reply("text_completion", "cmpl-1", "tiny"), tokenizer,
                             with_ids, include_usage=True, stream_interval=stream_interval)
         consumer = asyncio.create_task(anext_all(events))
         start = 0
         for i, num in enumerate(steps):
-            stream._add(token_ids[start:start + num], output if i == len(steps) - 1 else None)
+            stream.add(token_ids[start:start + num], output if i == len(steps) - 1 else None)
             start += num
             for _ in range(10):  # let the handler take this step before the next one lands
                 await asyncio.sleep(0)

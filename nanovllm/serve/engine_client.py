@@ -1,0 +1,159 @@
+"""The HTTP process's side of the engine: it starts the engine process (one per data-parallel
+replica, nanovllm.serve.engine_process), sends it checked requests and aborts, and fans each step
+message out to the requests' streams. The pipes are read on the event loop itself (a reader callback,
+not a thread): one wake-up per step, and no second thread taking turns with the handlers for the GIL.
+
+Failures never hang a request: an engine process that dies, or fails and exits, ends every request
+it had with finish_reason "error" (its error in the output), and /health reports it. Stopping (SIGTERM,
+Ctrl-C) aborts what is still in flight; its requests end with finish_reason "abort"."""
+
+import asyncio
+import logging
+import weakref
+from dataclasses import fields
+
+from nanovllm.config import Config
+from nanovllm.dp.coordinator import placements
+from nanovllm.serve.engine_core import EngineStats
+from nanovllm.serve.engine_process import EngineProcess, EngineStartError
+from nanovllm.serve.request_stream import RequestStream, ServerRequest
+from nanovllm.utils.tokenizer import load_engine_tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineClient", "EngineStartError"]
+
+
+def _close_all(engines: list[EngineProcess]) -> None:
+    for engine in engines:
+        engine.close()
+
+
+class EngineClient:
+    def __init__(self, model: str, options: dict) -> None:
+        """Check the options here (TypeError/ValueError), start the engine processes and wait until
+        they are built (EngineStartError if one fails)."""
+        self.config = config = Config.from_options(model, **options)
+        engine_options = {**options, "data_parallel_size": 1}
+        layout = placements(config) if config.data_parallel_size > 1 else [None]
+        self.engines: list[EngineProcess] = []
+        # Also at interpreter exit: a non-daemon child that was never stopped would hang it.
+        self._finalizer = weakref.finalize(self, _close_all, self.engines)
+        try:
+            for index, placement in enumerate(layout):
+                self.engines.append(EngineProcess(index, model, engine_options, placement))
+            self.tokenizer = load_engine_tokenizer(config)  # while the engines load
+            for engine in self.engines:
+                engine.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        # A request must fit whichever engine it goes to.
+        self.num_kvcache_blocks = min(engine.info.num_kvcache_blocks for engine in self.engines)
+        self.num_total_blocks = sum(engine.info.num_kvcache_blocks for engine in self.engines)
+        self.error: str | None = None  # why an engine failed; /health reports it
+        self._streams: dict[int, tuple[RequestStream, EngineProcess]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._num_running = len(self.engines)
+        self._all_gone: asyncio.Event | None = None
+
+    # ---- the event loop's side ----
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start reading the engines' messages on `loop` (the server's, at startup)."""
+        self._loop, self._all_gone = loop, asyncio.Event()
+        for engine in self.engines:
+            loop.add_reader(engine.outbox.fileno(), self._on_readable, engine)
+
+    @property
+    def healthy(self) -> bool:
+        return (self.error is None and not self._stopping
+                and all(engine.process.is_alive() for engine in self.engines))
+
+    def submit(self, request: ServerRequest) -> RequestStream:
+        """Send a checked request to the least loaded engine; returns the stream its tokens arrive on."""
+        if not self.healthy:
+            raise RuntimeError(f"the engine is not running ({self.error or 'the server is stopping'})")
+        engine = min(self.engines, key=lambda e: e.num_pending_tokens)
+        stream = RequestStream(request, self._loop)
+        self._streams[request.request_id] = (stream, engine)
+        engine.num_pending_tokens += _cost(request)
+        engine.send(("add", request.request_id, request.prompt_token_ids, request.sampling_params))
+        return stream
+
+    def abort(self, request_id: int) -> None:
+        """Abort a request (its client left); its KV blocks are freed in the engine process."""
+        entry = self._streams.get(request_id)
+        if entry is not None:  # else it has finished already
+            entry[1].send(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """The engines' latest figures, summed."""
+        per_engine = [engine.stats for engine in self.engines]
+        if len(per_engine) == 1:
+            return per_engine[0]
+        totals = {f.name: sum(getattr(s, f.name) for s in per_engine)
+                  for f in fields(EngineStats) if f.name != "finish_reasons"}
+        reasons = tuple(sum(counts) for counts in zip(*(s.finish_reasons for s in per_engine)))
+        return EngineStats(**totals, finish_reasons=reasons)
+
+    def _on_readable(self, engine: EngineProcess) -> None:
+        try:
+            message = engine.outbox.recv()
+        except (EOFError, OSError):
+            self._engine_gone(engine)
+            return
+        if message[0] == "step":
+            _, updates, engine.stats = message
+            for request_id, new_token_ids, output in updates:
+                stream, _ = self._streams[request_id]
+                if output is not None:
+                    del self._streams[request_id]
+                    engine.num_pending_tokens -= _cost(stream.request)
+                stream.add(new_token_ids, output)
+        elif message[0] == "error":  # it exits next: its EOF ends its requests
+            engine.traceback = message[1]
+            logger.error("%s failed:\n%s", engine, message[1])
+
+    def _engine_gone(self, engine: EngineProcess) -> None:
+        """End every request the engine had: aborted when the server stops, failed otherwise."""
+        self._loop.remove_reader(engine.outbox.fileno())
+        if self._stopping:
+            output = {"finish_reason": "abort", "error": "the server is stopping"}
+        else:
+            why = engine.describe_end()
+            logger.error("%s; failing its requests", why)
+            self.error = self.error or why
+            output = {"finish_reason": "error", "error": f"the engine failed: {why}"}
+        for request_id, (stream, owner) in list(self._streams.items()):
+            if owner is engine:
+                del self._streams[request_id]
+                stream.add([], {**output, "text": "", "token_ids": []})
+        # Now rather than at exit: a server may run on for long (answering 503s) after its engine died.
+        self._loop.run_in_executor(None, engine.clean_up)
+        self._num_running -= 1
+        if self._num_running == 0:
+            self._all_gone.set()
+
+    async def stop(self, timeout: float) -> None:
+        """Abort what is in flight (its requests end with "abort") and wait up to `timeout` s for the
+        engines to shut down; `close()` finishes the job."""
+        self._stopping = True
+        for engine in self.engines:
+            engine.send(("stop",))
+        try:
+            await asyncio.wait_for(self._all_gone.wait(), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("the engine did not stop in %.0f s; it will be terminated", timeout)
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        """Stop every engine process (terminate or kill one that does not stop) and clean up after
+        it. Idempotent; also runs at interpreter exit."""
+        self._finalizer()
+
+
+def _cost(request: ServerRequest) -> int:
+    """What a request may take of an engine's KV cache: prompt + max_tokens."""
+    return request.num_prompt_tokens + request.sampling_params.max_tokens
+
