@@ -37,8 +37,8 @@ NUM_STAGES = 2
 # Triton compiles a variant per integer argument that is 1 or a multiple of 16, and per pointer that is
 # 16-byte aligned or not; a variant first met mid-run costs a second or two to compile. These vary from
 # step to step: the block-table width, and where a mixed batch's prefill rows start in its metadata (the
-# backend passes cu_seqlens_q[d:], seqlens_k[d:], block_tables[d:] after d decoding rows). Unpinned, the
-# first bench.py run on a fresh machine compiled them mid-run: 14.3k tok/s against 21.6k for the second.
+# backend passes cu_seqlens_q[d:], seqlens_k[d:], block_tables[d:] after d decoding rows), so their
+# alignment is not specialized on (these are scalar loads: alignment buys nothing).
 @triton.jit(do_not_specialize=["block_tables_stride"],
             do_not_specialize_on_alignment=["cu_seqlens_q_ptr", "seqlens_k_ptr", "block_tables_ptr"])
 def _prefill_kernel(
