@@ -1,8 +1,9 @@
 """The split-KV decode kernel (nanovllm.kernels.decode_attention) under other launch settings: tile
 length, warps, pipeline stages and programs per SM, for a bf16 and an fp8 cache, at the decode shapes
 of the benchmarks (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, 256-token blocks). Prints
-each setting's time and KV-read bandwidth as a fraction of a plain device copy's, best first per case,
-so a default is chosen by measurement. GPU only.
+each case's engine choice (nanovllm.kernels.decode_launch) and the best settings found, with their
+time and KV-read bandwidth as a fraction of a plain device copy's, so that choice is made by
+measurement. GPU only.
 
     python scripts/decode_sweep.py [--quick]"""
 
@@ -16,11 +17,14 @@ import torch
 import triton.testing
 
 from nanovllm.kernels import decode_attention as dk
+from nanovllm.kernels import decode_launch as dl
+from nanovllm.kernels.common import sm_count
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 CASES = [(1, 1024), (1, 4096), (64, 2048), (256, 512), (256, 1024), (512, 1024)]  # (batch, context)
 SETTINGS = dict(BLOCK_N=(32, 64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3, 4), PROGRAMS_PER_SM=(4, 16))
 QUICK = dict(BLOCK_N=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3), PROGRAMS_PER_SM=(4,))
+programs_per_sm = dl.PROGRAMS_PER_SM  # the engine's, restored after each forced launch
 
 
 def copy_bandwidth() -> float:
@@ -45,43 +49,60 @@ def make_case(batch: int, context: int, kv_dtype: torch.dtype):
     return q, k_cache, v_cache, seqlens, tables, kv_bytes
 
 
+def forced(setting: dict):
+    """A stand-in for decode_launch.choose_launch that always launches `setting`."""
+    launch = dl.DecodeLaunch(setting["BLOCK_N"], setting["NUM_WARPS"], setting["NUM_STAGES"])
+
+    def choose(batch_size, num_kv_heads, head_dim, max_context_len, element_size, device, num_sms):
+        dl.PROGRAMS_PER_SM = setting["PROGRAMS_PER_SM"]
+        try:
+            splits = dl.decode_num_splits(batch_size, num_kv_heads, max_context_len, launch.block_n, num_sms)
+            return launch, splits
+        finally:
+            dl.PROGRAMS_PER_SM = programs_per_sm
+    return choose
+
+
+def default_setting(batch: int, context: int, element_size: int) -> dict:
+    """What the engine launches for this case (decode_launch.choose_launch)."""
+    launch, _ = dl.choose_launch(batch, NUM_KV_HEADS, HEAD_DIM, context, element_size, torch.device("cuda"),
+                                 sm_count(torch.device("cuda")))
+    return dict(BLOCK_N=launch.block_n, NUM_WARPS=launch.num_warps, NUM_STAGES=launch.num_stages,
+                PROGRAMS_PER_SM=dl.PROGRAMS_PER_SM)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller grid of settings")
     args = parser.parse_args()
     grid = QUICK if args.quick else SETTINGS
-    wide = dk.WIDE_BLOCK_N
-    defaults = {name: getattr(dk, name) for name in grid}
-    defaults["BLOCK_N"] = dk.decode_block_n(HEAD_DIM, 2, torch.device("cuda"))  # what a bf16 cache gets
     copy_bps = copy_bandwidth()
-    print(json.dumps(dict(copy_gb_s=round(copy_bps / 1e9), defaults=defaults)), flush=True)
+    print(json.dumps(dict(copy_gb_s=round(copy_bps / 1e9))), flush=True)
     workspace = torch.empty(64 * 2**20, dtype=torch.float32, device="cuda")
     counters = torch.zeros(512 * NUM_KV_HEADS, dtype=torch.int32, device="cuda")
     for kv_dtype, (batch, context) in itertools.product((torch.bfloat16, torch.float8_e4m3fn), CASES):
         q, k_cache, v_cache, seqlens, tables, kv_bytes = make_case(batch, context, kv_dtype)
         run = functools.partial(dk.paged_decode_attention, q, k_cache, v_cache, seqlens, tables,
                                 HEAD_DIM**-0.5, workspace=workspace, counters=counters)
+        default = default_setting(batch, context, k_cache.element_size())
+        settings = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
         results = []
-        for values in itertools.product(*grid.values()):
-            setting = dict(zip(grid, values))
-            for name, value in setting.items():
-                setattr(dk, name, value)
-            dk.WIDE_BLOCK_N = dk.BLOCK_N  # the tile is what the setting says, whatever fits
+        for setting in settings + ([] if default in settings else [default]):
+            dk.choose_launch = forced(setting)
             try:
                 ms = triton.testing.do_bench(run)
             except Exception as e:  # e.g. a tile and stage count that overflow shared memory
                 print(f"skipped {setting}: {type(e).__name__}", flush=True)
                 continue
+            finally:
+                dk.choose_launch = dl.choose_launch
             results.append((ms, setting))
-        for name, value in defaults.items():
-            setattr(dk, name, value)
-        dk.WIDE_BLOCK_N = wide
         results.sort(key=lambda r: r[0])
-        default_ms = next(ms for ms, s in results if s == {k: defaults[k] for k in s})
+        default_ms = next(ms for ms, s in results if s == default)
         best_ms, best = results[0]
         copy_ms = kv_bytes / copy_bps * 1e3  # a copy that reads as many bytes
         print(json.dumps(dict(
-            kv=str(kv_dtype).removeprefix("torch."), batch=batch, context=context,
+            kv=str(kv_dtype).removeprefix("torch."), batch=batch, context=context, default=default,
             default_us=round(default_ms * 1e3, 1), default_of_copy=round(copy_ms / default_ms, 3),
             best_us=round(best_ms * 1e3, 1), best_of_copy=round(copy_ms / best_ms, 3),
             best=best, next=[dict(us=round(ms * 1e3, 1), **s) for ms, s in results[1:4]])), flush=True)

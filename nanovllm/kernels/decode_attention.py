@@ -12,13 +12,14 @@ into num_splits chunks:
         hold keys, done by the last program of each (sequence, KV head) to finish (an atomic counter
         says which: one kernel in all).
 
-num_splits depends only on static shapes (batch size, KV heads, block_tables width, SM count); each
+num_splits and the launch settings depend only on static shapes (batch size, KV heads, block_tables
+width, cache dtype, SM count; decode_launch.py); each
 sequence's chunk length, cdiv(seqlens_k[b], num_splits) rounded up to whole tiles, is computed on the GPU.
 So there is no host sync and no data-dependent size: the call is CUDA-graph capturable. Chunks past a
 sequence's end write neutral partials (lse = -inf), so seqlens_k[b] == 0 (graph batch padding) gives
 zeros without reading the block table or the cache.
 
-This file is longer than most (~300 lines) because the kernel, its split-combining epilogue and the
+This file is longer than most (~270 lines) because the kernel, its split-combining epilogue and the
 wrapper's argument checks belong together: splitting them would put one kernel's contract in two files.
 """
 
@@ -32,30 +33,15 @@ from nanovllm.kernels.common import (
     check_paged_attention_args,
     dot_precision,
     fp8_dot_operands,
-    max_shared_memory,
     online_softmax_step,
     paged_kv_offsets,
     sm_count,
 )
+from nanovllm.kernels.decode_launch import choose_launch
 
-# Key positions per tile: WIDE_BLOCK_N where its K and V tiles and their pipeline stages fit in shared
-# memory with room to spare (an H100/H200 at head_dim <= 128: the fastest tile at every decode shape
-# that scripts/decode_sweep.py tried on an H200, up to 3x at batch 1 with an fp8 cache), else BLOCK_N;
-# at head_dim 256 the tile shrinks further so they fit.
-WIDE_BLOCK_N = 128
-BLOCK_N = 64
-BLOCK_N_HEAD_DIM_256 = 32
-# Shared memory left for what else the kernel keeps there (q, the dot operands' layouts).
-SHARED_MEMORY_HEADROOM = 32 * 1024
-NUM_WARPS = 4
-NUM_STAGES = 2
 # tl.dot needs at least 16 rows, so a GQA group (often 1-8 query heads) is padded to 16 masked rows.
 # The padding costs tensor-core FLOPs, not memory traffic, and decode is bound by reading K/V.
 MIN_GROUP_ROWS = 16
-# Enough resident programs per SM to hide memory latency in this bandwidth-bound kernel.
-PROGRAMS_PER_SM = 4
-# Caps the partials one head's reduce has to combine (and the scratch they take).
-MAX_NUM_SPLITS = 64
 # Partials the combining epilogue reads per vectorized load ([rows, head_dim] float32 in registers).
 COMBINE_ROWS = 16
 
@@ -184,24 +170,6 @@ def _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_row, num_us
     tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_block_n(head_dim: int, cache_element_size: int, device: torch.device) -> int:
-    """Key positions per tile for this head size, cache dtype and device (see WIDE_BLOCK_N)."""
-    if head_dim > 128:
-        return BLOCK_N_HEAD_DIM_256
-    wide_tiles = NUM_STAGES * 2 * WIDE_BLOCK_N * head_dim * cache_element_size
-    return WIDE_BLOCK_N if wide_tiles + SHARED_MEMORY_HEADROOM <= max_shared_memory(device) else BLOCK_N
-
-
-def decode_num_splits(
-    batch_size: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int
-) -> int:
-    """Chunks per sequence for split-KV decode, from static shapes only: enough programs to give every
-    SM PROGRAMS_PER_SM of them, but no more chunks than tiles in the longest possible context."""
-    wanted = triton.cdiv(num_sms * PROGRAMS_PER_SM, batch_size * num_kv_heads)
-    useful = triton.cdiv(max_context_len, block_n)
-    return max(1, min(wanted, useful, MAX_NUM_SPLITS))
-
-
 def paged_decode_attention(
     q: torch.Tensor,  # [B, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -210,7 +178,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     softmax_scale: float,
     *,
-    num_splits: int | None = None,  # default: decode_num_splits(...) from static shapes
+    num_splits: int | None = None,  # default: decode_launch.choose_launch's, from static shapes
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], q's dtype
     workspace: torch.Tensor | None = None,  # float32, >= B * num_heads * num_splits * (head_dim + 1)
     counters: torch.Tensor | None = None,  # int32 zeros, >= B * num_kv_heads; left zeroed
@@ -238,10 +206,11 @@ def paged_decode_attention(
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
     if batch_size == 0:
         return out
-    block_n = decode_block_n(head_dim, k_cache.element_size(), q.device)
+    max_context_len = block_tables.shape[1] * block_size
+    launch, auto_splits = choose_launch(batch_size, num_kv_heads, head_dim, max_context_len,
+                                        k_cache.element_size(), q.device, sm_count(q.device))
     if num_splits is None:
-        max_context_len = block_tables.shape[1] * block_size
-        num_splits = decode_num_splits(batch_size, num_kv_heads, max_context_len, block_n, sm_count(q.device))
+        num_splits = auto_splits
     elif num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits}")
 
@@ -292,11 +261,11 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(num_heads_per_kv)),
-        BLOCK_N=block_n,
+        BLOCK_N=launch.block_n,
         BLOCK_S=triton.next_power_of_2(num_splits),
         COMBINE_ROWS=COMBINE_ROWS,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out

@@ -79,6 +79,12 @@ def cases() -> dict:
                            dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, BLOCK_D=128,
                                 HAS_NORM=True, QUANT=True), FP8_CACHE),
         "decode-fp8": (decode_attention._decode_split_kernel, dict(DECODE, DOT_PRECISION="tf32"), FP8_CACHE),
+        # decode_launch.SMALL_BATCH: the latency-bound settings of a 16-bit and of an fp8 cache.
+        "decode-small-batch": (decode_attention._decode_split_kernel,
+                               dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32"), {},
+                               dict(num_warps=4, num_stages=3)),
+        "decode-fp8-small-batch": (decode_attention._decode_split_kernel, dict(DECODE, DOT_PRECISION="tf32"),
+                                   FP8_CACHE, dict(num_warps=4, num_stages=3)),
         "prefill-fp8": (prefill_attention._prefill_kernel,
                         dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=64,
                              BLOCK_N=64, DOT_PRECISION="tf32"), FP8_CACHE),
@@ -132,16 +138,17 @@ def compile_all() -> dict[str, str]:
         "kernels": sorted(launchable_kernels()),
         "covered": sorted({f"{case[0].__module__}.{case[0].__name__}" for case in cases().values()}),
     }
-    for case, (kernel, constexprs, *pointers) in cases().items():
+    for case, (kernel, constexprs, *rest) in cases().items():
+        pointers, options = (list(rest) + [{}, {}])[:2]  # pointer types, launch options (num_warps, ...)
         for dtype in DTYPES:
             values = dict(constexprs)
             if dtype == "fp32" and "DOT_PRECISION" in values:
                 values["DOT_PRECISION"] = "ieee"  # what float32 runs use
             names = kernel.arg_names
-            source = ASTSource(fn=kernel, signature=signature(kernel, dtype, pointers[0] if pointers else {}),
+            source = ASTSource(fn=kernel, signature=signature(kernel, dtype, pointers),
                                constexprs={(names.index(k),): v for k, v in values.items()})
             try:
-                compiled = triton.compile(source, target=H200)
+                compiled = triton.compile(source, target=H200, options=options)
                 results[f"{case}/{dtype}"] = "ok" if compiled.asm.get("cubin") else "no cubin"
             except Exception as e:  # reported per case by the parent
                 results[f"{case}/{dtype}"] = f"{type(e).__name__}: {e}"
@@ -149,7 +156,8 @@ def compile_all() -> dict[str, str]:
 
 
 DTYPES = ("bf16", "fp32")
-CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "rope-store-qk-norm", "rope-store", "rope-store-fp8",
+CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-small-batch",
+              "decode-fp8-small-batch", "rope-store-qk-norm", "rope-store", "rope-store-fp8",
               "skinny-gemm", "split-k-reduce",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
               "moe-topk-softmax")

@@ -12,11 +12,9 @@ from paged_case import make_paged_cache, reference_attention
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels.decode_attention import (  # noqa: E402
-    MAX_NUM_SPLITS,
-    decode_num_splits,
-    paged_decode_attention,  # noqa: E402
-)
+from nanovllm.kernels import decode_launch  # noqa: E402
+from nanovllm.kernels.decode_attention import paged_decode_attention  # noqa: E402
+from nanovllm.kernels.decode_launch import MAX_NUM_SPLITS, choose_launch, decode_num_splits  # noqa: E402
 from nanovllm.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -164,6 +162,51 @@ def test_decode_num_splits_fills_the_gpu_from_static_shapes_only() -> None:
     # Never more chunks than key tiles in the longest possible context.
     assert decode_num_splits(1, 8, 100, 64, num_sms=132) == 2
     assert decode_num_splits(2, 8, 40960, 64, num_sms=132) == 33  # cdiv(132 * 4, 16)
+
+
+def test_launch_settings_follow_batch_size_cache_dtype_and_shared_memory(monkeypatch) -> None:
+    gpu = torch.device("cpu")  # off-GPU, the shared memory of an H100/H200 is assumed
+    # Large batches: 128-key tiles where two stages of K and V fit; float32 tiles are twice the bytes.
+    launch, splits = choose_launch(256, 8, 128, 4096, 2, gpu, num_sms=132)
+    assert launch == decode_launch.WIDE and splits == 1
+    assert choose_launch(256, 8, 128, 4096, 4, gpu, num_sms=132)[0] == decode_launch.NARROW
+    assert choose_launch(256, 8, 256, 4096, 2, gpu, num_sms=132)[0] == decode_launch.HEAD_DIM_256
+    # A small batch with many chunks per context: the latency-bound settings of its cache dtype, and
+    # the chunk count of their tile.
+    for element_size in (2, 1):
+        launch, splits = choose_launch(1, 8, 128, 4096, element_size, gpu, num_sms=132)
+        assert launch == decode_launch.SMALL_BATCH[element_size]
+        assert splits == decode_num_splits(1, 8, 4096, launch.block_n, num_sms=132)
+    # A short context leaves few chunks even at batch 1: the large-batch settings.
+    assert choose_launch(1, 8, 128, 256, 2, gpu, num_sms=132)[0] == decode_launch.WIDE
+    # A GPU with less shared memory gets tiles that fit.
+    monkeypatch.setattr(decode_launch, "max_shared_memory", lambda device: 100 * 1024)
+    decode_launch._large_batch_launch.cache_clear()
+    try:
+        assert choose_launch(256, 8, 128, 4096, 2, gpu, num_sms=132)[0] == decode_launch.NARROW
+    finally:
+        decode_launch._large_batch_launch.cache_clear()
+
+
+@pytest.mark.parametrize("kv_lens", [[1100], [20 + i for i in range(48)]], ids=["small-batch", "large-batch"])
+def test_decode_matches_reference_under_each_launch_setting(kv_lens: list[int]) -> None:
+    """The small-batch and large-batch settings of a 16-bit cache give the same attention (the
+    interpreter ignores warps and stages, but not the tile length or the chunk count they come with;
+    float16, since it computes bf16 dots on raw bits)."""
+    num_heads, num_kv_heads, batch = 4, 2, len(kv_lens)
+    k_cache, v_cache, block_tables = make_paged_cache(kv_lens, 16, num_kv_heads, HEAD_DIM, torch.float16, 5,
+                                                      device=DEVICE)
+    launch, _ = choose_launch(batch, num_kv_heads, HEAD_DIM, block_tables.shape[1] * 16, 2, k_cache.device,
+                              num_sms=132)
+    small = launch == decode_launch.SMALL_BATCH[2]
+    assert small == (batch == 1)
+    q = torch.randn(batch, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(6))
+    q = q.to(DEVICE, torch.float16)
+    seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, seqlens_k, block_tables, 0.3)
+    expected = reference_attention(q.float(), k_cache.float(), v_cache.float(), [1] * batch, kv_lens,
+                                   block_tables, 0.3)
+    torch.testing.assert_close(out.cpu().float(), expected, atol=2e-3, rtol=2e-3)
 
 
 def test_rejects_head_dim_that_is_not_a_power_of_two() -> None:

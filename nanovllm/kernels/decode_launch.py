@@ -1,0 +1,75 @@
+"""How the split-KV decode kernel (decode_attention.py) is launched: keys per tile, warps, pipeline
+stages and chunks per sequence, from static shapes only (so a CUDA graph captured at a batch size keeps
+its launch). The settings are measured ones: scripts/decode_sweep.py on an H200, BENCHMARKS.md calls
+G3 and G4 (microseconds of one layer's decode, Qwen3-0.6B heads, 256-token blocks).
+
+- Large batches read K/V at 0.8-0.99 of copy bandwidth with 128-key tiles, 4 warps and 2 stages,
+  where two stages of K and V tiles fit in shared memory (an H100/H200 at head_dim <= 128), else with
+  64-key tiles; at head_dim 256, 32-key tiles so they fit.
+- A small batch is latency-bound: each context is cut into many chunks of a tile or two (at least
+  SMALL_BATCH_SPLITS). There three pipeline stages were twice as fast in call G4, at batch 1 with 1,024
+  and 4,096 keys: a bf16 cache 17.4 and 25.6 us with 64-key tiles (28.2 and 63.0 us with the
+  large-batch settings), an fp8 cache 20.3 and 23.4 us with 128-key tiles (38.2 and 32.1 us)."""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from nanovllm.kernels.common import max_shared_memory
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLaunch:
+    block_n: int  # key positions per tile
+    num_warps: int
+    num_stages: int
+
+
+WIDE = DecodeLaunch(128, 4, 2)
+NARROW = DecodeLaunch(64, 4, 2)
+HEAD_DIM_256 = DecodeLaunch(32, 4, 2)
+# Per cache element size (2: bf16/fp16, 1: fp8), where a small batch leaves the kernel latency-bound.
+SMALL_BATCH = {2: DecodeLaunch(64, 4, 3), 1: DecodeLaunch(128, 4, 3)}
+SMALL_BATCH_SPLITS = 8
+# Shared memory left for what else the kernel keeps there (q, the dot operands' layouts).
+SHARED_MEMORY_HEADROOM = 32 * 1024
+# Enough resident programs per SM to hide memory latency in this bandwidth-bound kernel.
+PROGRAMS_PER_SM = 4
+# Caps the partials one head's reduce has to combine (and the scratch they take).
+MAX_NUM_SPLITS = 64
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int, block_n: int,
+                      num_sms: int) -> int:
+    """Chunks per sequence: enough programs to give every SM PROGRAMS_PER_SM of them, but no more
+    chunks than tiles in the longest possible context."""
+    wanted = triton.cdiv(num_sms * PROGRAMS_PER_SM, batch_size * num_kv_heads)
+    useful = triton.cdiv(max_context_len, block_n)
+    return max(1, min(wanted, useful, MAX_NUM_SPLITS))
+
+
+def _fits(launch: DecodeLaunch, head_dim: int, element_size: int, device: torch.device) -> bool:
+    tiles = launch.num_stages * 2 * launch.block_n * head_dim * element_size  # K and V, every stage
+    return tiles + SHARED_MEMORY_HEADROOM <= max_shared_memory(device)
+
+
+@functools.cache
+def _large_batch_launch(head_dim: int, element_size: int, device: torch.device) -> DecodeLaunch:
+    if head_dim > 128:
+        return HEAD_DIM_256
+    return WIDE if _fits(WIDE, head_dim, element_size, device) else NARROW
+
+
+def choose_launch(batch_size: int, num_kv_heads: int, head_dim: int, max_context_len: int,
+                  element_size: int, device: torch.device, num_sms: int) -> tuple[DecodeLaunch, int]:
+    """(launch settings, chunks per sequence) for one decode call's static shapes."""
+    launch = _large_batch_launch(head_dim, element_size, device)
+    num_splits = decode_num_splits(batch_size, num_kv_heads, max_context_len, launch.block_n, num_sms)
+    small = SMALL_BATCH.get(element_size)
+    if (num_splits >= SMALL_BATCH_SPLITS and small is not None and head_dim <= 128
+            and _fits(small, head_dim, element_size, device)):
+        launch = small
+        num_splits = decode_num_splits(batch_size, num_kv_heads, max_context_len, launch.block_n, num_sms)
+    return launch, num_splits
