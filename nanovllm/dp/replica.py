@@ -15,7 +15,6 @@ replica is pinned to its share of the cores instead. It ignores Ctrl-C (the coor
 shuts every replica down), takes SIGTERM as a request to clean up and leave, and exits by itself
 when the coordinator's process goes away."""
 
-import gc
 import os
 import signal
 import sys
@@ -24,7 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from nanovllm.utils.parent_watch import exit_with_parent
+from nanovllm.utils.parent_watch import exit_released, exit_with_parent
 
 # A replica sends the throughput counters at least this often while it works, so that the progress
 # bar stays live between finished requests (outputs that finish are sent after the step at once).
@@ -102,14 +101,8 @@ def replica_main(index: int, model: str, options: dict, placement: Placement, co
     finally:
         if engine is not None:
             engine.shutdown()
-    # Everything the engine held is released; collect its last objects so that their finalizers run
-    # (multiprocessing unlinks the tensor-parallel channel's semaphores then), and leave without the
-    # interpreter's teardown of torch, which takes seconds and frees nothing the OS does not.
     del engine
-    gc.collect()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    exit_released(exit_code)
 
 
 def replica_info(engine) -> ReplicaInfo:

@@ -19,8 +19,6 @@ finish_reason "error", and the loop goes on. The process ignores Ctrl-C (it reac
 group; the HTTP process decides how to stop), takes SIGTERM as a request to clean up and leave, and
 exits by itself when the HTTP process goes away."""
 
-import gc
-import os
 import signal
 import sys
 import traceback
@@ -31,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from nanovllm.dp.replica import Placement, replica_info
 from nanovllm.engine.sequence import Sequence
-from nanovllm.utils.parent_watch import exit_with_parent
+from nanovllm.utils.parent_watch import exit_released, exit_with_parent
 
 if TYPE_CHECKING:
     from nanovllm.llm import LLM
@@ -174,11 +172,5 @@ def engine_main(index: int, model: str, options: dict, placement: Placement | No
     finally:
         if llm is not None:
             llm.shutdown()
-    # Everything the engine held is released; collect its last objects so that their finalizers run
-    # (multiprocessing unlinks the tensor-parallel channel's semaphores then), and leave without the
-    # interpreter's teardown of torch, which takes seconds and frees nothing the OS does not.
     del llm
-    gc.collect()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    exit_released(exit_code)

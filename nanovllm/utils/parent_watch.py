@@ -1,6 +1,9 @@
-"""A spawned child (a tensor-parallel worker, a data-parallel replica) that must not outlive its parent."""
+"""How a spawned child (a tensor-parallel worker, a data-parallel replica, a server's engine process)
+ends: never after its parent, and quickly once its engine is released."""
 
+import gc
 import os
+import sys
 import threading
 from multiprocessing import parent_process
 from multiprocessing.connection import wait
@@ -18,3 +21,14 @@ def exit_with_parent(role: str) -> None:
 
     name = f"nanovllm-{role.replace(' ', '-')}-parent-watch"
     threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+def exit_released(exit_code: int) -> None:
+    """End the process once its engine is released (the caller has dropped its last reference):
+    collect the engine's last objects so that their finalizers run (multiprocessing unlinks the
+    tensor-parallel channel's semaphores then), and leave without the interpreter's teardown of torch,
+    which takes seconds and frees nothing the OS does not."""
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
