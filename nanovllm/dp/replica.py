@@ -16,14 +16,12 @@ shuts every replica down), takes SIGTERM as a request to clean up and leave, and
 when the coordinator's process goes away."""
 
 import os
-import signal
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from nanovllm.utils.parent_watch import exit_released, exit_with_parent
+from nanovllm.utils.parent_watch import become_engine_child, exit_released
 
 # A replica sends the throughput counters at least this often while it works, so that the progress
 # bar stays live between finished requests (outputs that finish are sent after the step at once).
@@ -66,14 +64,8 @@ class ReplicaInfo:
     shm_names: list[str] = field(default_factory=list)
 
 
-def _leave_on_sigterm(signum: int, frame: object) -> None:
-    sys.exit(128 + signum)  # unwinds through the engine's shutdown, unlike the default action
-
-
 def replica_main(index: int, model: str, options: dict, placement: Placement, conn: Connection) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _leave_on_sigterm)
-    exit_with_parent("data-parallel replica")
+    become_engine_child("data-parallel replica")
     exit_code = 0
     engine = None
     try:

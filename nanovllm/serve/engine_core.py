@@ -19,8 +19,6 @@ finish_reason "error", and the loop goes on. The process ignores Ctrl-C (it reac
 group; the HTTP process decides how to stop), takes SIGTERM as a request to clean up and leave, and
 exits by itself when the HTTP process goes away."""
 
-import signal
-import sys
 import traceback
 from collections import Counter
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from nanovllm.dp.replica import Placement, replica_info
 from nanovllm.engine.sequence import Sequence
-from nanovllm.utils.parent_watch import exit_released, exit_with_parent
+from nanovllm.utils.parent_watch import become_engine_child, exit_released
 
 if TYPE_CHECKING:
     from nanovllm.llm import LLM
@@ -138,17 +136,11 @@ class EngineCore:
                            tuple(self.finish_reasons[reason] for reason in FINISH_REASONS))
 
 
-def _leave_on_sigterm(signum: int, frame: object) -> None:
-    sys.exit(128 + signum)  # unwinds through the LLM's shutdown, unlike the default action
-
-
 def engine_main(index: int, model: str, options: dict, placement: Placement | None, inbox: Connection,
                 outbox: Connection) -> None:
     """The entry point of engine process `index` (spawned by nanovllm.serve.engine_process); with
     data_parallel_size > 1 each of them is one replica, on the devices or cores of `placement`."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _leave_on_sigterm)
-    exit_with_parent("server engine")
+    become_engine_child("server engine")
     exit_code = 0
     llm = None
     try:

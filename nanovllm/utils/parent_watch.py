@@ -1,8 +1,10 @@
-"""How a spawned child (a tensor-parallel worker, a data-parallel replica, a server's engine process)
-ends: never after its parent, and quickly once its engine is released."""
+"""The lifetime of a spawned child (a tensor-parallel worker, a data-parallel replica, a server's engine
+process): which signals it leaves to its parent, that it never outlives the parent, and that it exits
+quickly once its engine is released."""
 
 import gc
 import os
+import signal
 import sys
 import threading
 from multiprocessing import parent_process
@@ -21,6 +23,19 @@ def exit_with_parent(role: str) -> None:
 
     name = f"nanovllm-{role.replace(' ', '-')}-parent-watch"
     threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+def _unwind_on_sigterm(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)  # unwinds through the engine's shutdown, unlike the default action
+
+
+def become_engine_child(role: str) -> None:
+    """Set up a child that owns an engine (a data-parallel replica, a server's engine process): Ctrl-C,
+    which reaches the whole process group, is the parent's to handle; SIGTERM unwinds through the
+    engine's shutdown; and the child leaves when its parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _unwind_on_sigterm)
+    exit_with_parent(role)
 
 
 def exit_released(exit_code: int) -> None:
