@@ -85,17 +85,22 @@ def test_abort_frees_blocks_in_every_state(llm, state):
     assert_idle(llm)
 
 
-def test_exception_inside_generate_aborts_its_requests(llm, monkeypatch):
+def interrupt_at_step(llm, monkeypatch, n: int) -> None:
+    """Make the engine's n-th step from now raise KeyboardInterrupt (Ctrl-C) instead of running."""
     calls = []
     real_step = llm.engine.advance
 
     def step_then_interrupt():
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == n:
             raise KeyboardInterrupt
         return real_step()
 
     monkeypatch.setattr(llm.engine, "advance", step_then_interrupt)
+
+
+def test_exception_inside_generate_aborts_its_requests(llm, monkeypatch):
+    interrupt_at_step(llm, monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.undo()
@@ -154,16 +159,7 @@ def test_abort_of_an_n_request_aborts_every_completion(llm):
 
 
 def test_an_n_request_left_by_an_exception_is_aborted_whole(llm, monkeypatch):
-    real_step = llm.engine.advance
-    calls = []
-
-    def step_then_interrupt():
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_step()
-
-    monkeypatch.setattr(llm.engine, "advance", step_then_interrupt)
+    interrupt_at_step(llm, monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=20, ignore_eos=True), use_tqdm=False)
     monkeypatch.undo()
