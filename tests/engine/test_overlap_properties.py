@@ -13,7 +13,7 @@ placeholder leaking into the inputs breaks it."""
 import random
 
 from hypothesis import HealthCheck, given, settings
-from test_properties import EOS, MAX_STEPS, VOCAB, workloads
+from test_properties import EOS, MAX_STEPS, VOCAB, admit_arrivals, make_sequences, workloads
 
 from nanovllm.engine.invariants import check_invariants
 from nanovllm.engine.overlap import OverlapLoop
@@ -21,7 +21,6 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN_ID, Sequence
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.runner.batch import StepBatch, StepOutput
-from nanovllm.sampling_params import SamplingParams
 
 
 def model(context: tuple[int, ...]) -> int:
@@ -73,16 +72,13 @@ def run_overlapped(config, requests, aborts, seed) -> Scheduler:
         raise AssertionError("the fake device never fails a launch")
 
     loop = OverlapLoop(scheduler, device, run_sync, finished.extend)
-    seqs = [Sequence(r.token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos),
-                     config.kvcache_block_size) for r in requests]
+    seqs = make_sequences(requests, config.kvcache_block_size)
     rng = random.Random(seed)
     aborted: set[int] = set()
     step = 0
     while step <= max(r.arrival for r in requests) or not scheduler.is_finished():
         assert step < MAX_STEPS, "the workload does not finish: a request is stuck"
-        for i, r in enumerate(requests):
-            if r.arrival == step:
-                scheduler.add(seqs[i])
+        admit_arrivals(scheduler, requests, seqs, step)
         if step in aborts and not (seq := seqs[aborts[step]]).is_finished and seq in [
                 *scheduler.waiting, *scheduler.running]:
             scheduler.finish_early(seq, "abort")  # as LLMEngine.abort_request, the step in flight or not

@@ -78,20 +78,30 @@ class FakeKV:
                     f"sequence {seq.seq_id} position {pos}: its KV slot holds another token")
 
 
+def make_sequences(requests, block_size: int) -> list[Sequence]:
+    """One Sequence per generated request, not yet queued."""
+    return [Sequence(r.token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos),
+                     block_size) for r in requests]
+
+
+def admit_arrivals(scheduler: Scheduler, requests, seqs: list[Sequence], step: int) -> None:
+    """Queue the requests that arrive at this step."""
+    for i, r in enumerate(requests):
+        if r.arrival == step:
+            scheduler.add(seqs[i])
+
+
 def run_workload(config, requests, aborts, seed) -> Scheduler:
     scheduler = Scheduler(config, config.num_kvcache_blocks, StopChecker((EOS,), max_model_len=10**6))
     rng, kv = random.Random(seed), FakeKV(config.kvcache_block_size)
-    seqs = [Sequence(r.token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos),
-                     config.kvcache_block_size) for r in requests]
+    seqs = make_sequences(requests, config.kvcache_block_size)
     by_id = {seq.seq_id: i for i, seq in enumerate(seqs)}
     finished: list[int] = []
     aborted: set[int] = set()
     step = 0
     while step <= max(r.arrival for r in requests) or not scheduler.is_finished():
         assert step < MAX_STEPS, "the workload does not finish: a request is stuck"
-        for i, r in enumerate(requests):
-            if r.arrival == step:
-                scheduler.add(seqs[i])
+        admit_arrivals(scheduler, requests, seqs, step)
         if step in aborts:
             seq = seqs[aborts[step]]
             if scheduler.abort(seq.seq_id) is not None:
