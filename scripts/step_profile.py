@@ -45,7 +45,8 @@ def instrument(llm: LLM, steps: list[dict]) -> None:
         end.synchronize()
         q_lens = [b - a for a, b in zip(batch.cu_seqlens_q, batch.cu_seqlens_q[1:])]
         kind = "decode" if not batch.is_prefill else "mixed" if 1 in q_lens else "prefill"
-        current.update(run_ms=(time.perf_counter() - start) * 1e3, gpu_ms=begin.elapsed_time(end), kind=kind)
+        current.update(run_ms=(time.perf_counter() - start) * 1e3, gpu_ms=begin.elapsed_time(end), kind=kind,
+                       kv_tokens=sum(batch.seqlens_k))
         return tokens
 
     def timed_postprocess(seqs, token_ids):
@@ -59,7 +60,7 @@ def instrument(llm: LLM, steps: list[dict]) -> None:
                                                                            timed_postprocess)
 
 
-def summarize(steps: list[dict], wall_s: float) -> dict:
+def summarize(steps: list[dict], wall_s: float, kv_bytes_per_token: int) -> dict:
     by_kind = collections.defaultdict(lambda: collections.Counter())
     for s in steps:
         c = by_kind[s["kind"]]
@@ -80,9 +81,12 @@ def summarize(steps: list[dict], wall_s: float) -> dict:
     buckets = collections.defaultdict(list)
     for s in steps:
         if s["kind"] == "decode":
-            buckets[min(512, 1 << (s["rows"] - 1).bit_length())].append(s["gpu_ms"])
-    decode = {f"<={b}": (len(v), round(sum(v) / len(v), 3)) for b, v in sorted(buckets.items())}
-    return dict(wall_s=round(wall_s, 2), kinds=table, decode_gpu_ms_by_batch=decode)
+            buckets[min(512, 1 << (s["rows"] - 1).bit_length())].append((s["gpu_ms"], s["kv_tokens"]))
+    # Per bucket: steps, mean GPU ms, and the KV cache read per GPU second (GB/s, every layer's K and V).
+    decode = {f"<={b}": (len(v), round(sum(ms for ms, _ in v) / len(v), 3),
+                         round(sum(kv for _, kv in v) * kv_bytes_per_token / sum(ms for ms, _ in v) / 1e6))
+              for b, v in sorted(buckets.items())}
+    return dict(wall_s=round(wall_s, 2), kinds=table, decode_gpu_ms_kv_gbps_by_batch=decode)
 
 
 def main() -> None:
@@ -105,7 +109,11 @@ def main() -> None:
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    summary = summarize(steps, wall)
+    hf = llm.config.hf_config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    element_size = torch.empty(0, dtype=llm.engine.model_runner.kv_dtype).element_size()
+    kv_bytes = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * element_size
+    summary = summarize(steps, wall, kv_bytes)
     total = sum(p.max_tokens for p in params)
     summary.update(tok_s=round(total / wall, 1), backend=llm.engine.model_runner.backend.name,
                    preemptions=llm.engine.scheduler.num_preemptions,

@@ -1,0 +1,81 @@
+"""What compiles during bench.py's timed run (GPU): every Triton kernel variant the engine's own kernels
+build (name, seconds, phase) and every torch.compile frame, split into start-up (LLM() and the warm-up
+generate) and the timed generate. A variant built in the timed run stalls the whole batch while it
+compiles (on a cold cache, tenths of a second each), so after start-up the count should be zero.
+
+    python scripts/compile_watch.py [--model configs/Qwen3-0.6B] [bench.py's workload options]
+
+Prints one JSON line: per phase the Triton builds (count, seconds, by kernel) and Dynamo frames."""
+
+import collections
+import json
+import os
+import sys
+import time
+
+import torch
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "Qwen3-0.6B")
+
+
+class TritonBuilds:
+    """Wraps JITFunction._do_compile (an in-memory cache miss: a compile, or a load from the disk cache)
+    and records each under the current phase."""
+
+    def __init__(self) -> None:
+        self.phase = "start-up"
+        self.builds: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
+        original = JITFunction._do_compile
+        watch = self
+
+        def do_compile(fn, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(fn, *args, **kwargs)
+            finally:
+                watch.builds[watch.phase].append((fn.__name__, time.perf_counter() - start))
+
+        JITFunction._do_compile = do_compile
+
+    def summary(self, phase: str) -> dict:
+        builds = self.builds[phase]
+        by_kernel = collections.Counter(name for name, _ in builds)
+        return dict(count=len(builds), seconds=round(sum(s for _, s in builds), 2), by_kernel=dict(by_kernel))
+
+
+def dynamo_frames() -> int:
+    return sum(torch._dynamo.utils.counters["frames"].values())
+
+
+def main() -> None:
+    sys.argv += [] if "--model" in sys.argv else ["--model", CONFIG, "--load-format", "dummy"]
+    args = bench.parse_args()
+    watch = TritonBuilds()
+    start = time.perf_counter()
+    llm = LLM(os.path.expanduser(args.model), load_format=args.load_format,
+              kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend, max_num_batched_tokens=args.max_num_batched_tokens,
+              skip_tokenizer_init=args.load_format == "dummy")
+    llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)
+    startup_s, frames_startup = time.perf_counter() - start, dynamo_frames()
+    prompts, params = bench.make_workload(args.num_seqs, llm.config.hf_config.vocab_size, args.min_input_len,
+                                          args.max_input_len, args.min_output_len, args.max_output_len)
+    watch.phase = "timed"
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    timed_s = time.perf_counter() - start
+    print(json.dumps(dict(startup=dict(seconds=round(startup_s, 2), triton=watch.summary("start-up"),
+                                       dynamo_frames=frames_startup),
+                          timed=dict(seconds=round(timed_s, 2), tok_s=round(sum(p.max_tokens for p in params)
+                                                                             / timed_s),
+                                     triton=watch.summary("timed"),
+                                     dynamo_frames=dynamo_frames() - frames_startup))))
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
