@@ -58,7 +58,8 @@ def main() -> None:
     watch = TritonBuilds()
     start = time.perf_counter()
     llm = LLM(os.path.expanduser(args.model), load_format=args.load_format,
-              kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               skip_tokenizer_init=args.load_format == "dummy")
     llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)
     startup_s, frames_startup = time.perf_counter() - start, dynamo_frames()
