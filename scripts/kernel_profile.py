@@ -5,8 +5,8 @@ time, and its wall time per step. Random Qwen3-0.6B weights, CUDA graphs as in a
     python scripts/kernel_profile.py --batch 1 --batch 256 [--context 512] [--steps 32] [LLM options]
     python scripts/kernel_profile.py --mixed [--steps 32]      # mid-run steps of the 1024-request run
 
-Each batch size is one generate of `batch` prompts of `context` random tokens for `steps` + 1 tokens;
-the profile covers the whole generate, prefill included, and per-step figures divide by `steps`.
+Each batch size adds `batch` prompts of `context` random tokens, steps the engine past their prefill,
+and profiles the next `steps` decode steps (twice: the first pass compiles and captures what it needs).
 --mixed runs step_profile.py's 1024-request workload through engine.step() and profiles `steps` steps
 from step MIXED_WARM_STEPS on, when running requests finish and new ones join (mixed steps); before the
 profile, as many steps again are timed by phase on the host (host_phases), mixed and decode apart."""
@@ -140,14 +140,8 @@ def main() -> None:
         return
     seed(0)
     for batch in args.batch:
-        prompts = [[randint(0, 10000) for _ in range(args.context)] for _ in range(batch)]
-        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps + 1)
-        llm.generate(prompts, params, use_tqdm=False)  # warm: graphs, compiled variants
-        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
-        start = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            llm.generate([[t + 1 for t in p] for p in prompts], params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        profile_decode(llm, batch, args.context, args.steps)  # compiles and captures what it needs
+        wall, prof = profile_decode(llm, batch, args.context, args.steps)
         rows, kernels, gpu_us = kernel_table(prof, args.steps)
         if not rows:  # no device events (a CPU run, or a profiler that files kernels elsewhere)
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
@@ -156,6 +150,29 @@ def main() -> None:
                               kernels_per_step=round(kernels, 1), gpu_us_per_step=round(gpu_us, 1),
                               top=rows)))
 
+
+def profile_decode(llm: LLM, batch: int, context: int, steps: int):
+    """(wall seconds, profile) of `steps` decode steps of `batch` requests with `context`-token prompts,
+    after every prompt is prefilled; the requests are then aborted."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 64)
+    ids = [engine.add_request([randint(0, 10000) for _ in range(context)], params) for _ in range(batch)]
+    decode_steps = 0
+    while decode_steps < 2:  # past the prefill and the first decode (overlap may still hold a step)
+        _, num_tokens = engine.step()
+        decode_steps = decode_steps + 1 if num_tokens < 0 else 0
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while not engine.is_finished():
+        engine.step()
+    return wall, prof
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,7 @@ from nanovllm.runner import kv_cache
 from nanovllm.runner.batch import SamplingBatch, StepBatch, StepOutput
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.inputs import model_inputs, to_device
-from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row, worst_case_sampling
+from nanovllm.runner.sampling import WARM_ROWS, StepSampler, prompt_logprobs_by_row, worst_case_sampling
 from nanovllm.runner.step_output import PendingOutput
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
@@ -65,6 +65,8 @@ class ModelRunner:
         self._allocate_kv_cache(self.num_kvcache_blocks)
         if on_gpu and not config.enforce_eager:
             self._capture_decode_graphs()
+        if on_gpu and config.torch_compile:
+            self._warm_sampler()
 
     def _build_model(self, options: KernelOptions) -> nn.Module:
         config, hf = self.config, self.config.hf_config
@@ -156,6 +158,15 @@ class ModelRunner:
         activation_peak = torch.cuda.max_memory_allocated(self.device) - before
         self._release_kv_cache()
         return activation_peak
+
+    @torch.inference_mode()
+    def _warm_sampler(self) -> None:
+        hidden = torch.zeros(max(WARM_ROWS), self.config.hf_config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        logits = self.model.compute_logits(hidden)
+        if logits is not None:  # rank 0 samples
+            self.sampler.warm_up(logits)
+        torch.cuda.synchronize(self.device)
 
     # ---- one step ----
     def _previous_tokens(self, batch: StepBatch, prev_sampled: torch.Tensor | None

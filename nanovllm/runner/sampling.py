@@ -7,12 +7,16 @@ from collections.abc import Callable
 import torch
 
 from nanovllm.layers.logprobs import SampledLogprobs, prompt_logprobs, sampled_logprobs
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import SPLIT_ARGMAX_ROWS, Sampler
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.runner.batch import ProcessorRow, PromptLogprobSpan, SamplingBatch, StepOutput
 from nanovllm.runner.inputs import logits_processor_tensors, sampling_tensors
 from nanovllm.runner.step_output import PendingOutput
 from nanovllm.sampling_params import MAX_LOGPROBS
+
+# Row counts that each select another compiled variant of the sampler: one row (torch.compile
+# specializes it), a few rows (whose argmax reduces chunks first), SPLIT_ARGMAX_ROWS or more.
+WARM_ROWS = (1, 2, SPLIT_ARGMAX_ROWS)
 
 
 def worst_case_sampling(num_rows: int) -> SamplingBatch:
@@ -45,6 +49,15 @@ class StepSampler:
     def __call__(self, logits: torch.Tensor, sampling: SamplingBatch) -> StepOutput:
         """`sample`, read on the host."""
         return PendingOutput(*self.sample(logits, sampling), prompt_logprobs=None).wait()
+
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Compile the plain-temperature sampler for every row count of WARM_ROWS now, from logits of
+        at least max(WARM_ROWS) rows, so no step of a run stops to compile it (seconds on a cold cache,
+        while the whole batch waits)."""
+        for rows in WARM_ROWS:
+            plain = SamplingBatch([0.5] * rows, [-1] * rows, [1.0] * rows, [0.0] * rows, [None] * rows,
+                                  [None] * rows)
+            self.sample(logits[:rows], plain)
 
     def check(self, sampling: SamplingBatch) -> None:
         """Build the sampler's and the processors' inputs on the CPU, raising what a step would raise
