@@ -79,7 +79,7 @@ class Config:
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     attention_backend: str = field(default_factory=lambda: _env_default("attention_backend", "auto"))
-    # GPU only: torch.compile fuses RMSNorm(+residual), SiLU-mul and the sampler into a few kernels.
+    # GPU only: torch.compile fuses the sampler (temperature, min-p, both argmaxes) into a few kernels.
     torch_compile: bool = field(default_factory=lambda: _env_default("torch_compile", True))
     # GPU only: one-token matmuls through nanovllm.kernels.skinny_gemm instead of cuBLAS.
     skinny_gemm: bool = field(default_factory=lambda: _env_default("skinny_gemm", True))

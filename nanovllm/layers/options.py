@@ -1,5 +1,5 @@
-"""Kernel choices a layer makes once, when it is built: whether its elementwise work goes through
-torch.compile and whether one-token matmuls use the skinny GEMM kernel. The model runner makes its
+"""Kernel choices a layer makes once, when it is built: whether one-token matmuls use the skinny GEMM
+kernel. The model runner makes its
 engine's options current while it builds the model (a ContextVar: per engine and per thread); layers
 read them in __init__ and never again."""
 
@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class KernelOptions:
-    torch_compile: bool = False  # fuse RMSNorm(+residual), SiLU-mul and sampling (CUDA tensors only)
     skinny_gemm: bool = False  # one-token matmuls through nanovllm.kernels.skinny_gemm (CUDA only)
 
 

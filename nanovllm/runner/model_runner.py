@@ -51,8 +51,7 @@ class ModelRunner:
             self.cpu_threads = CpuThreadPolicy(config.cpu_threads)
             self.cpu_threads.apply()
         torch.manual_seed(config.seed)
-        self.model = self._build_model(KernelOptions(torch_compile=on_gpu and config.torch_compile,
-                                                     skinny_gemm=on_gpu and config.skinny_gemm))
+        self.model = self._build_model(KernelOptions(skinny_gemm=on_gpu and config.skinny_gemm))
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         layer = self.attention_layers[0]
         self.backend = select_backend(config.attention_backend, self.device, self.block_size, self.dtype,

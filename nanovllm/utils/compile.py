@@ -1,9 +1,9 @@
-"""`GPUCompiled(fn)`: fn, callable eagerly or through torch.compile, as its caller chose when it was
-built (nanovllm.layers.options); the compiled twin only ever sees CUDA tensors.
+"""`GPUCompiled(fn)`: fn, callable eagerly or through torch.compile, as its caller chose (the sampler:
+Config.torch_compile); the compiled twin only ever sees CUDA tensors.
 
-Decode at small batch sizes is bound by kernel launches, not bandwidth: eager RMSNorm, SiLU-mul and
-sampling cost several kernels each. torch.compile fuses each into one. On CPU the eager code is kept:
-it matches transformers bit for bit, and compiling would only slow the tests down."""
+Sampling costs several kernels eagerly (scaling, masking, two argmaxes); torch.compile fuses them into
+a couple. On CPU the eager code is kept: it matches transformers bit for bit, and compiling would only
+slow the tests down."""
 
 import functools
 from collections.abc import Callable

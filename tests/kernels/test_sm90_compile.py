@@ -22,13 +22,15 @@ from triton.compiler import ASTSource  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
-    decode_attention = fused_moe = moe_routing = prefill_attention = rope_store = skinny_gemm = None
+    decode_attention = fused_moe = moe_routing = norm_act = None
+    prefill_attention = rope_store = skinny_gemm = None
 else:
     import nanovllm.kernels
     from nanovllm.kernels import (
         decode_attention,
         fused_moe,
         moe_routing,
+        norm_act,
         prefill_attention,
         rope_store,
         skinny_gemm,
@@ -55,7 +57,7 @@ POINTER_TYPES = {
     "expert_ids_ptr": "*i32",
     "topk_weights_ptr": "*fp32",
 }
-FLOAT_SCALARS = {"scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_inv", "v_scale"}
+FLOAT_SCALARS = {"eps", "scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_inv", "v_scale"}
 # Cases reading or writing an fp8 (e4m3) KV cache: their cache pointers hold fp8.
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=128,
@@ -91,6 +93,9 @@ def cases() -> dict:
         "skinny-gemm": (skinny_gemm._skinny_gemm_kernel,
                         dict(BLOCK_N=64, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True, NUM_STAGES=3)),
         "split-k-reduce": (skinny_gemm._split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
+        "add-rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
+        "rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=1024)),
+        "silu-and-mul": (norm_act._silu_and_mul_kernel, dict(BLOCK=norm_act.ACT_BLOCK)),
         "moe-topk-softmax": (moe_routing._topk_softmax_kernel,
                              dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=32, RENORMALIZE=True)),
         "moe-count": (fused_moe._count_kernel, dict(E_PAD=128, BLOCK_S=32)),
@@ -158,7 +163,7 @@ def compile_all() -> dict[str, str]:
 DTYPES = ("bf16", "fp32")
 CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-small-batch",
               "decode-fp8-small-batch", "rope-store-qk-norm", "rope-store", "rope-store-fp8",
-              "skinny-gemm", "split-k-reduce",
+              "skinny-gemm", "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
               "moe-topk-softmax")
 
