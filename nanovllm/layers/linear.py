@@ -81,6 +81,10 @@ class LinearBase(nn.Module):
         return {None: tuple(shape)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.local_matmul(x)
+
+    def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's matmul alone, without communication (what the GEMM warm-up runs)."""
         return linear(x, self.weight, self.bias, self.skinny)
 
 
@@ -158,6 +162,9 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is added once, after the partial sums are reduced.
-        y = all_reduce(linear(x, self.weight, skinny=self.skinny))
+        y = all_reduce(self.local_matmul(x))
         return y if self.bias is None else y + self.bias
+
+    def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the partial sums are reduced.
+        return linear(x, self.weight, skinny=self.skinny)

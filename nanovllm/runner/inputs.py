@@ -1,6 +1,13 @@
 """Turns a StepBatch into device tensors: token ids, positions, the attention metadata, the hidden
 rows to sample from, the sampler's per-row parameters and the logits processors' tensors. Copied
-host -> device once per field, from pinned memory on CUDA so the copies do not block the host."""
+host -> device once per field, from pinned memory on CUDA so the copies do not block the host.
+
+An eager step on CUDA may be padded to `padded_num_tokens` rows: cuBLAS chooses a GEMM kernel per
+matrix shape and caches the choice, and a shape it has not met cost ~130 us of host time per linear
+layer against ~15 us (H200, BENCHMARKS.md), so mixed steps, whose token count changes every step,
+were host-bound. Padding rows are token 0 at position 0 with slot -1 (no KV stored); the attention
+metadata describes only the real tokens, so no attention kernel reads or writes a padding row, and
+nothing samples from one."""
 
 from dataclasses import dataclass
 
@@ -20,6 +27,21 @@ class ModelInputs:
     logits_indices: torch.Tensor  # the token whose hidden state each sampled row uses
 
 
+# Eager token counts are padded to a power of two up to this, and to a multiple of it above.
+PAD_MULTIPLE = 64
+
+
+def padded_num_tokens(num_tokens: int) -> int:
+    if num_tokens <= PAD_MULTIPLE:
+        return 1 << max(0, num_tokens - 1).bit_length()
+    return -(-num_tokens // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def token_buckets(max_num_tokens: int) -> list[int]:
+    """Every padded_num_tokens value of 1 .. max_num_tokens tokens."""
+    return sorted({padded_num_tokens(n) for n in range(1, max_num_tokens + 1)})
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     pin = device.type == "cuda"
     return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
@@ -30,14 +52,21 @@ def _block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor
     return to_device([table + [0] * (width - len(table)) for table in tables], torch.int32, device)
 
 
-def model_inputs(batch: StepBatch, device: torch.device) -> ModelInputs:
+def model_inputs(batch: StepBatch, device: torch.device, num_padded: int | None = None) -> ModelInputs:
+    """The step's tensors; num_padded (at least the step's token count): pad the token-wise inputs to
+    that many rows (see the module docstring)."""
     cu_q, seqlens_k = batch.cu_seqlens_q, batch.seqlens_k
+    input_ids, positions, slot_mapping = batch.input_ids, batch.positions, batch.slot_mapping
+    pad = (num_padded or 0) - len(input_ids)
+    if pad > 0:
+        input_ids, positions = input_ids + [0] * pad, positions + [0] * pad
+        slot_mapping = slot_mapping + [-1] * pad
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     cu_k = [0]
     for seqlen in seqlens_k:
         cu_k.append(cu_k[-1] + seqlen)
     meta = AttentionMetadata(
-        is_prefill=batch.is_prefill, slot_mapping=to_device(batch.slot_mapping, torch.int64, device),
+        is_prefill=batch.is_prefill, slot_mapping=to_device(slot_mapping, torch.int64, device),
         seqlens_k=to_device(seqlens_k, torch.int32, device),
         block_tables=_block_tables(batch.block_tables, device),
         max_seqlen_q=max(q_lens), max_seqlen_k=max(seqlens_k), seqlens_k_host=seqlens_k,
@@ -47,9 +76,8 @@ def model_inputs(batch: StepBatch, device: torch.device) -> ModelInputs:
         meta.cu_seqlens_q = to_device(cu_q, torch.int32, device)
         meta.cu_seqlens_k = to_device(cu_k, torch.int32, device)
         meta.cu_seqlens_q_host = cu_q
-    return ModelInputs(to_device(batch.input_ids, torch.int64, device),
-                       to_device(batch.positions, torch.int64, device), meta,
-                       to_device(batch.logits_indices, torch.int64, device))
+    return ModelInputs(to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device),
+                       meta, to_device(batch.logits_indices, torch.int64, device))
 
 
 def sampling_tensors(sampling: SamplingBatch, vocab_size: int, device: torch.device) -> SamplingTensors:

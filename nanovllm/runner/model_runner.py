@@ -15,11 +15,11 @@ from nanovllm.config import Config
 from nanovllm.layers.options import KernelOptions, use_kernel_options
 from nanovllm.layers.parallel import get_tp_rank, min_across_ranks
 from nanovllm.models import get_model_class
-from nanovllm.runner import kv_cache
+from nanovllm.runner import kv_cache, warm_up
 from nanovllm.runner.batch import SamplingBatch, StepBatch, StepOutput
 from nanovllm.runner.cuda_graph import DecodeGraphs
-from nanovllm.runner.inputs import model_inputs, to_device
-from nanovllm.runner.sampling import WARM_ROWS, StepSampler, prompt_logprobs_by_row, worst_case_sampling
+from nanovllm.runner.inputs import model_inputs, padded_num_tokens, to_device
+from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row, worst_case_sampling
 from nanovllm.runner.step_output import PendingOutput
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
@@ -59,13 +59,17 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = StepSampler(self.vocab_size, self.device, compiled=on_gpu and config.torch_compile)
+        self.pad_eager = on_gpu
         self.decode_graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)
         if on_gpu and not config.enforce_eager:
             self._capture_decode_graphs()
-        if on_gpu and config.torch_compile:
-            self._warm_sampler()
+        if on_gpu:  # what a step would otherwise meet first mid-run (runner/warm_up.py)
+            warm_up.gemm_shapes(self.model, config, self.dtype, self.device)
+            if config.torch_compile:
+                warm_up.sampler(self.model, self.sampler, config.hf_config.hidden_size, self.dtype,
+                                self.device)
 
     def _build_model(self, options: KernelOptions) -> nn.Module:
         config, hf = self.config, self.config.hf_config
@@ -158,15 +162,6 @@ class ModelRunner:
         self._release_kv_cache()
         return activation_peak
 
-    @torch.inference_mode()
-    def _warm_sampler(self) -> None:
-        hidden = torch.zeros(max(WARM_ROWS), self.config.hf_config.hidden_size, dtype=self.dtype,
-                             device=self.device)
-        logits = self.model.compute_logits(hidden)
-        if logits is not None:  # rank 0 samples
-            self.sampler.warm_up(logits)
-        torch.cuda.synchronize(self.device)
-
     # ---- one step ----
     def _previous_tokens(self, batch: StepBatch, prev_sampled: torch.Tensor | None
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -187,7 +182,9 @@ class ModelRunner:
         prev_tokens = self._previous_tokens(batch, prev_sampled)
         if not batch.is_prefill and self.decode_graphs and self.decode_graphs.can_run(batch.num_seqs):
             return self.decode_graphs.run(batch, prev_tokens), None  # decode: every row samples
-        inputs = model_inputs(batch, self.device)
+        # Prefill and mixed steps are padded so that cuBLAS meets only shapes it has seen (inputs.py).
+        num_padded = padded_num_tokens(len(batch.input_ids)) if self.pad_eager and batch.is_prefill else None
+        inputs = model_inputs(batch, self.device, num_padded)
         if prev_tokens is not None:
             inputs.input_ids[prev_tokens[0]] = prev_tokens[1]
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)

@@ -93,3 +93,27 @@ def test_float32_picks_triton_and_flash_attention_refuses_it():
     for name in ("fa3", "flash-attn"):
         with pytest.raises(ValueError, match="bfloat16/float16 only"):
             select_backend(name, cuda, 256, torch.float32, max_num_seqs=8, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_eager_steps_match(qwen3_dir, reference, backend, monkeypatch):
+    """Prefill and mixed steps padded to the bucketed token counts (what the runner does on CUDA so
+    that cuBLAS meets only shapes it has seen) give the unpadded output: padding rows store no KV and
+    no attention kernel reads them. Chunked prefill (7 tokens a step) makes mixed steps of many sizes."""
+    import nanovllm.runner.model_runner as model_runner
+
+    if backend == "triton":
+        triton_test_device()
+    llm = LLM(qwen3_dir, attention_backend=backend, max_num_batched_tokens=7, **OPTIONS)
+    llm.engine.model_runner.pad_eager = True
+    padded, plain_inputs = [], model_runner.model_inputs
+
+    def spy(batch, device, num_padded=None):
+        inputs = plain_inputs(batch, device, num_padded)
+        padded.append(inputs.input_ids.shape[0] - len(batch.input_ids))
+        return inputs
+
+    monkeypatch.setattr(model_runner, "model_inputs", spy)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert any(padded), "no step was padded"
+    assert [o["token_ids"] for o in outputs] == reference

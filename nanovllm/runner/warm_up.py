@@ -1,0 +1,45 @@
+"""What the model runner runs once at start-up on CUDA so that no step of a run stops for it later:
+each costs little here and, met first mid-run, stalled the whole batch (BENCHMARKS.md, fifth session).
+
+- gemm_shapes: every linear layer's matmul at every row count an eager step can have (the padded
+  token counts of runner/inputs.py; the LM head at every sampling-row count), so cuBLAS has chosen and
+  cached a kernel for each shape (a shape met first cost ~130 us of host time per call against ~15).
+- sampler: the compiled sampler's variants (torch.compile specializes one row, and few rows take
+  another argmax), each seconds of compiling on a cold cache."""
+
+import torch
+from torch import nn
+
+from nanovllm.config import Config
+from nanovllm.layers.embed_head import ParallelLMHead
+from nanovllm.layers.linear import LinearBase, linear
+from nanovllm.runner.inputs import token_buckets
+from nanovllm.runner.sampling import WARM_ROWS, StepSampler
+
+
+@torch.inference_mode()
+def gemm_shapes(model: nn.Module, config: Config, dtype: torch.dtype, device: torch.device) -> None:
+    layers = {}  # one layer per distinct matmul: its kind, weight shape and bias
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            layers.setdefault((type(module).local_matmul, module.weight.shape, module.bias is None), module)
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    width = max([m.weight.shape[1] for m in (*layers.values(), *heads)], default=0)
+    x = torch.zeros(config.max_num_batched_tokens, width, dtype=dtype, device=device)
+    for rows in token_buckets(config.max_num_batched_tokens):
+        for module in layers.values():
+            module.local_matmul(x[:rows, :module.weight.shape[1]])
+    for head in heads:
+        for rows in range(1, min(config.max_num_seqs, config.max_num_batched_tokens) + 1):
+            linear(x[:rows, :head.weight.shape[1]], head.weight, skinny=head.skinny)
+    torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def sampler(model: nn.Module, step_sampler: StepSampler, hidden_size: int, dtype: torch.dtype,
+            device: torch.device) -> None:
+    hidden = torch.zeros(max(WARM_ROWS), hidden_size, dtype=dtype, device=device)
+    logits = model.compute_logits(hidden)
+    if logits is not None:  # rank 0 samples
+        step_sampler.warm_up(logits)
+    torch.cuda.synchronize(device)
