@@ -182,40 +182,37 @@ def probe_pdl() -> None:
               f"max diff {(got - reference).abs().max().item():.3g}", flush=True)
 
 
-def probe_tiles(rows: list[int]) -> None:
-    for m in rows:
-        tiles_at(m)
-
-
-def tiles_at(m: int) -> None:
-    chain = Chain(m, with_head=False)
-    base = graph_us(lambda: chain.run(cublas))
-    reference = chain.result()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    lt = graph_us(lambda: chain.run(cublas))
-    torch.backends.cuda.preferred_blas_library("cublas")
+def tile_configs(m: int) -> list[tuple]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages): output tiles of the usual shape, no split-K."""
     block_ms = sorted({min(max(16, triton.next_power_of_2(m)), 64), 16 if m <= 64 else 32})
-    best = min((graph_us(lambda cfg=cfg: chain.run(tile_gemm(*cfg)), reps=50), cfg)
-               for cfg in itertools.product(block_ms, (64, 128), (64, 128), (3, 5)))
-    chain.run(tile_gemm(*best[1]))
-    err = (chain.result() - reference).abs().max().item() / reference.abs().max().item()
-    print(f"M={m:4d} cuBLAS {base:7.1f} us, cuBLASLt {lt:7.1f} us, best Triton tile GEMM {best[0]:7.1f} "
-          f"us (BLOCK_M, BLOCK_N, BLOCK_K, stages = {best[1]}; rel. diff {err:.2g})", flush=True)
+    return list(itertools.product(block_ms, (64, 128), (64, 128), (3, 5)))
 
 
-def probe_few_rows(rows: list[int]) -> None:
+def few_rows_configs(m: int) -> list[tuple]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages, programs): all rows in one tile, few weight rows a program
+    (as the GEMV), K split until the grid has `programs` programs."""
+    return [(max(16, triton.next_power_of_2(m)), bn, bk, stages, programs)
+            for bn, bk, stages, programs in itertools.product((16, 32), (128, 256), (3, 5), (264, 528))]
+
+
+def probe_gemm(rows: list[int], configs_at, with_cublaslt: bool) -> None:
     for m in rows:
-        few_rows_at(m)
+        gemm_at(m, configs_at(m), with_cublaslt)
 
 
-def few_rows_at(m: int) -> None:
+def gemm_at(m: int, configs: list[tuple], with_cublaslt: bool) -> None:
+    """One line: the chain through cuBLAS (and cuBLASLt), and through the fastest Triton config."""
     chain = Chain(m, with_head=False)
-    base = graph_us(lambda: chain.run(cublas))
-    configs = [(max(16, triton.next_power_of_2(m)), bn, bk, stages, target)
-               for bn, bk, stages, target in itertools.product((16, 32), (128, 256), (3, 5), (264, 528))]
-    best = min((graph_us(lambda cfg=cfg: chain.run(tile_gemm(*cfg)), reps=50), cfg) for cfg in configs)
-    print(f"M={m:4d} cuBLAS {base:7.1f} us, few-rows GEMM {best[0]:7.1f} us "
-          f"(BLOCK_M, BLOCK_N, BLOCK_K, stages, programs = {best[1]})", flush=True)
+    line = f"M={m:4d} cuBLAS {graph_us(lambda: chain.run(cublas)):7.1f} us"
+    reference = chain.result()
+    if with_cublaslt:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        line += f", cuBLASLt {graph_us(lambda: chain.run(cublas)):7.1f} us"
+        torch.backends.cuda.preferred_blas_library("cublas")
+    us, best = min((graph_us(lambda cfg=cfg: chain.run(tile_gemm(*cfg)), reps=50), cfg) for cfg in configs)
+    chain.run(tile_gemm(*best))
+    err = (chain.result() - reference).abs().max().item() / reference.abs().max().item()
+    print(f"{line}, best Triton GEMM {us:7.1f} us (config {best}; rel. diff {err:.2g})", flush=True)
 
 
 def host_us(fn, reps: int = 200) -> float:
@@ -253,9 +250,9 @@ def main() -> None:
     if args.probe == "pdl":
         probe_pdl()
     elif args.probe == "tiles":
-        probe_tiles(args.rows or [1, 16, 64, 128, 256])
+        probe_gemm(args.rows or [1, 16, 64, 128, 256], tile_configs, with_cublaslt=True)
     elif args.probe == "few-rows":
-        probe_few_rows(args.rows or [2, 16, 64, 128])
+        probe_gemm(args.rows or [2, 16, 64, 128], few_rows_configs, with_cublaslt=False)
     else:
         probe_host()
 
