@@ -28,4 +28,10 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], k and v: [T, Hkv, D] before norm and rotary -> attention output [T, H, D]."""
         assert self.backend is not None, "attention backend not set; the model runner sets it"
-        return self.backend.forward(self, q, k, v, positions, meta)
+        out = self.backend.forward(self, q, k, v, positions, meta)
+        num_real = meta.cu_seqlens_q_host[-1] if meta.is_prefill and meta.cu_seqlens_q_host else out.shape[0]
+        if num_real < out.shape[0]:
+            # Padding rows (runner/inputs.py) attend to nothing, so no backend writes their output:
+            # zeros, not whatever the allocation held, go on through the layer (an MoE router).
+            out[num_real:].zero_()
+        return out

@@ -114,6 +114,16 @@ def test_padded_eager_steps_match(qwen3_dir, reference, backend, monkeypatch):
         return inputs
 
     monkeypatch.setattr(model_runner, "model_inputs", spy)
+    padding_outputs = []  # each attention layer's output rows for the padding: zeros, not stale memory
+
+    def record(module, args, out):
+        num_real = args[4].cu_seqlens_q_host[-1] if args[4].is_prefill else out.shape[0]
+        padding_outputs.append(out[num_real:].abs().sum().item())
+
+    hooks = [m.register_forward_hook(record) for m in llm.engine.model_runner.attention_layers]
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for hook in hooks:
+        hook.remove()
     assert any(padded), "no step was padded"
+    assert padding_outputs and not any(padding_outputs)
     assert [o["token_ids"] for o in outputs] == reference
