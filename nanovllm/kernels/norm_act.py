@@ -1,10 +1,11 @@
 """RMSNorm (optionally after the residual add) and SiLU-gated activation as one Triton kernel each, for
 CUDA tensors; the layers keep plain PyTorch on the CPU (nanovllm.layers.layernorm, activation).
 
-They replace torch.compile'd versions of the same functions. Inside a CUDA graph the two cost the same,
-but an eager step (prefill, mixed batches) calls them 85 times, and a call through torch.compile's
-wrappers took several times the host time of a plain Triton launch: mixed steps were host-bound
-(BENCHMARKS.md, fourth session, call G2). Their rounding matches the PyTorch functions they replace:
+They replace torch.compile'd versions of the same functions. Inside a CUDA graph the two cost the same;
+an eager step (prefill, mixed batches) calls them 85 times, and a plain Triton launch skips
+torch.compile's Python wrappers (BENCHMARKS.md, fifth session, call H4: a mixed step's launch 20.5 ->
+19.4 ms; most of the rest was cuBLAS, see runner/inputs.py), and start-up compiles six frames fewer
+(H2: 10, H4: 4). Their rounding matches the PyTorch functions they replace:
 
     rms_norm:      y = round(w * round(x * rsqrt(mean(x^2) + eps)))   (float32 inside; two roundings,
                    as nanovllm.utils.norm.rms_norm and transformers)

@@ -1,7 +1,6 @@
 """Kernel choices a layer makes once, when it is built: whether one-token matmuls use the skinny GEMM
-kernel. The model runner makes its
-engine's options current while it builds the model (a ContextVar: per engine and per thread); layers
-read them in __init__ and never again."""
+kernel. The model runner makes its engine's options current while it builds the model (a ContextVar:
+per engine and per thread); layers read them in __init__ and never again."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
