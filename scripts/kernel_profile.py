@@ -20,7 +20,7 @@ import time
 from random import randint, seed
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM, SamplingParams  # noqa: E402
@@ -29,6 +29,8 @@ CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs
 TOP_KERNELS = 15
 # By this step of the 1024-request run the first requests finish and mixed steps admit new ones.
 MIXED_WARM_STEPS = 300
+# The host range each profiled engine step runs in (busy_by_kind files kernels by it).
+STEP_RANGE = "engine_step"
 
 
 def kernel_table(prof, steps: int) -> tuple[list[dict], float, float]:
@@ -106,18 +108,38 @@ def profile_mixed(llm: LLM, steps: int, cprofile: bool = False) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     else:
         host_phases(llm, steps)
-    kinds = collections.Counter()
+    kinds, order = collections.Counter(), []
     torch.cuda.synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            _, num_tokens = llm.engine.step()
-            kinds["mixed" if num_tokens > 0 else "decode"] += 1
+            with record_function(STEP_RANGE):
+                _, num_tokens = llm.engine.step()
+            order.append("mixed" if num_tokens > 0 else "decode")
+            kinds[order[-1]] += 1
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
     rows, kernels, gpu_us = kernel_table(prof, steps)
     print(json.dumps(dict(mixed_run=dict(kinds), wall_ms_per_step=round(wall * 1e3 / steps, 3),
                           kernels_per_step=round(kernels, 1), gpu_us_per_step=round(gpu_us, 1), top=rows)))
+    print(json.dumps(dict(busy_by_kind=busy_by_kind(prof, order))))
+
+
+def busy_by_kind(prof, order: list[str]) -> dict:
+    """Per step kind: wall and GPU-busy milliseconds per step. A synchronous engine (overlap scheduling
+    off) runs each step's kernels inside that step's host range, so kernels are filed by start time."""
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == STEP_RANGE)
+    kernels = sorted((e.time_range.start, e.device_time) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    wall, busy, i = collections.Counter(), collections.Counter(), 0
+    for (lo, hi), kind in zip(ranges, order):
+        wall[kind] += hi - lo
+        while i < len(kernels) and kernels[i][0] < hi:
+            busy[kind] += kernels[i][1] if kernels[i][0] >= lo else 0
+            i += 1
+    count = collections.Counter(order)
+    return {kind: dict(steps=count[kind], wall_ms=round(wall[kind] / count[kind] / 1e3, 3),
+                       gpu_busy_ms=round(busy[kind] / count[kind] / 1e3, 3)) for kind in count}
 
 
 def main() -> None:
