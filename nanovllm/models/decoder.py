@@ -66,14 +66,16 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+        return self.o_proj(self.attend(self.qkv_proj(hidden_states), positions, meta))
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention between the projections: [T, (H + 2 Hkv) D] -> [T, H D]."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = self.attn(q, k, v, positions, meta)
-        return self.o_proj(o.flatten(1, -1))
+        return self.attn(q, k, v, positions, meta).flatten(1, -1)
 
 
 class DecoderMLP(nn.Module):
@@ -102,11 +104,24 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, residual = self.before_attention(hidden_states, residual)
+        return self.after_attention(self.self_attn.attend(qkv, positions, meta), residual)
+
+    # The layer in two halves around its attention, which needs the step's metadata: what comes before
+    # and after it depends on the token count alone (runner/piecewise.py captures it in CUDA graphs).
+    def before_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qkv projection [T, (H + 2 Hkv) D], residual stream)."""
         if residual is None:
             hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, meta)
+        return self.self_attn.qkv_proj(hidden_states), residual
+
+    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, residual stream) from the attention's output [T, H D]."""
+        hidden_states = self.self_attn.o_proj(attn_out)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

@@ -1,6 +1,7 @@
 """Model runner: one per tensor-parallel rank. Builds the model on its device, loads the weights,
 sizes and allocates the paged KV cache, captures the decode CUDA graphs, and runs one step from its
-StepBatch record (rank 0 also samples)."""
+StepBatch record (rank 0 also samples). Decode steps replay whole-model CUDA graphs (cuda_graph.py),
+prefill and mixed steps up to a few thousand tokens piecewise ones around attention (piecewise.py)."""
 
 import gc
 import logging
@@ -18,6 +19,7 @@ from nanovllm.models import get_model_class
 from nanovllm.runner import kv_cache, warm_up
 from nanovllm.runner.batch import SamplingBatch, StepBatch, StepOutput
 from nanovllm.runner.cuda_graph import DecodeGraphs
+from nanovllm.runner.piecewise import PiecewiseGraphs
 from nanovllm.runner.inputs import model_inputs, padded_num_tokens, to_device
 from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row, worst_case_sampling
 from nanovllm.runner.step_output import PendingOutput
@@ -61,6 +63,11 @@ class ModelRunner:
         self.sampler = StepSampler(self.vocab_size, self.device, compiled=on_gpu and config.torch_compile)
         self.pad_eager = on_gpu
         self.decode_graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
+        if on_gpu and not config.enforce_eager:
+            # Before the KV cache is sized: the graphs' buffers and memory pool then count as in use.
+            self.piecewise = PiecewiseGraphs(self.model, config.max_num_batched_tokens, self.dtype, self.device)
+            self.piecewise.capture()
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)
         if on_gpu and not config.enforce_eager:
@@ -182,12 +189,19 @@ class ModelRunner:
         prev_tokens = self._previous_tokens(batch, prev_sampled)
         if not batch.is_prefill and self.decode_graphs and self.decode_graphs.can_run(batch.num_seqs):
             return self.decode_graphs.run(batch, prev_tokens), None  # decode: every row samples
-        # Prefill and mixed steps are padded so that cuBLAS meets only shapes it has seen (inputs.py).
-        num_padded = padded_num_tokens(len(batch.input_ids)) if self.pad_eager and batch.is_prefill else None
+        # Prefill and mixed steps run padded to a size the piecewise graphs were captured at, or when
+        # too large for them, eagerly, padded so that cuBLAS meets only shapes it has seen (inputs.py).
+        num_tokens = len(batch.input_ids)
+        graph_size = self.piecewise.padded_size(num_tokens) if self.piecewise and batch.is_prefill else None
+        num_padded = graph_size or (padded_num_tokens(num_tokens) if self.pad_eager and batch.is_prefill
+                                    else None)
         inputs = model_inputs(batch, self.device, num_padded)
         if prev_tokens is not None:
             inputs.input_ids[prev_tokens[0]] = prev_tokens[1]
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if graph_size:
+            hidden = self.piecewise.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return hidden[inputs.logits_indices], hidden
 
     def _sampling_logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
@@ -234,8 +248,9 @@ class ModelRunner:
 
     def release(self) -> None:
         """Free the model and its KV cache now (the layers' weight loaders form reference cycles)."""
-        if self.decode_graphs is not None:
-            self.decode_graphs.release()
+        for graphs in (self.decode_graphs, self.piecewise):
+            if graphs is not None:
+                graphs.release()
         del self.model, self.attention_layers
         self.kv_cache = None
         gc.collect()

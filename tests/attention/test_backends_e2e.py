@@ -127,3 +127,37 @@ def test_padded_eager_steps_match(qwen3_dir, reference, backend, monkeypatch):
     assert any(padded), "no step was padded"
     assert padding_outputs and not any(padding_outputs)
     assert [o["token_ids"] for o in outputs] == reference
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_piecewise_graph_steps_match(qwen3_dir, reference, backend):
+    """Prefill and mixed steps through the piecewise graphs' path (runner/piecewise.py: the layers'
+    halves around attention, through static buffers, padded to a captured size), run eagerly: the plain
+    path's tokens, also over a cached prefix. Chunked prefill (7 tokens a step) makes mixed steps of
+    sizes that pad to both captured sizes."""
+    from nanovllm.runner.piecewise import PiecewiseGraphs
+
+    if backend == "triton":
+        triton_test_device()
+    llm = LLM(qwen3_dir, attention_backend=backend, max_num_batched_tokens=7, **OPTIONS)
+    runner = llm.engine.model_runner
+    runner.piecewise = graphs = PiecewiseGraphs(runner.model, 7, runner.dtype, runner.device,
+                                                use_cuda_graph=False, sizes=[4, 8])
+    sizes, plain_run = [], graphs.run
+    graphs.run = lambda inputs: sizes.append(inputs.input_ids.shape[0]) or plain_run(inputs)
+    for _ in range(2):  # the second pass prefills over the first one's cached prompts
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    assert set(sizes) == {4, 8}
+    assert llm.engine.scheduler.block_manager.num_cache_hit_tokens > 0
+
+
+def test_captured_piecewise_graphs_match_on_gpu(qwen3_dir, reference):
+    """On a GPU (TRITON_INTERPRET=0), the captured graphs themselves: prefill and mixed steps replayed
+    piecewise give the torch backend's float32 tokens."""
+    if triton_test_device() != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    llm = LLM(qwen3_dir, attention_backend="triton", max_num_batched_tokens=7,
+              **{**OPTIONS, "enforce_eager": False})
+    graphs = llm.engine.model_runner.piecewise
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+    assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
