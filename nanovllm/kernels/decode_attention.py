@@ -9,8 +9,8 @@ into num_splits chunks:
         writes a float32 partial per head: its output normalised by its own softmax sum, and its
         log-sum-exp (base 2);
     stage 2: out = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse) over the chunks that
-        hold keys, done by the last program of each (sequence, KV head) to finish (an atomic counter
-        says which: one kernel in all).
+        hold keys, for the whole GQA group at once, done by the last program of each (sequence, KV head)
+        to finish (an atomic counter says which: one kernel in all).
 
 num_splits and the launch settings depend only on static shapes (batch size, KV heads, block_tables
 width, cache dtype, SM count; decode_launch.py); each
@@ -42,7 +42,8 @@ from nanovllm.kernels.decode_launch import choose_launch
 # tl.dot needs at least 16 rows, so a GQA group (often 1-8 query heads) is padded to 16 masked rows.
 # The padding costs tensor-core FLOPs, not memory traffic, and decode is bound by reading K/V.
 MIN_GROUP_ROWS = 16
-# Partials the combining epilogue reads per vectorized load ([rows, head_dim] float32 in registers).
+# Partials per head the combining epilogue reads per vectorized load ([heads, rows, head_dim] float32
+# in registers).
 COMBINE_ROWS = 16
 
 
@@ -73,7 +74,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    COMBINE_HEADS: tl.constexpr,
     COMBINE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -134,40 +135,47 @@ def _decode_split_kernel(
         # Only the chunks that hold keys are combined: the split count is sized for the longest
         # possible context, so a short one leaves most chunks empty.
         num_used = tl.cdiv(kv_len, tl.maximum(split_len, BLOCK_N))
-        for g in tl.static_range(NUM_HEADS_PER_KV):
-            head = kv_head * NUM_HEADS_PER_KV + g
-            first_row = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + head) * num_splits
-            _combine_splits(partial_out_ptr, partial_lse_ptr,
-                            out_ptr + seq.to(tl.int64) * out_stride_b + head * out_stride_h,
-                            first_row, num_used, HEAD_DIM, BLOCK_S, COMBINE_ROWS)
+        first_row = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + kv_head * NUM_HEADS_PER_KV) * num_splits
+        _combine_splits(partial_out_ptr, partial_lse_ptr,
+                        out_ptr + seq.to(tl.int64) * out_stride_b + kv_head * NUM_HEADS_PER_KV * out_stride_h,
+                        out_stride_h, first_row, num_splits, num_used, NUM_HEADS_PER_KV, COMBINE_HEADS,
+                        HEAD_DIM, COMBINE_ROWS)
 
 
 @triton.jit
-def _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, first_row, num_used, HEAD_DIM: tl.constexpr,
-                    BLOCK_S: tl.constexpr, COMBINE_ROWS: tl.constexpr):
-    """One head's out = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse) over its first
-    num_used partials (rows first_row ...). The partials are read COMBINE_ROWS at a time in one
-    vectorized load each, not one after another: this epilogue is on every decode's critical path."""
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_all = tl.load(partial_lse_ptr + first_row + offs_s, mask=offs_s < num_used, other=float("-inf"),
-                      cache_modifier=".cg")
-    lse_max = tl.max(lse_all, 0)
-    # No chunk used (seqlens_k == 0): shift by 0 rather than -inf so weights are 2^-inf = 0, not NaN.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.sum(tl.exp2(lse_all - lse_max), 0)
+def _combine_splits(partial_out_ptr, partial_lse_ptr, out_ptr, out_stride_h, first_row, num_splits, num_used,
+                    NUM_HEADS: tl.constexpr, COMBINE_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    COMBINE_ROWS: tl.constexpr):
+    """For each of the NUM_HEADS heads sharing one KV head (head g's partials are rows first_row +
+    g * num_splits + s): out_g = sum_s 2^(lse_gs - m_g) * out_gs / sum_s 2^(lse_gs - m_g) over its first
+    num_used partials, m_g their max. All heads at once and COMBINE_ROWS partials per vectorized load,
+    the max kept online (rescaling what is summed when it grows): one round of loads for up to
+    COMBINE_ROWS chunks, where a pass for the max and one per head would be several. This epilogue is on
+    every decode's critical path (at batch 1, most of the kernel's time is such latency)."""
+    offs_g = tl.arange(0, COMBINE_HEADS)
+    g_mask = offs_g < NUM_HEADS
     offs_r = tl.arange(0, COMBINE_ROWS)
     offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    m = tl.full([COMBINE_HEADS], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([COMBINE_HEADS], dtype=tl.float32)
+    acc = tl.zeros([COMBINE_HEADS, HEAD_DIM], dtype=tl.float32)
     for start in range(0, num_used, COMBINE_ROWS):
-        rows = start + offs_r
-        used = rows < num_used
-        lse = tl.load(partial_lse_ptr + first_row + rows, mask=used, other=float("-inf"),
-                      cache_modifier=".cg")
-        part = tl.load(partial_out_ptr + (first_row + rows)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=used[:, None], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(tl.exp2(lse - lse_max)[:, None] * part, 0)
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
+        rows = first_row + offs_g[:, None] * num_splits + start + offs_r[None, :]  # [heads, rows]
+        used = g_mask[:, None] & (start + offs_r < num_used)[None, :]
+        lse = tl.load(partial_lse_ptr + rows, mask=used, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(partial_out_ptr + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                       mask=used[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        # Chunks without keys have lse -inf: shift by 0 rather than -inf so their weight is 2^-inf = 0.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp2(m - shift)  # 0 on the first round (m = -inf)
+        weights = tl.exp2(lse - shift[:, None])
+        total = total * rescale + tl.sum(weights, 1)
+        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * part, 1)
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # zeros where no chunk held a key
+    tl.store(out_ptr + offs_g[:, None] * out_stride_h + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_mask[:, None])
 
 
 def paged_decode_attention(
@@ -262,7 +270,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(num_heads_per_kv)),
         BLOCK_N=launch.block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        COMBINE_HEADS=triton.next_power_of_2(num_heads_per_kv),
         COMBINE_ROWS=COMBINE_ROWS,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=launch.num_warps,

@@ -61,7 +61,7 @@ FLOAT_SCALARS = {"eps", "scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_
 # Cases reading or writing an fp8 (e4m3) KV cache: their cache pointers hold fp8.
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=128,
-              BLOCK_S=64, COMBINE_ROWS=16)
+              COMBINE_HEADS=2, COMBINE_ROWS=16)
 
 
 def cases() -> dict:

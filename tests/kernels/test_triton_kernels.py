@@ -103,6 +103,21 @@ def test_paged_decode_attention_matches_reference(
     torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (2, 2)])
+def test_decode_combines_more_chunks_than_one_load_holds(num_heads: int, num_kv_heads: int) -> None:
+    """A 2,200-token context in 32 chunks of whole 128-key tiles uses 18 of them: more than the
+    COMBINE_ROWS partials the epilogue reads at once, so the running max is rescaled between rounds
+    (4 heads a group, and 1)."""
+    kv_lens = [2200, 5]
+    k_cache, v_cache, block_tables = make_paged_cache(kv_lens, 16, num_kv_heads, HEAD_DIM, torch.float32, 7,
+                                                      device=DEVICE)
+    q = 3 * torch.randn(len(kv_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, seqlens_k, block_tables, 0.2, num_splits=32)
+    expected = reference_attention(q, k_cache, v_cache, [1] * len(kv_lens), kv_lens, block_tables, 0.2)
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=RTOL)
+
+
 def test_paged_decode_attention_writes_into_given_out_and_workspace() -> None:
     num_heads, num_kv_heads, kv_lens, num_splits = 4, 1, [70, 5], 2
     k_cache, v_cache, block_tables = make_paged_cache(
