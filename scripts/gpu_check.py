@@ -149,8 +149,11 @@ def check_e2e() -> None:
     }
     settings["fa3/graphs/chunked-64"] = dict(attention_backend="fa3", max_num_batched_tokens=64)
     settings["triton/graphs/chunked-64"] = dict(attention_backend="triton", max_num_batched_tokens=64)
+    # One sequence at a time: every decode step is one row, through the skinny GEMV and its prologues.
+    settings["triton/graphs/one-row"] = dict(attention_backend="triton", max_num_seqs=1)
     if os.environ.get("E2E_QUICK") == "1":  # the CUDA-graph runs only (when device time is short)
-        settings = {k: v for k, v in settings.items() if k in ("torch/eager", "fa3/graphs", "triton/graphs")}
+        settings = {k: v for k, v in settings.items()
+                    if k in ("torch/eager", "fa3/graphs", "triton/graphs", "triton/graphs/one-row")}
     runs, noise = {}, 0.0
     for label, options in settings.items():
         llm = LLM(path, **{**base, **options})

@@ -12,6 +12,10 @@ Split-K (grid axis 1) is used only when too few column blocks exist to keep the 
 deterministic: float32 partials go to a [split_k, N] workspace that a second kernel sums in a fixed order.
 All sizes come from shapes (no host sync, no data-dependent allocation), so calls are CUDA-graph capturable.
 Accumulation is float32; the result is in x's dtype.
+
+A prologue can fold the small kernel before a linear layer into the GEMV's pass over x: RMSNorm (after
+a residual add or not; skinny_norm_linear) or SiLU-mul (skinny_silu_linear). At one row a decode step ran
+57 norm and 28 SiLU-mul kernels of ~1.5 us each (BENCHMARKS.md, fifth session, H2), mostly launch gaps.
 """
 
 from dataclasses import dataclass
@@ -59,12 +63,21 @@ class SkinnyConfig:
     num_stages: int = 3  # software-pipeline depth of the K loop: num_stages - 1 tiles in flight
 
 
+# What the kernel does to x before the GEMV (one pass over x, which every program reads anyway), so that
+# the small kernel before a linear layer (its RMSNorm, SiLU-mul) need not run: see `Prologue`.
+PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_MUL = 0, 1, 2, 3
+
+
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr,  # [K], contiguous
+    x_ptr,  # [K], contiguous ([2K] for SILU_MUL: gate then up)
     w_ptr,
     bias_ptr,
     out_ptr,  # [N] in x's dtype, or with WRITE_PARTIAL a [split_k, N] float32 workspace
+    residual_ptr,  # ADD_RMS_NORM: [K], added to x
+    sum_ptr,  # ADD_RMS_NORM: [K], receives x + residual (written by the first column block)
+    norm_w_ptr,  # RMS_NORM, ADD_RMS_NORM: [K]
+    eps,
     N,
     K,
     stride_wn,
@@ -74,6 +87,7 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PROLOGUE: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -85,14 +99,31 @@ def _skinny_gemm_kernel(
     k_start = pid_k * tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
     partial = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     # num_stages on the loop itself: Triton pipelines loads that feed no tl.dot only then.
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-        partial += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if PROLOGUE == ADD_RMS_NORM:
+            # Rounded to x's dtype as the residual stream is stored, before the norm reads it.
+            x = (x.to(tl.float32) + tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+                 ).to(x_ptr.dtype.element_ty)
+            if pid_n == 0:
+                tl.store(sum_ptr + offs_k, x, mask=k_mask)
+        xf = x.to(tl.float32)
+        if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
+            # The norm's 1/rms scales the whole row: it is applied to the sums at the end.
+            squares += xf * xf
+            xf = xf * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if PROLOGUE == SILU_MUL:
+            up = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            xf = (xf / (1.0 + tl.exp(-xf)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        partial += w.to(tl.float32) * xf[None, :]
     acc = tl.sum(partial, axis=1)  # [BLOCK_N]
+    if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
+        acc = acc * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     if WRITE_PARTIAL:
         tl.store(out_ptr + pid_k * N + offs_n, acc, mask=n_mask)
     else:
@@ -188,6 +219,12 @@ def skinny_linear(
     if config is None:
         config = skinny_config(n, k, x.element_size(), sm_count(x.device))
 
+    return _launch(x, weight, bias, out, config)
+
+
+def _launch(x, weight, bias, out, config: SkinnyConfig, prologue: int = PLAIN, residual=None, summed=None,
+            norm_weight=None, eps: float = 0.0) -> torch.Tensor:
+    n, k = weight.shape
     # Each split covers whole tiles, so none but the last sees the ragged end of K.
     num_tiles = triton.cdiv(k, config.block_k)
     split_k = max(1, min(config.split_k, num_tiles))
@@ -200,6 +237,10 @@ def skinny_linear(
         weight,
         bias if bias is not None else x,  # never read without HAS_BIAS
         target,
+        residual if residual is not None else x,  # the prologue's tensors: never read unless it uses them
+        summed if summed is not None else x,
+        norm_weight if norm_weight is not None else x,
+        eps,
         n,
         k,
         weight.stride(0),
@@ -209,6 +250,7 @@ def skinny_linear(
         HAS_BIAS=bias is not None,
         WRITE_PARTIAL=write_partial,
         NUM_STAGES=config.num_stages,
+        PROLOGUE=prologue,
         num_warps=config.num_warps,
     )
     if write_partial:
@@ -222,3 +264,51 @@ def skinny_linear(
             BLOCK_N=REDUCE_BLOCK_N,
         )
     return out
+
+
+def _check_one_row(x: torch.Tensor, width: int, what: str) -> None:
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width or not x.is_contiguous():
+        raise ValueError(f"{what} must be one contiguous row of {width}; got {tuple(x.shape)}")
+
+
+def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s) @ weight.T (+ bias), s) for one row, s = x + residual (or x), in one kernel: the
+    norm's kernel before the GEMV is saved. s is rounded to x's dtype as a stored residual stream is;
+    the norm's 1/rms multiplies the float32 sums instead of each element, so the output can differ
+    from norm-then-linear by the rounding of the normed row. Where the shapes ask for split-K (which
+    would cut the norm's sum of squares), the norm runs on its own first."""
+    k = weight.shape[1]
+    _check_one_row(x, k, "x")
+    if residual is not None:
+        _check_one_row(residual, k, "residual")
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or weight.dtype != x.dtype:
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} and weight "
+                         f"{weight.dtype} must be ({k},) and x's dtype {x.dtype}")
+    config = skinny_config(weight.shape[0], k, x.element_size(), sm_count(x.device))
+    if config.split_k > 1:
+        from nanovllm.kernels.norm_act import add_rms_norm, rms_norm
+        if residual is None:
+            return skinny_linear(rms_norm(x, norm_weight, eps), weight, bias, config=config), x
+        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+        return skinny_linear(normed, weight, bias, config=config), summed
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    if residual is None:
+        return _launch(x, weight, bias, out, config, RMS_NORM, norm_weight=norm_weight, eps=eps), x
+    summed = torch.empty_like(x)
+    _launch(x, weight, bias, out, config, ADD_RMS_NORM, residual, summed, norm_weight, eps)
+    return out, summed
+
+
+def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T (+ bias) for one row x = [gate | up] ([1, 2K]), in one kernel: the
+    SiLU-mul kernel before the GEMV is saved. The product is rounded to x's dtype as that kernel's
+    output is, so the result equals SiLU-mul-then-GEMV."""
+    k = weight.shape[1]
+    _check_one_row(x, 2 * k, "x")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight {weight.dtype} must be x's dtype {x.dtype}")
+    config = skinny_config(weight.shape[0], k, x.element_size(), sm_count(x.device))
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    return _launch(x, weight, bias, out, config, SILU_MUL)

@@ -35,6 +35,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def _fused_row(x: torch.Tensor, skinny) -> bool:
+    """Whether a one-token step folds the small kernel before a linear layer (its RMSNorm, SiLU-mul)
+    into the skinny GEMV (kernels/skinny_gemm.py: one kernel instead of two)."""
+    return (skinny is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+            and x.dtype in SKINNY_DTYPES)
+
+
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
@@ -98,6 +105,18 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, _divide(output_size, get_tp_size(), "output size"), bias, tp_dim=0)
+
+    def normed(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual), or without a residual (self(norm(x)), x): the
+        decoder's RMSNorm (layers/layernorm.py) and the projection after it, one kernel for one row."""
+        if _fused_row(x, self.skinny) and (residual is None or residual.is_contiguous()):
+            from nanovllm.kernels.skinny_gemm import skinny_norm_linear
+            return skinny_norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, residual)
+        if residual is None:
+            return self(norm(x)), x
+        normed, residual = norm(x, residual)
+        return self(normed), residual
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -168,3 +187,11 @@ class RowParallelLinear(LinearBase):
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the partial sums are reduced.
         return linear(x, self.weight, skinny=self.skinny)
+
+    def silu_mul_forward(self, gate_up: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
+        """self(act_fn(gate_up)) for the SiLU-gated MLP's [gate | up]: one kernel for one row."""
+        if not _fused_row(gate_up, self.skinny):
+            return self(act_fn(gate_up))
+        from nanovllm.kernels.skinny_gemm import skinny_silu_linear
+        y = all_reduce(skinny_silu_linear(gate_up, self.weight))
+        return y if self.bias is None else y + self.bias

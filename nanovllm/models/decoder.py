@@ -90,7 +90,12 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.silu_mul_forward(self.gate_up_proj(x), self.act_fn)
+
+    def normed(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual), the norm folded into the first projection."""
+        gate_up, residual = self.gate_up_proj.normed(x, norm, residual)
+        return self.down_proj.silu_mul_forward(gate_up, self.act_fn), residual
 
 
 class DecoderLayer(nn.Module):
@@ -112,16 +117,14 @@ class DecoderLayer(nn.Module):
     def before_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """(qkv projection [T, (H + 2 Hkv) D], residual stream)."""
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        return self.self_attn.qkv_proj(hidden_states), residual
+        return self.self_attn.qkv_proj.normed(hidden_states, self.input_layernorm, residual)
 
     def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, residual stream) from the attention's output [T, H D]."""
         hidden_states = self.self_attn.o_proj(attn_out)
+        if isinstance(self.mlp, DecoderMLP):  # folds the norm into its first projection where it can
+            return self.mlp.normed(hidden_states, self.post_attention_layernorm, residual)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

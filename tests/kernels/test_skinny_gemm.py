@@ -8,7 +8,13 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels.skinny_gemm import SkinnyConfig, skinny_config, skinny_linear  # noqa: E402
+from nanovllm.kernels.skinny_gemm import (  # noqa: E402
+    SkinnyConfig,
+    skinny_config,
+    skinny_linear,
+    skinny_norm_linear,
+    skinny_silu_linear,
+)
 
 DEVICE = triton_test_device()
 
@@ -123,3 +129,76 @@ def test_rejects_bad_arguments():
         skinny_linear(x, weight, out=torch.empty(1, 63, device=DEVICE))
     with pytest.raises(ValueError, match="not float16"):
         skinny_linear(x.double(), weight.double())
+
+
+# (N, K) for the prologues: 256 x 128 runs them in the GEMV kernel; 16 x 256 leaves so few column
+# blocks that the shapes ask for split-K, where the norm runs on its own first.
+PROLOGUE_SHAPES = [(256, 128), (16, 256)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", PROLOGUE_SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_prologue_matches_norm_then_linear(n: int, k: int, dtype: torch.dtype, with_residual: bool):
+    from nanovllm.utils.norm import rms_norm
+
+    x, weight, bias = make_inputs(1, n, k, dtype)
+    gen = torch.Generator().manual_seed(3)
+    residual = torch.randn(1, k, generator=gen).to(DEVICE, dtype) if with_residual else None
+    norm_weight = (1 + torch.rand(k, generator=gen)).to(DEVICE, dtype)
+    out, summed = skinny_norm_linear(x, norm_weight, 1e-6, weight, bias, residual)
+    expected_sum = (x.float() + residual.float()).to(dtype) if with_residual else x
+    assert torch.equal(summed, expected_sum)  # the residual stream, rounded as stored
+    normed = rms_norm(expected_sum.cpu().float(), norm_weight.cpu().float(), 1e-6).to(DEVICE)
+    assert_close(out, reference(normed, weight, bias), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", PROLOGUE_SHAPES)
+def test_silu_prologue_matches_silu_mul_then_linear(n: int, k: int, dtype: torch.dtype):
+    gate_up = torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    _, weight, bias = make_inputs(1, n, k, dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    activated = (torch.nn.functional.silu(gate) * up).to(dtype)
+    assert_close(skinny_silu_linear(gate_up, weight, bias), reference(activated, weight, bias), dtype)
+
+
+def test_prologues_reject_bad_arguments():
+    x, weight, _ = make_inputs(1, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match="one contiguous row of 32"):
+        skinny_norm_linear(torch.zeros(2, 32, device=DEVICE), torch.ones(32, device=DEVICE), 1e-6, weight)
+    with pytest.raises(ValueError, match="residual must be one contiguous row"):
+        skinny_norm_linear(x, torch.ones(32, device=DEVICE), 1e-6, weight, residual=x[:, :16])
+    with pytest.raises(ValueError, match="norm_weight"):
+        skinny_norm_linear(x, torch.ones(16, device=DEVICE), 1e-6, weight)
+    with pytest.raises(ValueError, match="one contiguous row of 64"):
+        skinny_silu_linear(x, weight)  # [gate | up] is twice K wide
+
+
+def test_layers_fold_the_norm_and_activation_into_one_row_on_gpu():
+    """On a GPU, the linear layers' one-row paths (ColumnParallelLinear.normed,
+    RowParallelLinear.silu_mul_forward) give what the norm or SiLU-mul then the layer give, and two
+    rows take the plain path."""
+    if DEVICE != "cuda":
+        pytest.skip("the layers fold only CUDA rows into the skinny kernel")
+    from nanovllm.layers.activation import SiluAndMul
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from nanovllm.layers.options import KernelOptions, use_kernel_options
+
+    torch.manual_seed(0)
+    with torch.device(DEVICE), use_kernel_options(KernelOptions(skinny_gemm=True)):
+        up, down = ColumnParallelLinear(128, 512).half(), RowParallelLinear(256, 128).half()
+        norm = RMSNorm(128).half()
+    for layer in (up, down, norm):
+        for p in layer.parameters():
+            p.data.normal_(std=0.1)
+    for rows in (1, 2):
+        x, residual = torch.randn(2, rows, 128, device=DEVICE, dtype=torch.float16).unbind(0)
+        out, summed = up.normed(x, norm, residual)
+        normed, expected_sum = norm(x, residual)
+        assert torch.equal(summed, expected_sum)
+        torch.testing.assert_close(out, up(normed), atol=2e-2, rtol=2e-2)
+        gate_up = torch.randn(rows, 512, device=DEVICE, dtype=torch.float16)
+        torch.testing.assert_close(down.silu_mul_forward(gate_up, SiluAndMul()), down(SiluAndMul()(gate_up)),
+                                   atol=2e-3, rtol=2e-3)
