@@ -65,7 +65,8 @@ class SkinnyConfig:
 
 # What the kernel does to x before the GEMV (one pass over x, which every program reads anyway), so that
 # the small kernel before a linear layer (its RMSNorm, SiLU-mul) need not run: see `Prologue`.
-PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_MUL = 0, 1, 2, 3
+# (tl.constexpr: a kernel may read a global only when it is one.)
+PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_MUL = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit
@@ -87,7 +88,7 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    PROLOGUE: tl.constexpr = 0,
+    PROLOGUE: tl.constexpr = PLAIN,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -222,7 +223,7 @@ def skinny_linear(
     return _launch(x, weight, bias, out, config)
 
 
-def _launch(x, weight, bias, out, config: SkinnyConfig, prologue: int = PLAIN, residual=None, summed=None,
+def _launch(x, weight, bias, out, config: SkinnyConfig, prologue: tl.constexpr = PLAIN, residual=None, summed=None,
             norm_weight=None, eps: float = 0.0) -> torch.Tensor:
     n, k = weight.shape
     # Each split covers whole tiles, so none but the last sees the ragged end of K.
@@ -250,7 +251,7 @@ def _launch(x, weight, bias, out, config: SkinnyConfig, prologue: int = PLAIN, r
         HAS_BIAS=bias is not None,
         WRITE_PARTIAL=write_partial,
         NUM_STAGES=config.num_stages,
-        PROLOGUE=prologue,
+        PROLOGUE=prologue.value,
         num_warps=config.num_warps,
     )
     if write_partial:

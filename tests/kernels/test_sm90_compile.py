@@ -92,6 +92,12 @@ def cases() -> dict:
                              BLOCK_N=64, DOT_PRECISION="tf32"), FP8_CACHE),
         "skinny-gemm": (skinny_gemm._skinny_gemm_kernel,
                         dict(BLOCK_N=64, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True, NUM_STAGES=3)),
+        "skinny-gemm-add-rms-norm": (skinny_gemm._skinny_gemm_kernel,
+                                     dict(BLOCK_N=8, BLOCK_K=512, HAS_BIAS=False, WRITE_PARTIAL=False,
+                                          NUM_STAGES=3, PROLOGUE=skinny_gemm.ADD_RMS_NORM.value)),
+        "skinny-gemm-silu-mul": (skinny_gemm._skinny_gemm_kernel,
+                                 dict(BLOCK_N=4, BLOCK_K=1024, HAS_BIAS=False, WRITE_PARTIAL=False,
+                                      NUM_STAGES=3, PROLOGUE=skinny_gemm.SILU_MUL.value)),
         "split-k-reduce": (skinny_gemm._split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
         "add-rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
         "rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=1024)),
@@ -163,7 +169,7 @@ def compile_all() -> dict[str, str]:
 DTYPES = ("bf16", "fp32")
 CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-small-batch",
               "decode-fp8-small-batch", "rope-store-qk-norm", "rope-store", "rope-store-fp8",
-              "skinny-gemm", "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
+              "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
               "moe-topk-softmax")
 
