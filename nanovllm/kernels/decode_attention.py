@@ -135,7 +135,8 @@ def _decode_split_kernel(
         # Only the chunks that hold keys are combined: the split count is sized for the longest
         # possible context, so a short one leaves most chunks empty.
         num_used = tl.cdiv(kv_len, tl.maximum(split_len, BLOCK_N))
-        first_row = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + kv_head * NUM_HEADS_PER_KV) * num_splits
+        first_head = seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + kv_head * NUM_HEADS_PER_KV
+        first_row = first_head * num_splits
         _combine_splits(partial_out_ptr, partial_lse_ptr,
                         out_ptr + seq.to(tl.int64) * out_stride_b + kv_head * NUM_HEADS_PER_KV * out_stride_h,
                         out_stride_h, first_row, num_splits, num_used, NUM_HEADS_PER_KV, COMBINE_HEADS,

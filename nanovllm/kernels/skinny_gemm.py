@@ -223,8 +223,8 @@ def skinny_linear(
     return _launch(x, weight, bias, out, config)
 
 
-def _launch(x, weight, bias, out, config: SkinnyConfig, prologue: tl.constexpr = PLAIN, residual=None, summed=None,
-            norm_weight=None, eps: float = 0.0) -> torch.Tensor:
+def _launch(x, weight, bias, out, config: SkinnyConfig, prologue: tl.constexpr = PLAIN, residual=None,
+            summed=None, norm_weight=None, eps: float = 0.0) -> torch.Tensor:
     n, k = weight.shape
     # Each split covers whole tiles, so none but the last sees the ragged end of K.
     num_tiles = triton.cdiv(k, config.block_k)
@@ -302,7 +302,8 @@ def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     return out, summed
 
 
-def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T (+ bias) for one row x = [gate | up] ([1, 2K]), in one kernel: the
     SiLU-mul kernel before the GEMV is saved. The product is rounded to x's dtype as that kernel's
     output is, so the result equals SiLU-mul-then-GEMV."""

@@ -92,7 +92,8 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.silu_mul_forward(self.gate_up_proj(x), self.act_fn)
 
-    def normed(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def normed(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual), the norm folded into the first projection."""
         gate_up, residual = self.gate_up_proj.normed(x, norm, residual)
         return self.down_proj.silu_mul_forward(gate_up, self.act_fn), residual

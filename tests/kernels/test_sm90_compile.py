@@ -169,7 +169,8 @@ def compile_all() -> dict[str, str]:
 DTYPES = ("bf16", "fp32")
 CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-small-batch",
               "decode-fp8-small-batch", "rope-store-qk-norm", "rope-store", "rope-store-fp8",
-              "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
+              "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul",
+              "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
               "moe-topk-softmax")
 

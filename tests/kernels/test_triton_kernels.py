@@ -111,7 +111,8 @@ def test_decode_combines_more_chunks_than_one_load_holds(num_heads: int, num_kv_
     kv_lens = [2200, 5]
     k_cache, v_cache, block_tables = make_paged_cache(kv_lens, 16, num_kv_heads, HEAD_DIM, torch.float32, 7,
                                                       device=DEVICE)
-    q = 3 * torch.randn(len(kv_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    gen = torch.Generator().manual_seed(8)
+    q = 3 * torch.randn(len(kv_lens), num_heads, HEAD_DIM, generator=gen).to(DEVICE)
     seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
     out = paged_decode_attention(q, k_cache, v_cache, seqlens_k, block_tables, 0.2, num_splits=32)
     expected = reference_attention(q, k_cache, v_cache, [1] * len(kv_lens), kv_lens, block_tables, 0.2)
