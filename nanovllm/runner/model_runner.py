@@ -252,6 +252,10 @@ class ModelRunner:
         for graphs in (self.decode_graphs, self.piecewise):
             if graphs is not None:
                 graphs.release()
+        # The graph runners hold the model's modules, and the attention layers views of the cache:
+        # while this runner lives (an LLM object not yet collected), none may keep the cache alive.
+        self.decode_graphs = self.piecewise = None
+        kv_cache.detach(self.attention_layers)
         del self.model, self.attention_layers
         self.kv_cache = None
         gc.collect()
