@@ -37,7 +37,8 @@ def kernel_table(prof, steps: int) -> tuple[list[dict], float, float]:
     """(top kernels, kernels per step, GPU microseconds per step) from a finished profile."""
     calls, micros = collections.Counter(), collections.Counter()
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        # record_function ranges get a device-side twin (STEP_RANGE's spans a whole step): not a kernel.
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.name != STEP_RANGE:
             name = event.name[:90]
             calls[name] += 1
             micros[name] += event.device_time
@@ -130,7 +131,7 @@ def busy_by_kind(prof, order: list[str]) -> dict:
     off) runs each step's kernels inside that step's host range, so kernels are filed by start time."""
     ranges = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == STEP_RANGE)
     kernels = sorted((e.time_range.start, e.device_time) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.name != STEP_RANGE)
     wall, busy, i = collections.Counter(), collections.Counter(), 0
     for (lo, hi), kind in zip(ranges, order):
         wall[kind] += hi - lo
