@@ -129,7 +129,8 @@ def profile_mixed(llm: LLM, steps: int, cprofile: bool = False) -> None:
 def busy_by_kind(prof, order: list[str]) -> dict:
     """Per step kind: wall and GPU-busy milliseconds per step. A synchronous engine (overlap scheduling
     off) runs each step's kernels inside that step's host range, so kernels are filed by start time."""
-    ranges = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == STEP_RANGE)
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                    if e.name == STEP_RANGE and e.device_type == torch.autograd.DeviceType.CPU)
     kernels = sorted((e.time_range.start, e.device_time) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA and e.name != STEP_RANGE)
     wall, busy, i = collections.Counter(), collections.Counter(), 0
