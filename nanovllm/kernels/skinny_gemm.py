@@ -63,9 +63,9 @@ class SkinnyConfig:
     num_stages: int = 3  # software-pipeline depth of the K loop: num_stages - 1 tiles in flight
 
 
-# What the kernel does to x before the GEMV (one pass over x, which every program reads anyway), so that
-# the small kernel before a linear layer (its RMSNorm, SiLU-mul) need not run: see `Prologue`.
-# (tl.constexpr: a kernel may read a global only when it is one.)
+# What the kernel does to x before the GEMV (in its pass over x, which every program reads anyway), so
+# that the small kernel before a linear layer (its RMSNorm, SiLU-mul) need not run: skinny_norm_linear,
+# skinny_silu_linear. (tl.constexpr: a kernel may read a global only when it is one.)
 PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_MUL = (tl.constexpr(i) for i in range(4))
 
 

@@ -64,10 +64,8 @@ class DecoderAttention(nn.Module):
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, rotary, qk_norm)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(hidden_states), positions, meta))
-
+    # No forward: the decoder layer calls qkv_proj, attend and o_proj apart, each half of the layer with
+    # its norm folded into the projection where it can (DecoderLayer.before_attention, after_attention).
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The attention between the projections: [T, (H + 2 Hkv) D] -> [T, H D]."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
