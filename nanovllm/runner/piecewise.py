@@ -4,7 +4,7 @@ blocks), so the whole forward cannot be one graph; but everything between two at
 output projection, MLP and norms of layer i, then layer i+1's norm and QKV projection) depends on the
 token count alone. Those pieces are captured once per size of a token ladder and replayed; the
 attention runs eagerly in between. Launched eagerly, a mixed step's ~300 kernels took 16-30 ms of
-host time against ~15 ms of GPU time (BENCHMARKS.md, calls H5 and I1).
+host time against ~15 ms of GPU time (BENCHMARKS.md, calls H5 and I1); with the pieces, 8 ms (I2).
 
 Piece 0 is the embedding and layer 0's first half, piece i (1 <= i < L) layer i-1's second half and
 layer i's first half, piece L layer L-1's second half and the final norm. Pieces pass values through
@@ -21,8 +21,9 @@ from nanovllm.runner.inputs import ModelInputs, padded_num_tokens
 
 logger = logging.getLogger("nanovllm")
 
-# Above this many tokens a step's GPU work (~2.5 ms per 1k tokens on Qwen3-0.6B, H200) outweighs its
-# launches, and capturing more sizes would cost start-up time and graph memory for little.
+# Above this many tokens a step's GPU work (an estimated 2.5 ms per 1,000 tokens for Qwen3-0.6B's linears
+# on an H200: 20 ms here) is as long as its eager launch, and more sizes would cost start-up time and
+# graph memory for little.
 MAX_GRAPH_TOKENS = 8192
 # Below this the ladder is padded_num_tokens' (powers of two, then multiples of 64); above it, eight
 # sizes per doubling keep the padding under 1/8 of a step's tokens.
