@@ -121,10 +121,6 @@ def make_random_checkpoint(path: str):
     return model.float(), bf16
 
 
-def free(llm) -> None:
-    llm.shutdown()
-
-
 def hf_last_logits(hf, prompt) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
@@ -178,7 +174,7 @@ def check_e2e() -> None:
                 f"(transformers bf16: {max(baseline):.2e})",
                 flush=True,
             )
-        free(llm)
+        llm.shutdown()
     near_tie = 2 * noise  # two bf16 runs, each off the float32 logits by up to `noise`
     results["near_tie_bound"] = near_tie
     for label, outs in runs.items():
@@ -284,7 +280,7 @@ def run_stream() -> None:
                 f"stream {label:12s} {ms:.3f} ms/token over {len(decode_times)} decode steps; {share}",
                 flush=True,
             )
-            free(llm)
+            llm.shutdown()
 
 
 def run_profile() -> None:
@@ -322,7 +318,7 @@ def run_profile() -> None:
             flush=True,
         )
         del graphs, prof
-        free(llm)
+        llm.shutdown()
 
 
 def main() -> None:
