@@ -20,7 +20,7 @@ from nanovllm.runner import kv_cache, warm_up
 from nanovllm.runner.batch import SamplingBatch, StepBatch, StepOutput
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.inputs import model_inputs, padded_num_tokens, to_device
-from nanovllm.runner.piecewise import PiecewiseGraphs
+from nanovllm.runner.piecewise import PiecewiseGraphs, memory_token_limit
 from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row, worst_case_sampling
 from nanovllm.runner.step_output import PendingOutput
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
@@ -66,8 +66,10 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None
         if on_gpu and not config.enforce_eager:
             # Before the KV cache is sized: the graphs' buffers and memory pool then count as in use.
-            self.piecewise = PiecewiseGraphs(self.model, config.max_num_batched_tokens, self.dtype,
-                                             self.device)
+            limit = min(config.max_num_batched_tokens,
+                        memory_token_limit(self.model, self.dtype,
+                                           torch.cuda.get_device_properties(self.device).total_memory))
+            self.piecewise = PiecewiseGraphs(self.model, limit, self.dtype, self.device)
             self.piecewise.capture()
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)

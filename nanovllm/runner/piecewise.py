@@ -25,6 +25,12 @@ logger = logging.getLogger("nanovllm")
 # on an H200: 20 ms here) is as long as its eager launch, and more sizes would cost start-up time and
 # graph memory for little.
 MAX_GRAPH_TOKENS = 8192
+# The graphs' memory (the static buffers and the largest piece's intermediates) is held for the engine's
+# life and counted before the KV cache is sized: the ladder stops where its estimate passes this share
+# of the GPU's memory. By token_bytes' estimate Qwen3-0.6B needs 53 KB a token (0.4 GB at 8,192 tokens,
+# 0.3% of an H200); Qwen3-8B 164 KB, so a 24 GB card stops its ladder near 4,700 tokens instead of
+# giving the graphs 1.3 GB of its KV cache.
+MAX_MEMORY_SHARE = 0.03
 # Below this the ladder is padded_num_tokens' (powers of two, then multiples of 64); above it, eight
 # sizes per doubling keep the padding under 1/8 of a step's tokens.
 FINE_LADDER_LIMIT = 512
@@ -46,6 +52,27 @@ def graph_token_sizes(max_num_tokens: int) -> list[int]:
         if size >= limit:
             return sorted(sizes)
         n = size + 1
+
+
+def token_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Estimated bytes a token takes in the static buffers and, at most, in one piece's intermediates
+    (norm outputs, the residual sum, the projections, the MLP's or the experts' activations)."""
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    hidden = layer.input_layernorm.weight.shape[0]
+    qkv, attn_out = attn.qkv_proj.weight.shape[0], attn.num_heads * attn.head_dim
+    if hasattr(mlp, "gate_up_proj"):  # gate and up, then their SiLU-mul product
+        activations = mlp.gate_up_proj.weight.shape[0] * 3 // 2
+    else:  # MoE: each of top_k experts' gate, up and product per token
+        activations = mlp.top_k * mlp.experts.w13_weight.shape[1] * 3 // 2
+    buffers = qkv + attn_out + 2 * hidden
+    piece = 5 * hidden + qkv + activations
+    return (buffers + piece) * torch.empty((), dtype=dtype).element_size() + 8  # + the int64 token id
+
+
+def memory_token_limit(model: nn.Module, dtype: torch.dtype, total_memory: int) -> int:
+    """The most tokens a captured size may have on a GPU of total_memory bytes (MAX_MEMORY_SHARE)."""
+    return int(total_memory * MAX_MEMORY_SHARE) // token_bytes(model, dtype)
 
 
 class PiecewiseGraphs:

@@ -42,3 +42,38 @@ def test_shutdown_frees_the_kv_cache_while_the_llm_lives(qwen3_dir):
     llm.shutdown()
     gc.collect()
     assert cache() is None
+
+
+def _one_layer_model(config_dir: str, **overrides):
+    import torch
+    from transformers import AutoConfig
+
+    from nanovllm.models import get_model_class
+
+    config = AutoConfig.from_pretrained(config_dir)
+    config.num_hidden_layers = 1
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with torch.device("meta"):  # shapes only: no memory
+        return get_model_class(config)(config)
+
+
+def test_graph_memory_caps_the_ladder_on_small_gpus():
+    """The graphs' memory comes out of the KV cache: on an H200 Qwen3-0.6B's ladder runs to the
+    largest size, while Qwen3-8B on a 24 GiB card stops early; MoE layers count every routed expert."""
+    import os
+
+    import torch
+
+    from nanovllm.runner.piecewise import memory_token_limit, token_bytes
+
+    configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+    small, large = (_one_layer_model(os.path.join(configs, name)) for name in ("Qwen3-0.6B", "Qwen3-8B"))
+    assert 50_000 < token_bytes(small, torch.bfloat16) < 56_000  # what MAX_MEMORY_SHARE's comment says
+    h200, card = 141 * 10**9, 24 * 2**30
+    assert memory_token_limit(small, torch.bfloat16, h200) > MAX_GRAPH_TOKENS
+    assert 4_000 < memory_token_limit(large, torch.bfloat16, card) < MAX_GRAPH_TOKENS
+    assert graph_token_sizes(memory_token_limit(large, torch.bfloat16, card))[-1] < MAX_GRAPH_TOKENS
+    moe = os.path.join(configs, "Qwen3-30B-A3B")
+    assert (token_bytes(_one_layer_model(moe), torch.bfloat16)
+            > token_bytes(_one_layer_model(moe, num_experts_per_tok=1), torch.bfloat16))
