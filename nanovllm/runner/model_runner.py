@@ -194,10 +194,11 @@ class ModelRunner:
             return self.decode_graphs.run(batch, prev_tokens), None  # decode: every row samples
         # Prefill and mixed steps run padded to a size the piecewise graphs were captured at, or when
         # too large for them, eagerly, padded so that cuBLAS meets only shapes it has seen (inputs.py).
-        num_tokens = len(batch.input_ids)
-        graph_size = self.piecewise.padded_size(num_tokens) if self.piecewise and batch.is_prefill else None
-        num_padded = graph_size or (padded_num_tokens(num_tokens) if self.pad_eager and batch.is_prefill
-                                    else None)
+        graph_size = num_padded = None
+        if batch.is_prefill:
+            num_tokens = len(batch.input_ids)
+            graph_size = self.piecewise.padded_size(num_tokens) if self.piecewise else None
+            num_padded = graph_size or (padded_num_tokens(num_tokens) if self.pad_eager else None)
         inputs = model_inputs(batch, self.device, num_padded)
         if prev_tokens is not None:
             inputs.input_ids[prev_tokens[0]] = prev_tokens[1]

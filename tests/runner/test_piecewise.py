@@ -1,8 +1,27 @@
-"""The token counts the piecewise graphs are captured at (runner/piecewise.py): every prefill or mixed
-step up to the largest one runs at one of them, with little padding."""
+"""The piecewise graphs (runner/piecewise.py) apart from the GPU: the token counts they are captured at
+(every prefill or mixed step up to the largest one runs at one of them, with little padding, and their
+memory caps the ladder), and a shut-down engine's cache freed despite the modules they hold."""
 
+import gc
+import os
+import weakref
+
+import torch
+from transformers import AutoConfig
+
+from nanovllm import LLM
+from nanovllm.models import get_model_class
 from nanovllm.runner.inputs import padded_num_tokens
-from nanovllm.runner.piecewise import FINE_LADDER_LIMIT, MAX_GRAPH_TOKENS, graph_token_sizes
+from nanovllm.runner.piecewise import (
+    FINE_LADDER_LIMIT,
+    MAX_GRAPH_TOKENS,
+    PiecewiseGraphs,
+    graph_token_sizes,
+    memory_token_limit,
+    token_bytes,
+)
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 
 def test_the_ladder_covers_every_step_with_little_padding():
@@ -24,14 +43,6 @@ def test_the_ladder_stays_short():
 def test_shutdown_frees_the_kv_cache_while_the_llm_lives(qwen3_dir):
     """The graph runners hold the model's modules: after shutdown they must not keep its KV cache
     alive (a script that builds engines one after another would run out of memory)."""
-    import gc
-    import weakref
-
-    import torch
-
-    from nanovllm import LLM
-    from nanovllm.runner.piecewise import PiecewiseGraphs
-
     llm = LLM(qwen3_dir, kvcache_block_size=4, max_model_len=64, max_num_seqs=2, num_kvcache_blocks=32,
               enforce_eager=True)
     runner = llm.engine.model_runner
@@ -45,11 +56,6 @@ def test_shutdown_frees_the_kv_cache_while_the_llm_lives(qwen3_dir):
 
 
 def _one_layer_model(config_dir: str, **overrides):
-    import torch
-    from transformers import AutoConfig
-
-    from nanovllm.models import get_model_class
-
     config = AutoConfig.from_pretrained(config_dir)
     config.num_hidden_layers = 1
     for key, value in overrides.items():
@@ -61,19 +67,12 @@ def _one_layer_model(config_dir: str, **overrides):
 def test_graph_memory_caps_the_ladder_on_small_gpus():
     """The graphs' memory comes out of the KV cache: on an H200 Qwen3-0.6B's ladder runs to the
     largest size, while Qwen3-8B on a 24 GiB card stops early; MoE layers count every routed expert."""
-    import os
-
-    import torch
-
-    from nanovllm.runner.piecewise import memory_token_limit, token_bytes
-
-    configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
-    small, large = (_one_layer_model(os.path.join(configs, name)) for name in ("Qwen3-0.6B", "Qwen3-8B"))
+    small, large = (_one_layer_model(os.path.join(CONFIGS, name)) for name in ("Qwen3-0.6B", "Qwen3-8B"))
     assert 50_000 < token_bytes(small, torch.bfloat16) < 56_000  # what MAX_MEMORY_SHARE's comment says
     h200, card = 141 * 10**9, 24 * 2**30
     assert memory_token_limit(small, torch.bfloat16, h200) > MAX_GRAPH_TOKENS
     assert 4_000 < memory_token_limit(large, torch.bfloat16, card) < MAX_GRAPH_TOKENS
     assert graph_token_sizes(memory_token_limit(large, torch.bfloat16, card))[-1] < MAX_GRAPH_TOKENS
-    moe = os.path.join(configs, "Qwen3-30B-A3B")
+    moe = os.path.join(CONFIGS, "Qwen3-30B-A3B")
     assert (token_bytes(_one_layer_model(moe), torch.bfloat16)
             > token_bytes(_one_layer_model(moe, num_experts_per_tok=1), torch.bfloat16))
