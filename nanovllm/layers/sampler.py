@@ -4,7 +4,11 @@ Greedy and plain-temperature batches never sort the vocabulary; top-k uses torch
 largest k in the batch, and only top-p sorts. Sampling is an exponential race, argmax of p / E with
 E ~ Exp(1), which draws from p exactly and lets seeded rows use their own generator. It is run in log
 space, argmax(logits / T - log E), so no softmax is needed (min-p compares log-probabilities), and on
-GPU the scaling, masking and both argmaxes compile into a couple of kernels."""
+GPU the scaling, masking and both argmaxes compile into a couple of kernels.
+
+With `fused_race` (the engine's choice on CUDA) and rows without min-p, the race is one Triton pass
+over the logits that draws its noise from per-row Philox seeds (kernels/sample_race.py) instead of
+storing it; the same distribution, from other random numbers."""
 
 from dataclasses import dataclass
 
@@ -31,11 +35,16 @@ class SamplingTensors:
     # (row, seed) for rows with a per-request seed: the seed already mixes in the token's index so
     # that each step draws fresh, reproducible noise.
     seeded_rows: list[tuple[int, int]] | None = None
+    # [B] int64, a Philox seed per row for the fused race (the seeded rows' own, fresh ones for the
+    # others); None when the caller does not use it.
+    seeds: torch.Tensor | None = None
 
 
 class Sampler:
-    def __init__(self, compiled: bool = False) -> None:
+    def __init__(self, compiled: bool = False, fused_race: bool = False, num_sms: int = 132) -> None:
         self.compiled = compiled  # torch.compile the race on CUDA (nanovllm.utils.compile)
+        self.fused_race = fused_race  # the Triton race where params.seeds is given
+        self.num_sms = num_sms  # what the fused race sizes its grid by
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if params.all_greedy:
@@ -48,6 +57,9 @@ class Sampler:
             if params.top_ps is not None:
                 logits = _apply_top_p(logits, params.top_ps)
             temps = torch.where(temps > 0, 1.0, 0.0)  # scaled already; keeps greedy rows greedy
+        if self.fused_race and params.seeds is not None and params.min_ps is None:
+            from nanovllm.kernels.sample_race import race  # Triton: imported only where it runs
+            return race(logits, temps, params.seeds, self.num_sms)
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
         for row, seed in params.seeded_rows or ():
             gen = torch.Generator(device=logits.device).manual_seed(seed)

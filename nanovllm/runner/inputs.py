@@ -17,7 +17,7 @@ import torch
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.layers.logits_processors import LogitsProcessorTensors, padded_ids, scatter_ids
 from nanovllm.layers.sampler import SamplingTensors
-from nanovllm.runner.batch import ProcessorRow, SamplingBatch, StepBatch
+from nanovllm.runner.batch import SEED_MASK, ProcessorRow, SamplingBatch, StepBatch
 
 
 @dataclass(slots=True)
@@ -81,7 +81,10 @@ def model_inputs(batch: StepBatch, device: torch.device, num_padded: int | None 
                        meta, to_device(batch.logits_indices, torch.int64, device))
 
 
-def sampling_tensors(sampling: SamplingBatch, vocab_size: int, device: torch.device) -> SamplingTensors:
+def sampling_tensors(sampling: SamplingBatch, vocab_size: int, device: torch.device,
+                     noise_seed: int | None = None) -> SamplingTensors:
+    """The rows' parameters as tensors; noise_seed (a fresh random number per step): also a Philox seed
+    per row for the fused race, noise_seed + row for rows without a seed of their own."""
     temperatures = sampling.temperatures
     if all(t == 0 for t in temperatures):
         return SamplingTensors(None, all_greedy=True)
@@ -94,6 +97,10 @@ def sampling_tensors(sampling: SamplingBatch, vocab_size: int, device: torch.dev
     if any(p > 0.0 for p in sampling.min_ps):
         tensors.min_ps = to_device(sampling.min_ps, torch.float32, device)
     tensors.seeded_rows = [(row, seed) for row, seed in enumerate(sampling.seeds) if seed is not None] or None
+    if noise_seed is not None:
+        seeds = [(noise_seed + row) & SEED_MASK if seed is None else seed
+                 for row, seed in enumerate(sampling.seeds)]
+        tensors.seeds = to_device(seeds, torch.int64, device)
     return tensors
 
 

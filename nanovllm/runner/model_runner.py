@@ -77,7 +77,7 @@ class ModelRunner:
             self._capture_decode_graphs()
         if on_gpu:  # what a step would otherwise meet first mid-run (runner/warm_up.py)
             warm_up.gemm_shapes(self.model, config, self.dtype, self.device)
-            if config.torch_compile:
+            if config.torch_compile or self.sampler.sampler.fused_race:
                 warm_up.sampler(self.model, self.sampler, config.hf_config.hidden_size, self.dtype,
                                 self.device)
 

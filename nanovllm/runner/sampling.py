@@ -2,6 +2,7 @@
 asked for, from the step's SamplingBatch; and the prompt logprobs, which every rank computes (the LM
 head gathers across ranks)."""
 
+import random
 from collections.abc import Callable
 
 import torch
@@ -29,9 +30,14 @@ def worst_case_sampling(num_rows: int) -> SamplingBatch:
 
 class StepSampler:
     def __init__(self, vocab_size: int, device: torch.device, compiled: bool) -> None:
+        """On CUDA the race is the fused Triton kernel (layers/sampler.py); its per-step noise seeds come
+        from a host generator seeded from torch's, so LLM(seed=...) fixes them and no step syncs."""
         self.vocab_size = vocab_size
         self.device = device
-        self.sampler = Sampler(compiled=compiled)
+        fused = device.type == "cuda"
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if fused else 0
+        self.sampler = Sampler(compiled=compiled, fused_race=fused, num_sms=num_sms)
+        self._noise_seeds = random.Random(int(torch.randint(2**62, (1,)).item())) if fused else None
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch
                ) -> tuple[torch.Tensor, SampledLogprobs | None]:
@@ -41,7 +47,8 @@ class StepSampler:
         processors = logits_processor_tensors(sampling.processors, self.vocab_size, self.device)
         if processors is not None:
             logits = processors.apply(logits)
-        tokens = self.sampler(logits, sampling_tensors(sampling, self.vocab_size, self.device))
+        noise_seed = self._noise_seeds.getrandbits(62) if self._noise_seeds is not None else None
+        tokens = self.sampler(logits, sampling_tensors(sampling, self.vocab_size, self.device, noise_seed))
         ks = sampling.num_logprobs
         # Raw-model logprobs (vLLM's default logprobs_mode), only when some row asked.
         return tokens, sampled_logprobs(raw, tokens, ks)
@@ -51,7 +58,8 @@ class StepSampler:
         return PendingOutput(*self.sample(logits, sampling), prompt_logprobs=None).wait()
 
     def warm_up(self, logits: torch.Tensor) -> None:
-        """Compile the plain-temperature sampler for every row count of WARM_ROWS now, from logits of
+        """Compile the plain-temperature sampler (torch.compile's or the fused race's) for every row
+        count of WARM_ROWS now, from logits of
         at least max(WARM_ROWS) rows, so no step of a run stops to compile it (seconds on a cold cache,
         while the whole batch waits)."""
         for rows in WARM_ROWS:

@@ -5,7 +5,7 @@ each costs little here and, met first mid-run, stalled the whole batch (BENCHMAR
   token counts of runner/inputs.py; the LM head at every sampling-row count), so cuBLAS has chosen and
   cached a kernel for each shape (a shape met first cost ~130 us of host time per call against ~15).
 - sampler: the compiled sampler's variants (torch.compile specializes one row, and few rows take
-  another argmax), each seconds of compiling on a cold cache."""
+  another argmax) and the fused race's Triton kernels, each seconds of compiling on a cold cache."""
 
 import torch
 from torch import nn

@@ -23,7 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
     decode_attention = fused_moe = moe_routing = norm_act = None
-    prefill_attention = rope_store = skinny_gemm = None
+    prefill_attention = rope_store = sample_race = skinny_gemm = None
 else:
     import nanovllm.kernels
     from nanovllm.kernels import (
@@ -33,6 +33,7 @@ else:
         norm_act,
         prefill_attention,
         rope_store,
+        sample_race,
         skinny_gemm,
     )
 
@@ -56,6 +57,11 @@ POINTER_TYPES = {
     "sorted_ids_ptr": "*i32",
     "expert_ids_ptr": "*i32",
     "topk_weights_ptr": "*fp32",
+    "temps_ptr": "*fp32",
+    "seeds_ptr": "*i64",
+    "best_val_ptr": "*fp32",
+    "best_idx_ptr": "*i32",
+    "tokens_ptr": "*i64",
 }
 FLOAT_SCALARS = {"eps", "scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_inv", "v_scale"}
 # Cases reading or writing an fp8 (e4m3) KV cache: their cache pointers hold fp8.
@@ -102,6 +108,9 @@ def cases() -> dict:
         "add-rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
         "rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=1024)),
         "silu-and-mul": (norm_act._silu_and_mul_kernel, dict(BLOCK=norm_act.ACT_BLOCK)),
+        "race-chunk": (sample_race._race_chunk_kernel, dict(SUB_BLOCK=sample_race.SUB_BLOCK, FAST_LOG=True)),
+        "race-pick": (sample_race._race_pick_kernel, dict(BLOCK_C=sample_race.MAX_CHUNKS), {},
+                      dict(num_warps=1)),
         "moe-topk-softmax": (moe_routing._topk_softmax_kernel,
                              dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=32, RENORMALIZE=True)),
         "moe-count": (fused_moe._count_kernel, dict(E_PAD=128, BLOCK_S=32)),
@@ -172,7 +181,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-small-ba
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul",
               "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
-              "moe-topk-softmax")
+              "moe-topk-softmax", "race-chunk", "race-pick")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,137 @@
+"""The sampler's exponential race in one pass over the logits, with its noise drawn inside the kernel.
+
+Each row samples argmax(logits / T + G), G Gumbel(0, 1) noise (= -log E with E ~ Exp(1), the race of
+layers/sampler.py), or argmax(logits) where T == 0. The PyTorch race writes a float32 noise tensor of the
+logits' size and reads it back: at 256 rows of a 152k vocabulary that is 155 MB each way, most of the
+sampler's ~200 us a step (BENCHMARKS.md, call H2). Here the noise is Philox counter-based randomness:
+row r's noise at column c is a function of (seeds[r], c) alone, so a seeded request draws the same
+noise whatever rows share its batch, and nothing is stored. On an H200 (BENCHMARKS.md, seventh session,
+call K3a) the race took 64 us at 256 rows against the PyTorch race's 197, and 4.2 against 10.9 at one.
+The kernel is bound by its arithmetic (Philox, two logarithms a column), not by reading the logits.
+
+    stage 1, grid (rows, chunks): each program scans one chunk of a row and writes its best score and
+        where it was (the first on ties);
+    stage 2, grid (rows,): the best chunk's index (again the first on ties), so greedy rows give
+        exactly torch's argmax.
+
+Logits may hold -inf (masked tokens); NaN is not expected."""
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# Columns one loop step of a stage-1 program covers: four sub-blocks of SUB_BLOCK, one per output of a
+# Philox call (rand4x makes four numbers for the price of one).
+SUB_BLOCK = 256
+BLOCK = 4 * SUB_BLOCK
+# Programs per SM stage 1 aims for; a row is cut into chunks until the grid has that many.
+PROGRAMS_PER_SM = 16
+MAX_CHUNKS = 64
+NUM_WARPS = 8
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _log2(x, FAST_LOG: tl.constexpr):
+    """log2(x); FAST_LOG: the hardware approximation (lg2.approx, ~2^-22 relative error), which the
+    noise tolerates: tl.log2's accurate one is a dozen FMAs, and the kernel made two per column."""
+    if FAST_LOG:
+        return libdevice.fast_log2f(x)
+    return tl.log2(x)
+
+
+@triton.jit
+def _lane_best(logits_row, base, offs, end, u, scale, greedy_row, best_val, best_idx,
+               FAST_LOG: tl.constexpr):
+    """Each lane's running (best score, its column) after columns base + offs (u: their uniforms). The
+    scores are base 2: argmax(x / T + G) = argmax(x * log2(e) / T - log2(-log2(u))), G = -ln(-ln(u))
+    Gumbel noise, as scaling by log2(e) > 0 and the constant log2(ln 2) leave the argmax alone; u == 0
+    gives -inf, a score that never wins."""
+    cols = base + offs
+    mask = cols < end
+    x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    score = tl.where(greedy_row, x, x * scale - _log2(-_log2(u, FAST_LOG), FAST_LOG))
+    # Strictly greater: within a lane, columns only grow, so the first of equal scores stays.
+    better = mask & (score > best_val)
+    return tl.where(better, score, best_val), tl.where(better, cols, best_idx)
+
+
+# Triton compiles a variant per integer argument that is 1 or a multiple of 16; chunk counts and lengths
+# follow the row count, and a variant first met mid-run would stall the batch while it compiles.
+@triton.jit(do_not_specialize=["chunk_len", "num_chunks"])
+def _race_chunk_kernel(logits_ptr, temps_ptr, seeds_ptr, best_val_ptr, best_idx_ptr, vocab, stride_row,
+                       chunk_len, num_chunks, SUB_BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    temp = tl.load(temps_ptr + row)
+    greedy_row = temp == 0.0
+    scale = LOG2E / tl.where(greedy_row, 1.0, temp)
+    seed = tl.load(seeds_ptr + row)
+    logits_row = logits_ptr + row.to(tl.int64) * stride_row
+    start = chunk * chunk_len
+    end = tl.minimum(start + chunk_len, vocab)
+    offs = tl.arange(0, SUB_BLOCK)
+    # Per lane, not per step: one reduction at the end instead of two per sub-block.
+    best_val = tl.full([SUB_BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([SUB_BLOCK], 0, tl.int32) + start
+    # chunk_len is a multiple of 4 * SUB_BLOCK, so the Philox offsets (column // 4 within a step) of
+    # different steps and chunks never meet.
+    for step in range(start, end, 4 * SUB_BLOCK):
+        u0, u1, u2, u3 = tl.rand4x(seed, step // 4 + offs)
+        best_val, best_idx = _lane_best(logits_row, step, offs, end, u0, scale, greedy_row,
+                                        best_val, best_idx, FAST_LOG)
+        best_val, best_idx = _lane_best(logits_row, step + SUB_BLOCK, offs, end, u1, scale, greedy_row,
+                                        best_val, best_idx, FAST_LOG)
+        best_val, best_idx = _lane_best(logits_row, step + 2 * SUB_BLOCK, offs, end, u2, scale, greedy_row,
+                                        best_val, best_idx, FAST_LOG)
+        best_val, best_idx = _lane_best(logits_row, step + 3 * SUB_BLOCK, offs, end, u3, scale, greedy_row,
+                                        best_val, best_idx, FAST_LOG)
+    top = tl.max(best_val, 0)
+    # The first column holding the top score (lanes that never saw a finite one keep `start`).
+    where = tl.min(tl.where(best_val == top, best_idx, vocab), 0)
+    tl.store(best_val_ptr + row * num_chunks + chunk, top)
+    tl.store(best_idx_ptr + row * num_chunks + chunk, tl.minimum(where, end - 1))
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _race_pick_kernel(best_val_ptr, best_idx_ptr, tokens_ptr, num_chunks, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_C)
+    mask = offs < num_chunks
+    vals = tl.load(best_val_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
+    winner = tl.argmax(vals, 0, tie_break_left=True)
+    tl.store(tokens_ptr + row, tl.load(best_idx_ptr + row * num_chunks + winner).to(tl.int64))
+
+
+def num_chunks(rows: int, vocab: int, num_sms: int) -> int:
+    """Chunks per row: enough programs for PROGRAMS_PER_SM per SM, none shorter than one loop step."""
+    wanted = triton.cdiv(num_sms * PROGRAMS_PER_SM, rows)
+    return max(1, min(wanted, triton.cdiv(vocab, BLOCK), MAX_CHUNKS))
+
+
+def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, num_sms: int) -> torch.Tensor:
+    """Sampled token ids [rows] (int64) of logits [rows, vocab] (any float dtype, contiguous rows):
+    argmax(logits / T + Gumbel noise of seeds[r]) per row, argmax(logits) where T == 0.
+    temperatures: [rows] float32, >= 0; seeds: [rows] int64, one Philox seed per row."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [rows, vocab] with contiguous rows; got {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    if temperatures.shape != (rows,) or seeds.shape != (rows,):
+        raise ValueError(f"temperatures {tuple(temperatures.shape)} and seeds {tuple(seeds.shape)} must "
+                         f"have one entry per row ({rows})")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    chunks = num_chunks(rows, vocab, num_sms)
+    chunk_len = triton.cdiv(triton.cdiv(vocab, chunks), BLOCK) * BLOCK
+    chunks = triton.cdiv(vocab, chunk_len)  # rounding chunk_len up can leave the last ones empty
+    best_val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    # The interpreter (CPU tensors) has no hardware log: it runs the accurate one.
+    _race_chunk_kernel[(rows, chunks)](logits, temperatures, seeds, best_val, best_idx, vocab,
+                                       logits.stride(0), chunk_len, chunks, SUB_BLOCK=SUB_BLOCK,
+                                       FAST_LOG=logits.is_cuda, num_warps=NUM_WARPS)
+    # BLOCK_C fixed at MAX_CHUNKS: one compiled variant for every row count.
+    _race_pick_kernel[(rows,)](best_val, best_idx, out, chunks, BLOCK_C=MAX_CHUNKS, num_warps=1)
+    return out

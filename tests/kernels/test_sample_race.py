@@ -1,0 +1,93 @@
+"""The fused race (kernels/sample_race.py) on CPU tensors through the Triton interpreter (or on CUDA with
+TRITON_INTERPRET=0): greedy rows give torch's argmax, ties and chunk borders included; a seeded row's
+token depends on its seed alone; sampled tokens follow softmax(logits / T); and the Sampler takes the
+fused path only where it applies."""
+
+import math
+
+import pytest
+import torch
+from conftest import triton_test_device
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels.sample_race import BLOCK, num_chunks, race  # noqa: E402
+from nanovllm.layers.sampler import Sampler, SamplingTensors  # noqa: E402
+from nanovllm.runner.batch import SEED_MASK, SamplingBatch  # noqa: E402
+from nanovllm.runner.inputs import sampling_tensors  # noqa: E402
+
+DEVICE = triton_test_device()
+
+
+def seeds_of(*values):
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_sms", [1, 8])  # one chunk per row, or several
+def test_greedy_rows_match_torch_argmax(dtype, num_sms):
+    vocab = 3 * BLOCK + 100  # a partial last loop step
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[1, 5] = logits[1, vocab - 3] = 50.0  # a tie across chunks: the first wins
+    logits[2, BLOCK - 1] = logits[2, BLOCK] = 50.0  # a tie across loop steps
+    logits[3] = float("-inf")
+    logits[3, vocab - 1] = 0.0  # the only finite token, in the last partial step
+    assert num_sms == 1 or num_chunks(4, vocab, num_sms) > 1
+    got = race(logits.to(DEVICE), torch.zeros(4, device=DEVICE), seeds_of(1, 2, 3, 4), num_sms)
+    assert got.tolist() == logits.float().argmax(-1).tolist()
+
+
+def test_seeded_row_depends_on_its_seed_only():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 2000, generator=gen).to(DEVICE)
+    temps = torch.ones(3, device=DEVICE)
+    alone = race(logits[2:], temps[2:], seeds_of(77), num_sms=8)
+    batched = race(logits, temps, seeds_of(5, 6, 77), num_sms=8)
+    assert batched[2] == alone[0]
+    assert race(logits, temps, seeds_of(5, 6, 77), num_sms=8).tolist() == batched.tolist()
+    others = {race(logits[2:], temps[2:], seeds_of(seed), num_sms=8).item() for seed in range(8)}
+    assert len(others) > 1  # other seeds, other draws from a flat distribution
+
+
+def test_samples_follow_softmax_of_scaled_logits():
+    rows, temperature = 600, 0.8
+    probe = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, float("-inf")])
+    logits = probe.repeat(rows, 1).to(DEVICE)
+    seeds = torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    tokens = race(logits, torch.full((rows,), temperature, device=DEVICE), seeds, num_sms=132)
+    freq = torch.bincount(tokens.cpu(), minlength=len(probe)).double() / rows
+    want = (probe.double() / temperature).softmax(-1)
+    assert freq[-1] == 0  # a -inf token is never drawn
+    for f, p in zip(freq.tolist(), want.tolist(), strict=True):
+        assert abs(f - p) <= 4.5 * math.sqrt(p * (1 - p) / rows) + 1e-9, (freq, want)
+
+
+def test_bad_shapes_raise_value_error():
+    logits = torch.zeros(2, 10, device=DEVICE)
+    with pytest.raises(ValueError, match="one entry per row"):
+        race(logits, torch.ones(3, device=DEVICE), seeds_of(1, 2), num_sms=1)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        race(logits.t(), torch.ones(10, device=DEVICE), seeds_of(*range(10)), num_sms=1)
+
+
+def test_sampler_uses_the_fused_race_only_without_min_p():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 300, generator=gen).to(DEVICE)
+    temps, seeds = torch.ones(2, device=DEVICE), seeds_of(11, 12)
+    sampler = Sampler(fused_race=True, num_sms=8)
+    fused = sampler(logits, SamplingTensors(temps, all_greedy=False, seeds=seeds))
+    assert fused.tolist() == race(logits, temps, seeds, 8).tolist()
+    top_k = SamplingTensors(temps, all_greedy=False, seeds=seeds, max_top_k=1,
+                            top_ks=torch.ones(2, dtype=torch.int64, device=DEVICE))
+    assert sampler(logits, top_k).tolist() == logits.argmax(-1).tolist()  # top-k = 1 is greedy
+    # min-p needs each row's max first: the PyTorch race keeps it (min_p = 1 leaves only the top token).
+    min_p = SamplingTensors(temps, all_greedy=False, seeds=seeds, min_ps=torch.ones(2, device=DEVICE))
+    assert sampler(logits, min_p).tolist() == logits.argmax(-1).tolist()
+
+
+def test_step_seeds_keep_request_seeds_and_vary_the_others():
+    batch = SamplingBatch([0.7, 0.7, 0.0], [-1] * 3, [1.0] * 3, [0.0] * 3, [None, 1234, None], [None] * 3)
+    assert sampling_tensors(batch, 100, torch.device("cpu")).seeds is None  # not asked for
+    seeds = sampling_tensors(batch, 100, torch.device("cpu"), noise_seed=SEED_MASK).seeds.tolist()
+    assert seeds[1] == 1234  # a request's own seed, whatever the step's
+    assert seeds[0] != seeds[2] and all(0 <= s <= SEED_MASK for s in seeds)  # wrapped, distinct per row
