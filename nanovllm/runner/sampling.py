@@ -2,7 +2,6 @@
 asked for, from the step's SamplingBatch; and the prompt logprobs, which every rank computes (the LM
 head gathers across ranks)."""
 
-import random
 from collections.abc import Callable
 
 import torch
@@ -10,7 +9,7 @@ import torch
 from nanovllm.layers.logprobs import SampledLogprobs, prompt_logprobs, sampled_logprobs
 from nanovllm.layers.sampler import SPLIT_ARGMAX_ROWS, Sampler
 from nanovllm.outputs import TokenLogprobs
-from nanovllm.runner.batch import ProcessorRow, PromptLogprobSpan, SamplingBatch, StepOutput
+from nanovllm.runner.batch import SEED_MASK, ProcessorRow, PromptLogprobSpan, SamplingBatch, StepOutput
 from nanovllm.runner.inputs import logits_processor_tensors, sampling_tensors
 from nanovllm.runner.step_output import PendingOutput
 from nanovllm.sampling_params import MAX_LOGPROBS
@@ -30,14 +29,13 @@ def worst_case_sampling(num_rows: int) -> SamplingBatch:
 
 class StepSampler:
     def __init__(self, vocab_size: int, device: torch.device, compiled: bool) -> None:
-        """On CUDA the race is the fused Triton kernel (layers/sampler.py); its per-step noise seeds come
-        from a host generator seeded from torch's, so LLM(seed=...) fixes them and no step syncs."""
+        """On CUDA the race is the fused Triton kernel (layers/sampler.py), whose noise seeds each step
+        draws from torch's CPU generator (step_noise_seed)."""
         self.vocab_size = vocab_size
         self.device = device
         fused = device.type == "cuda"
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if fused else 0
         self.sampler = Sampler(compiled=compiled, fused_race=fused, num_sms=num_sms)
-        self._noise_seeds = random.Random(int(torch.randint(2**62, (1,)).item())) if fused else None
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch
                ) -> tuple[torch.Tensor, SampledLogprobs | None]:
@@ -47,7 +45,7 @@ class StepSampler:
         processors = logits_processor_tensors(sampling.processors, self.vocab_size, self.device)
         if processors is not None:
             logits = processors.apply(logits)
-        noise_seed = self._noise_seeds.getrandbits(62) if self._noise_seeds is not None else None
+        noise_seed = step_noise_seed() if self.sampler.fused_race else None
         tokens = self.sampler(logits, sampling_tensors(sampling, self.vocab_size, self.device, noise_seed))
         ks = sampling.num_logprobs
         # Raw-model logprobs (vLLM's default logprobs_mode), only when some row asked.
@@ -73,6 +71,13 @@ class StepSampler:
         cpu = torch.device("cpu")
         sampling_tensors(sampling, self.vocab_size, cpu)
         logits_processor_tensors(sampling.processors, self.vocab_size, cpu)
+
+
+def step_noise_seed() -> int:
+    """A fresh seed for one step's unseeded rows, from torch's CPU generator (no device sync): like the
+    PyTorch race's noise, it follows torch.manual_seed, which LLM(seed=...) and each data-parallel
+    replica (its own seed + index, after the engine is built) set."""
+    return int(torch.randint(SEED_MASK, (), dtype=torch.int64))
 
 
 def prompt_logprobs_by_row(compute_logits: Callable[[torch.Tensor], torch.Tensor | None],

@@ -15,6 +15,7 @@ from nanovllm.kernels.sample_race import BLOCK, num_chunks, race  # noqa: E402
 from nanovllm.layers.sampler import Sampler, SamplingTensors  # noqa: E402
 from nanovllm.runner.batch import SEED_MASK, SamplingBatch  # noqa: E402
 from nanovllm.runner.inputs import sampling_tensors  # noqa: E402
+from nanovllm.runner.sampling import step_noise_seed  # noqa: E402
 
 DEVICE = triton_test_device()
 
@@ -91,3 +92,15 @@ def test_step_seeds_keep_request_seeds_and_vary_the_others():
     seeds = sampling_tensors(batch, 100, torch.device("cpu"), noise_seed=SEED_MASK).seeds.tolist()
     assert seeds[1] == 1234  # a request's own seed, whatever the step's
     assert seeds[0] != seeds[2] and all(0 <= s <= SEED_MASK for s in seeds)  # wrapped, distinct per row
+
+
+def test_step_noise_seed_follows_torch_manual_seed():
+    # So LLM(seed=...) fixes the unseeded rows' noise, and data-parallel replicas, each re-seeded with
+    # seed + index after start-up, draw different noise.
+    torch.manual_seed(5)
+    first = [step_noise_seed() for _ in range(3)]
+    torch.manual_seed(5)
+    assert [step_noise_seed() for _ in range(3)] == first
+    assert len(set(first)) == 3
+    torch.manual_seed(6)
+    assert step_noise_seed() not in first
