@@ -24,6 +24,7 @@ from nanovllm.config import (
     VALID_LOAD_FORMATS,
     Config,
 )
+from nanovllm.serve.engine_client import STEP_TIMEOUT_S
 
 CHOICES = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
            "attention_backend": VALID_ATTENTION_BACKENDS, "kv_cache_dtype": VALID_KV_CACHE_DTYPES}
@@ -86,6 +87,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     parser.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT_S,
                         help="seconds in-flight requests may finish after SIGTERM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--engine-step-timeout", type=float, default=STEP_TIMEOUT_S,
+                        help="seconds an engine with requests in flight may go without finishing a step "
+                             "before it is taken for hung: stopped, its requests failed, /health 503 "
+                             f"(default {STEP_TIMEOUT_S:.0f}; 0: never)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="streamed responses send a chunk every this-many tokens (vLLM's flag; "
                              "default 1: each token as it is generated)")
@@ -126,11 +131,13 @@ def serve_main(argv: list[str] | None = None) -> int:
                         "" if args.api_key else ", and with no --api-key")
     if args.stream_interval < 1:
         parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
+    if args.engine_step_timeout < 0:
+        parser.error(f"--engine-step-timeout must be >= 0 (0: never), got {args.engine_step_timeout}")
     options = {name: getattr(args, name) for name in engine_names}
     defaults = {f.name: _default(f) for f in fields(Config) if f.init}
     options = {k: v for k, v in options.items() if v != defaults.get(k)}  # pass only what was set
     try:
-        engine = EngineClient(args.model, options)
+        engine = EngineClient(args.model, options, step_timeout=args.engine_step_timeout)
     except (TypeError, ValueError) as e:  # the options, checked in this process first
         parser.error(str(e))
     except EngineStartError as e:

@@ -4,7 +4,9 @@ message out to the requests' streams. The pipes are read on the event loop itsel
 not a thread): one wake-up per step, and no second thread taking turns with the handlers for the GIL.
 
 Failures never hang a request: an engine process that dies, or fails and exits, ends every request
-it had with finish_reason "error" (its error in the output), and /health reports it. Stopping (SIGTERM,
+it had with finish_reason "error" (its error in the output), and /health reports it. One that stops
+answering (a hang in a kernel, a collective, the driver) while it has requests is stopped by a
+watchdog after `step_timeout` seconds without a message, with the same outcome. Stopping (SIGTERM,
 Ctrl-C) aborts what is still in flight; its requests end with finish_reason "abort"."""
 
 import asyncio
@@ -21,6 +23,13 @@ from nanovllm.utils.tokenizer import load_engine_tokenizer
 
 logger = logging.getLogger(__name__)
 
+# Seconds an engine with requests may go without a message (one comes after every step) before it is
+# taken for hung. Generous: a step is milliseconds on a GPU, but a first compile or a long prompt on a
+# CPU can take minutes, and the tensor-parallel collectives give up after 10 (distributed/group.py).
+STEP_TIMEOUT_S = 600.0
+# The watchdog looks this often, at most (a quarter of the timeout when that is shorter).
+WATCHDOG_POLL_S = 5.0
+
 __all__ = ["EngineClient", "EngineStartError"]
 
 
@@ -30,9 +39,13 @@ def _close_all(engines: list[EngineProcess]) -> None:
 
 
 class EngineClient:
-    def __init__(self, model: str, options: dict) -> None:
+    def __init__(self, model: str, options: dict, step_timeout: float = STEP_TIMEOUT_S) -> None:
         """Check the options here (TypeError/ValueError), start the engine processes and wait until
-        they are built (EngineStartError if one fails)."""
+        they are built (EngineStartError if one fails). step_timeout: seconds an engine with requests
+        may stay silent before the watchdog stops it (0: no watchdog)."""
+        if not isinstance(step_timeout, int | float) or step_timeout < 0:
+            raise ValueError(f"step_timeout must be a number of seconds >= 0 (0: off), got {step_timeout!r}")
+        self.step_timeout = float(step_timeout)
         self.config = config = Config.from_options(model, **options)
         engine_options = {**options, "data_parallel_size": 1}
         layout = placements(config) if config.data_parallel_size > 1 else [None]
@@ -64,6 +77,8 @@ class EngineClient:
         self._loop, self._all_gone = loop, asyncio.Event()
         for engine in self.engines:
             loop.add_reader(engine.outbox.fileno(), self._on_readable, engine)
+        if self.step_timeout:
+            loop.call_later(self._watchdog_poll, self._watch)
 
     @property
     def healthy(self) -> bool:
@@ -77,6 +92,8 @@ class EngineClient:
         engine = min(self.engines, key=lambda e: e.num_pending_tokens)
         stream = RequestStream(request, self._loop)
         self._streams[request.request_id] = (stream, engine)
+        if not engine.num_pending_tokens:  # it was idle, so silent: its clock starts now
+            engine.last_heard = self._loop.time()
         engine.num_pending_tokens += _cost(request)
         engine.send(("add", request.request_id, request.prompt_token_ids, request.sampling_params))
         return stream
@@ -97,12 +114,32 @@ class EngineClient:
         reasons = tuple(sum(counts) for counts in zip(*(s.finish_reasons for s in per_engine)))
         return EngineStats(**totals, finish_reasons=reasons)
 
+    @property
+    def _watchdog_poll(self) -> float:
+        return min(WATCHDOG_POLL_S, self.step_timeout / 4)
+
+    def _watch(self) -> None:
+        """Stop every engine that has requests and has said nothing for step_timeout seconds (its EOF
+        then fails its requests); look again later while any engine runs."""
+        if self._stopping or self._num_running == 0:
+            return
+        now = self._loop.time()
+        for engine in self.engines:
+            silent = now - engine.last_heard
+            if (engine.hung is None and engine.num_pending_tokens and engine.process.is_alive()
+                    and silent > self.step_timeout):
+                engine.hung = f"no step for {silent:.0f} s with requests in flight"
+                logger.error("%s stopped responding (%s); stopping it", engine, engine.hung)
+                self._loop.run_in_executor(None, engine.stop_hung)
+        self._loop.call_later(self._watchdog_poll, self._watch)
+
     def _on_readable(self, engine: EngineProcess) -> None:
         try:
             message = engine.outbox.recv()
         except (EOFError, OSError):
             self._engine_gone(engine)
             return
+        engine.last_heard = self._loop.time()
         if message[0] == "step":
             _, updates, engine.stats = message
             for request_id, new_token_ids, output in updates:

@@ -11,7 +11,9 @@ Messages, over two one-way pipes:
                                                     kill would leave behind (nanovllm.dp.replica)
                      ("step", updates, EngineStats) after each step (or inbox drain) that changed
                                                     anything: one message for all requests, each
-                                                    update (request id, new token ids, output or None)
+                                                    update (request id, new token ids, output or None);
+                                                    with requests, at least every KEEPALIVE_S (the
+                                                    server takes a long silence for a hang)
                      ("error", traceback)           just before it exits with code 1
 
 The HTTP process checked every request already; a request the engine still rejects ends at once with
@@ -19,8 +21,10 @@ finish_reason "error", and the loop goes on. The process ignores Ctrl-C (it reac
 group; the HTTP process decides how to stop), takes SIGTERM as a request to clean up and leave, and
 exits by itself when the HTTP process goes away."""
 
+import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -36,6 +40,10 @@ if TYPE_CHECKING:
 # (64 KiB on Linux) so that sending it never blocks a dying process.
 MAX_ERROR_CHARS = 8 * 1024
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# With requests in flight, a step message goes out at least this often, also when the steps changed
+# nothing the HTTP process sees (prompt chunks that took no new block): the watchdog there
+# (engine_client.STEP_TIMEOUT_S) must hear from an engine that is working.
+KEEPALIVE_S = 1.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,8 +68,9 @@ class _Tracked:
 class EngineCore:
     """The loop: drain the inbox, run a step, publish what changed."""
 
-    def __init__(self, llm: "LLM", outbox: Connection) -> None:
-        self.engine, self.outbox = llm.engine, outbox
+    def __init__(self, llm: "LLM", outbox: Connection, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine, self.outbox, self.clock = llm.engine, outbox, clock
+        self.last_sent = clock()
         self.requests: dict[int, _Tracked] = {}  # by the HTTP process's request id
         self.rejected: list[tuple[int, list[int], dict]] = []  # updates for requests refused here
         self.num_prompt_tokens = self.num_generation_tokens = 0
@@ -124,9 +133,10 @@ class EngineCore:
             if output is not None:
                 self.finish_reasons[output["finish_reason"]] += 1
         stats = self.stats()
-        if updates or stats != self.last_stats:
+        now = self.clock()
+        if updates or stats != self.last_stats or (self.requests and now - self.last_sent >= KEEPALIVE_S):
             self.outbox.send(("step", updates, stats))
-            self.last_stats = stats
+            self.last_stats, self.last_sent = stats, now
 
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler

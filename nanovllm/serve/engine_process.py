@@ -48,6 +48,10 @@ class EngineProcess:
         self.stats = EngineStats()  # as of its latest step message
         self.traceback: str | None = None  # what it sent before it exited, if anything
         self.num_pending_tokens = 0  # prompt + max_tokens of its unfinished requests, for routing
+        # The event loop's clock when it last sent a message, or when work arrived while it had none;
+        # EngineClient's watchdog compares it with the step timeout.
+        self.last_heard = 0.0
+        self.hung: str | None = None  # why the watchdog stopped it, if it did
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name=f"nanovllm-engine-{index}-sender",
                                         daemon=True)
@@ -100,8 +104,18 @@ class EngineProcess:
         code = self.process.exitcode
         how = ("is still running" if code is None else f"was killed by {signal.Signals(-code).name}"
                if code < 0 else f"exited with code {code}")
+        if self.hung is not None:
+            how = f"stopped responding ({self.hung}) and was stopped"
         error = self.traceback.strip().splitlines()[-1] if self.traceback else None
         return f"{self} {how}" + (f": {error}" if error else "")
+
+    def stop_hung(self) -> None:
+        """Stop a process that no longer answers: SIGTERM, then SIGKILL (which also ends a stopped or
+        uninterruptible one); its EOF then fails its requests. Blocks up to 2 * KILL_TIMEOUT_S."""
+        for stop in (self.process.terminate, self.process.kill):
+            if self.process.is_alive():
+                stop()
+                self.process.join(KILL_TIMEOUT_S)
 
     def close(self) -> None:
         """Stop the process (asking first; the stop message is a no-op if it was sent already),

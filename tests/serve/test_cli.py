@@ -8,6 +8,7 @@ import pytest
 from nanovllm.config import Config
 from nanovllm.serve.app import build_app
 from nanovllm.serve.cli import build_parser, main, serve_main
+from nanovllm.serve.engine_client import STEP_TIMEOUT_S, EngineClient
 
 
 def test_every_config_option_is_a_flag():
@@ -38,3 +39,14 @@ def test_stream_interval_defaults_to_each_token_and_must_be_positive(capsys):
     assert "--stream-interval must be at least 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="stream_interval must be a positive integer"):
         build_app(None, "m", stream_interval=0)
+
+
+def test_engine_step_timeout_defaults_to_ten_minutes_and_must_not_be_negative(capsys):
+    parser, _ = build_parser()
+    assert parser.parse_args(["m"]).engine_step_timeout == STEP_TIMEOUT_S == 600
+    assert parser.parse_args(["m", "--engine-step-timeout", "0"]).engine_step_timeout == 0  # off
+    with pytest.raises(SystemExit):
+        serve_main(["m", "--engine-step-timeout", "-1"])  # refused before any model loads
+    assert "--engine-step-timeout must be >= 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="step_timeout must be a number of seconds"):
+        EngineClient("m", {}, step_timeout=-1)

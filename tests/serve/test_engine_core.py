@@ -1,12 +1,14 @@
 """The engine process's loop without a process: one message per step carries every request's new
 tokens, which join to its output; a request the engine refuses ends with an error while the others
 run on; an abort frees the request's blocks and is published even when nothing else happens; "stop"
-aborts what is left."""
+aborts what is left. An engine whose steps change nothing visible still speaks every KEEPALIVE_S."""
+
+from types import SimpleNamespace
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.serve.engine_core import FINISH_REASONS, EngineCore
+from nanovllm.serve.engine_core import FINISH_REASONS, KEEPALIVE_S, EngineCore, _Tracked
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,3 +63,25 @@ def test_steps_rejections_aborts_and_stop(qwen3_dir):
     assert dict(zip(FINISH_REASONS, last.finish_reasons)) == {"stop": 0, "length": 1, "abort": 1, "error": 1}
     assert last.num_prompt_tokens == 6 and last.num_generation_tokens == 6 + len(tokens[2])
     assert core.requests == {}
+
+
+def test_keepalive_while_steps_change_nothing_visible():
+    scheduler = SimpleNamespace(running=[1], waiting=[], num_preemptions=0,
+                                block_manager=SimpleNamespace(num_free_blocks=8))
+    seq = SimpleNamespace(is_finished=False, num_completion_tokens=0, num_prompt_tokens=3,
+                          token_ids=[1, 2, 3])
+    now = [0.0]
+    outbox = Pipe([])
+    llm = SimpleNamespace(engine=SimpleNamespace(scheduler=scheduler))
+    core = EngineCore(llm, outbox, clock=lambda: now[0])
+    core.requests[0] = _Tracked(engine_request_id=0, seq=seq)
+    core.publish()  # the figures changed (from none): sent
+    core.publish()  # nothing new, and too soon: not sent
+    assert len(outbox.sent) == 1
+    now[0] = KEEPALIVE_S
+    core.publish()
+    assert len(outbox.sent) == 2 and outbox.sent[-1][:2] == ("step", [])
+    core.requests.clear()  # idle: silent, however long
+    now[0] = 100 * KEEPALIVE_S
+    core.publish()
+    assert len(outbox.sent) == 2

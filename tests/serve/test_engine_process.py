@@ -1,8 +1,9 @@
 """The server's engine process (nanovllm.serve.engine_core): a killed engine (with tensor-parallel
 workers) fails the requests in flight at once, streamed or not, and /health reports it; the server
-then still exits cleanly and leaves no process or shared memory behind. Data-parallel replicas are one
-engine process each, and serve the same greedy tokens as transformers. An engine that fails to start
-ends `nanovllm serve` with its error."""
+then still exits cleanly and leaves no process or shared memory behind. An engine that stops answering
+with requests in flight is stopped by the watchdog, with the same outcome; an idle one is left alone.
+Data-parallel replicas are one engine process each, and serve the same greedy tokens as transformers.
+An engine that fails to start ends `nanovllm serve` with its error."""
 
 import json
 import os
@@ -69,6 +70,35 @@ def test_killed_engine_fails_requests_in_flight_and_the_server_exits_clean(qwen3
         assert shm_segments(engine) == []  # removed for the killed engine, while the server runs on
         assert server.terminate() == 0, server.output()
     finally:
+        server.terminate()
+
+
+def test_hung_engine_is_stopped_and_fails_its_requests_but_idle_is_not_hung(qwen3_dir):
+    timeout = 1.5
+    server = Server(qwen3_dir, *OPTIONS, "--engine-step-timeout", str(timeout))
+    (engine,) = server.engine_pids()
+    try:
+        time.sleep(2 * timeout)  # idle, so silent: not hung
+        short = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                           headers=server.headers, timeout=30)
+        assert short.status_code == 200, short.text
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True},
+                          headers=server.headers, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data:")
+            os.kill(engine, signal.SIGSTOP)  # alive, and answering nothing: as a hung kernel leaves it
+            start = time.monotonic()
+            rest = [line for line in lines if line]  # ends, and does not hang
+        assert time.monotonic() - start < timeout + 15
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert "stopped responding" in error["message"] and error["type"] == "server_error", error
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "stopped responding" in health.json()["error"]["message"]
+        assert wait_until_gone([engine]) == []  # SIGKILL ends even a stopped process
+        assert server.terminate() == 0, server.output()
+    finally:
+        if is_running(engine):
+            os.kill(engine, signal.SIGCONT)
         server.terminate()
 
 
