@@ -45,6 +45,9 @@ class Sampler:
         self.compiled = compiled  # torch.compile the race on CUDA (nanovllm.utils.compile)
         self.fused_race = fused_race  # the Triton race where params.seeds is given
         self.num_sms = num_sms  # what the fused race sizes its grid by
+        if fused_race:  # Triton: imported only where it runs
+            from nanovllm.kernels.sample_race import race
+            self._fused = race
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if params.all_greedy:
@@ -58,8 +61,7 @@ class Sampler:
                 logits = _apply_top_p(logits, params.top_ps)
             temps = torch.where(temps > 0, 1.0, 0.0)  # scaled already; keeps greedy rows greedy
         if self.fused_race and params.seeds is not None and params.min_ps is None:
-            from nanovllm.kernels.sample_race import race  # Triton: imported only where it runs
-            return race(logits, temps, params.seeds, self.num_sms)
+            return self._fused(logits, temps, params.seeds, self.num_sms)
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
         for row, seed in params.seeded_rows or ():
             gen = torch.Generator(device=logits.device).manual_seed(seed)

@@ -57,9 +57,8 @@ class StepSampler:
 
     def warm_up(self, logits: torch.Tensor) -> None:
         """Compile the plain-temperature sampler (torch.compile's or the fused race's) for every row
-        count of WARM_ROWS now, from logits of
-        at least max(WARM_ROWS) rows, so no step of a run stops to compile it (seconds on a cold cache,
-        while the whole batch waits)."""
+        count of WARM_ROWS now, from logits of at least max(WARM_ROWS) rows, so no step of a run stops
+        to compile it (seconds on a cold cache, while the whole batch waits)."""
         for rows in WARM_ROWS:
             plain = SamplingBatch([0.5] * rows, [-1] * rows, [1.0] * rows, [0.0] * rows, [None] * rows,
                                   [None] * rows)

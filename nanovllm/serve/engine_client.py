@@ -130,6 +130,8 @@ class EngineClient:
                     and silent > self.step_timeout):
                 engine.hung = f"no step for {silent:.0f} s with requests in flight"
                 logger.error("%s stopped responding (%s); stopping it", engine, engine.hung)
+                # Unhealthy from now on, not only once it is gone (SIGKILL may take a moment).
+                self.error = self.error or f"{engine} stopped responding ({engine.hung})"
                 self._loop.run_in_executor(None, engine.stop_hung)
         self._loop.call_later(self._watchdog_poll, self._watch)
 
