@@ -14,7 +14,9 @@ The kernel is bound by its arithmetic (Philox, two logarithms a column), not by 
     stage 2, grid (rows,): the best chunk's index (again the first on ties), so greedy rows give
         exactly torch's argmax.
 
-Logits may hold -inf (masked tokens); NaN is not expected."""
+With min_ps, a sampled row first drops the tokens whose logits / T fall below its floor, max(logits) / T
++ log(min_p) (min-p), the floor formed from the top logit as its own score is, so the top token always
+stays. Logits may hold -inf (masked tokens); NaN is not expected."""
 
 import torch
 import triton
@@ -42,16 +44,19 @@ def _log2(x, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
-def _lane_best(logits_row, base, offs, end, u, scale, greedy_row, best_val, best_idx,
+def _lane_best(logits_row, base, offs, end, u, scale, floor, greedy_row, best_val, best_idx,
                FAST_LOG: tl.constexpr):
     """Each lane's running (best score, its column) after columns base + offs (u: their uniforms). The
     scores are base 2: argmax(x / T + G) = argmax(x * log2(e) / T - log2(-log2(u))), G = -ln(-ln(u))
     Gumbel noise, as scaling by log2(e) > 0 and the constant log2(ln 2) leave the argmax alone; u == 0
-    gives -inf, a score that never wins."""
+    gives -inf, a score that never wins. floor (base 2 too; -inf: none) drops a sampled row's tokens
+    below it."""
     cols = base + offs
     mask = cols < end
     x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    score = tl.where(greedy_row, x, x * scale - _log2(-_log2(u, FAST_LOG), FAST_LOG))
+    scaled = x * scale
+    sampled = tl.where(scaled < floor, float("-inf"), scaled - _log2(-_log2(u, FAST_LOG), FAST_LOG))
+    score = tl.where(greedy_row, x, sampled)
     # Strictly greater: within a lane, columns only grow, so the first of equal scores stays.
     better = mask & (score > best_val)
     return tl.where(better, score, best_val), tl.where(better, cols, best_idx)
@@ -60,14 +65,18 @@ def _lane_best(logits_row, base, offs, end, u, scale, greedy_row, best_val, best
 # Triton compiles a variant per integer argument that is 1 or a multiple of 16; chunk counts and lengths
 # follow the row count, and a variant first met mid-run would stall the batch while it compiles.
 @triton.jit(do_not_specialize=["chunk_len", "num_chunks"])
-def _race_chunk_kernel(logits_ptr, temps_ptr, seeds_ptr, best_val_ptr, best_idx_ptr, vocab, stride_row,
-                       chunk_len, num_chunks, SUB_BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+def _race_chunk_kernel(logits_ptr, temps_ptr, seeds_ptr, row_max_ptr, log_min_p_ptr, best_val_ptr,
+                       best_idx_ptr, vocab, stride_row, chunk_len, num_chunks, SUB_BLOCK: tl.constexpr,
+                       HAS_FLOOR: tl.constexpr, FAST_LOG: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
     greedy_row = temp == 0.0
     scale = LOG2E / tl.where(greedy_row, 1.0, temp)
     seed = tl.load(seeds_ptr + row)
+    floor = tl.full([], float("-inf"), tl.float32)
+    if HAS_FLOOR:
+        floor = tl.load(row_max_ptr + row) * scale + tl.load(log_min_p_ptr + row) * LOG2E
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
     start = chunk * chunk_len
     end = tl.minimum(start + chunk_len, vocab)
@@ -79,14 +88,14 @@ def _race_chunk_kernel(logits_ptr, temps_ptr, seeds_ptr, best_val_ptr, best_idx_
     # different steps and chunks never meet.
     for step in range(start, end, 4 * SUB_BLOCK):
         u0, u1, u2, u3 = tl.rand4x(seed, step // 4 + offs)
-        best_val, best_idx = _lane_best(logits_row, step, offs, end, u0, scale, greedy_row,
-                                        best_val, best_idx, FAST_LOG)
-        best_val, best_idx = _lane_best(logits_row, step + SUB_BLOCK, offs, end, u1, scale, greedy_row,
-                                        best_val, best_idx, FAST_LOG)
-        best_val, best_idx = _lane_best(logits_row, step + 2 * SUB_BLOCK, offs, end, u2, scale, greedy_row,
-                                        best_val, best_idx, FAST_LOG)
-        best_val, best_idx = _lane_best(logits_row, step + 3 * SUB_BLOCK, offs, end, u3, scale, greedy_row,
-                                        best_val, best_idx, FAST_LOG)
+        best_val, best_idx = _lane_best(logits_row, step, offs, end, u0, scale, floor,
+                                        greedy_row, best_val, best_idx, FAST_LOG)
+        best_val, best_idx = _lane_best(logits_row, step + SUB_BLOCK, offs, end, u1, scale, floor,
+                                        greedy_row, best_val, best_idx, FAST_LOG)
+        best_val, best_idx = _lane_best(logits_row, step + 2 * SUB_BLOCK, offs, end, u2, scale, floor,
+                                        greedy_row, best_val, best_idx, FAST_LOG)
+        best_val, best_idx = _lane_best(logits_row, step + 3 * SUB_BLOCK, offs, end, u3, scale, floor,
+                                        greedy_row, best_val, best_idx, FAST_LOG)
     top = tl.max(best_val, 0)
     # The first column holding the top score (lanes that never saw a finite one keep `start`).
     where = tl.min(tl.where(best_val == top, best_idx, vocab), 0)
@@ -110,16 +119,19 @@ def num_chunks(rows: int, vocab: int, num_sms: int) -> int:
     return max(1, min(wanted, triton.cdiv(vocab, BLOCK), MAX_CHUNKS))
 
 
-def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, num_sms: int) -> torch.Tensor:
+def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, num_sms: int,
+         min_ps: torch.Tensor | None = None) -> torch.Tensor:
     """Sampled token ids [rows] (int64) of logits [rows, vocab] (any float dtype, contiguous rows):
     argmax(logits / T + Gumbel noise of seeds[r]) per row, argmax(logits) where T == 0.
-    temperatures: [rows] float32, >= 0; seeds: [rows] int64, one Philox seed per row."""
+    temperatures: [rows] float32, >= 0; seeds: [rows] int64, one Philox seed per row; min_ps: [rows]
+    float32 or None, a sampled row draws no token less likely than min_p times its top one (0: none)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [rows, vocab] with contiguous rows; got {tuple(logits.shape)}")
     rows, vocab = logits.shape
-    if temperatures.shape != (rows,) or seeds.shape != (rows,):
-        raise ValueError(f"temperatures {tuple(temperatures.shape)} and seeds {tuple(seeds.shape)} must "
-                         f"have one entry per row ({rows})")
+    if (temperatures.shape != (rows,) or seeds.shape != (rows,)
+            or (min_ps is not None and min_ps.shape != (rows,))):
+        raise ValueError(f"temperatures {tuple(temperatures.shape)}, seeds {tuple(seeds.shape)} and min_ps "
+                         f"must have one entry per row ({rows})")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
@@ -129,8 +141,13 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, 
     best_val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     # The interpreter (CPU tensors) has no hardware log: it runs the accurate one.
-    _race_chunk_kernel[(rows, chunks)](logits, temperatures, seeds, best_val, best_idx, vocab,
-                                       logits.stride(0), chunk_len, chunks, SUB_BLOCK=SUB_BLOCK,
+    # min-p's floor needs each row's top logit first (log(0) = -inf: no floor).
+    row_max, log_min_ps = (logits.amax(-1).float(), min_ps.log()) if min_ps is not None else (None, None)
+    _race_chunk_kernel[(rows, chunks)](logits, temperatures, seeds,
+                                       temperatures if row_max is None else row_max,  # read only with
+                                       temperatures if log_min_ps is None else log_min_ps,  # HAS_FLOOR
+                                       best_val, best_idx, vocab, logits.stride(0), chunk_len, chunks,
+                                       SUB_BLOCK=SUB_BLOCK, HAS_FLOOR=min_ps is not None,
                                        FAST_LOG=logits.is_cuda, num_warps=NUM_WARPS)
     # BLOCK_C fixed at MAX_CHUNKS: one compiled variant for every row count.
     _race_pick_kernel[(rows,)](best_val, best_idx, out, chunks, BLOCK_C=MAX_CHUNKS, num_warps=1)

@@ -6,9 +6,9 @@ E ~ Exp(1), which draws from p exactly and lets seeded rows use their own genera
 space, argmax(logits / T - log E), so no softmax is needed (min-p compares log-probabilities), and on
 GPU the scaling, masking and both argmaxes compile into a couple of kernels.
 
-With `fused_race` (the engine's choice on CUDA) and rows without min-p, the race is one Triton pass
-over the logits that draws its noise from per-row Philox seeds (kernels/sample_race.py) instead of
-storing it; the same distribution, from other random numbers."""
+With `fused_race` (the engine's choice on CUDA) the race is one Triton pass over the logits that draws
+its noise from per-row Philox seeds (kernels/sample_race.py) instead of storing it; the same
+distribution, from other random numbers, min-p included."""
 
 from dataclasses import dataclass
 
@@ -60,8 +60,8 @@ class Sampler:
             if params.top_ps is not None:
                 logits = _apply_top_p(logits, params.top_ps)
             temps = torch.where(temps > 0, 1.0, 0.0)  # scaled already; keeps greedy rows greedy
-        if self.fused_race and params.seeds is not None and params.min_ps is None:
-            return self._fused(logits, temps, params.seeds, self.num_sms)
+        if self.fused_race and params.seeds is not None:
+            return self._fused(logits, temps, params.seeds, self.num_sms, params.min_ps)
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
         for row, seed in params.seeded_rows or ():
             gen = torch.Generator(device=logits.device).manual_seed(seed)

@@ -1,7 +1,7 @@
 """The fused race (kernels/sample_race.py) on CPU tensors through the Triton interpreter (or on CUDA with
 TRITON_INTERPRET=0): greedy rows give torch's argmax, ties and chunk borders included; a seeded row's
-token depends on its seed alone; sampled tokens follow softmax(logits / T); and the Sampler takes the
-fused path only where it applies."""
+token depends on its seed alone; sampled tokens follow softmax(logits / T), min-p's floor applied; and
+the Sampler takes the fused path whenever it has the rows' seeds."""
 
 import math
 
@@ -66,12 +66,41 @@ def test_samples_follow_softmax_of_scaled_logits():
 def test_bad_shapes_raise_value_error():
     logits = torch.zeros(2, 10, device=DEVICE)
     with pytest.raises(ValueError, match="one entry per row"):
+        race(logits, torch.ones(2, device=DEVICE), seeds_of(1, 2), num_sms=1,
+             min_ps=torch.ones(3, device=DEVICE))
+    with pytest.raises(ValueError, match="one entry per row"):
         race(logits, torch.ones(3, device=DEVICE), seeds_of(1, 2), num_sms=1)
     with pytest.raises(ValueError, match="contiguous rows"):
         race(logits.t(), torch.ones(10, device=DEVICE), seeds_of(*range(10)), num_sms=1)
 
 
-def test_sampler_uses_the_fused_race_only_without_min_p():
+def test_min_p_drops_tokens_below_its_floor_and_keeps_the_distribution_of_the_rest():
+    rows, temperature = 600, 0.8
+    probe = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, float("-inf")])
+    logits = probe.repeat(rows, 1).to(DEVICE)
+    seeds = torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    temps = torch.full((rows,), temperature, device=DEVICE)
+    temps[0] = 0.0  # a greedy row: min-p leaves it alone
+    min_ps = torch.full((rows,), 0.2, device=DEVICE)
+    tokens = race(logits, temps, seeds, 132, min_ps).cpu()
+    assert tokens[0] == 2
+    scaled = probe.double() / temperature
+    kept = scaled >= scaled.max() + math.log(0.2)  # tokens 1 and 2
+    want = torch.where(kept, scaled, float("-inf")).softmax(-1)
+    freq = torch.bincount(tokens[1:], minlength=len(probe)).double() / (rows - 1)
+    assert kept.tolist() == [False, True, True, False, False, False]
+    for f, p in zip(freq.tolist(), want.tolist(), strict=True):
+        assert abs(f - p) <= 4.5 * math.sqrt(p * (1 - p) / (rows - 1)) + 1e-9, (freq, want)
+    # min_p = 1 keeps the top token only (its own score is the floor: never below it).
+    assert race(logits[:8], temps[:8], seeds[:8], 132, torch.ones(8, device=DEVICE)).tolist() == [2] * 8
+
+
+def test_sampler_takes_the_fused_race_with_top_k_and_min_p(monkeypatch):
+    from nanovllm.layers import sampler as sampler_module
+
+    def pytorch_race(*args):
+        raise AssertionError("the PyTorch race ran")
+    monkeypatch.setattr(sampler_module, "_race", pytorch_race)
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 300, generator=gen).to(DEVICE)
     temps, seeds = torch.ones(2, device=DEVICE), seeds_of(11, 12)
@@ -81,9 +110,11 @@ def test_sampler_uses_the_fused_race_only_without_min_p():
     top_k = SamplingTensors(temps, all_greedy=False, seeds=seeds, max_top_k=1,
                             top_ks=torch.ones(2, dtype=torch.int64, device=DEVICE))
     assert sampler(logits, top_k).tolist() == logits.argmax(-1).tolist()  # top-k = 1 is greedy
-    # min-p needs each row's max first: the PyTorch race keeps it (min_p = 1 leaves only the top token).
     min_p = SamplingTensors(temps, all_greedy=False, seeds=seeds, min_ps=torch.ones(2, device=DEVICE))
-    assert sampler(logits, min_p).tolist() == logits.argmax(-1).tolist()
+    assert sampler(logits, min_p).tolist() == logits.argmax(-1).tolist()  # min_p = 1: the top only
+    without_seeds = SamplingTensors(temps, all_greedy=False)  # the caller gave none: the PyTorch race
+    with pytest.raises(AssertionError, match="the PyTorch race ran"):
+        sampler(logits, without_seeds)
 
 
 def test_step_seeds_keep_request_seeds_and_vary_the_others():

@@ -62,6 +62,8 @@ POINTER_TYPES = {
     "best_val_ptr": "*fp32",
     "best_idx_ptr": "*i32",
     "tokens_ptr": "*i64",
+    "row_max_ptr": "*fp32",
+    "log_min_p_ptr": "*fp32",
 }
 FLOAT_SCALARS = {"eps", "scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_inv", "v_scale"}
 # Cases reading or writing an fp8 (e4m3) KV cache: their cache pointers hold fp8.
@@ -108,7 +110,8 @@ def cases() -> dict:
         "add-rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
         "rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=1024)),
         "silu-and-mul": (norm_act._silu_and_mul_kernel, dict(BLOCK=norm_act.ACT_BLOCK)),
-        "race-chunk": (sample_race._race_chunk_kernel, dict(SUB_BLOCK=sample_race.SUB_BLOCK, FAST_LOG=True)),
+        "race-chunk": (sample_race._race_chunk_kernel, dict(SUB_BLOCK=sample_race.SUB_BLOCK, HAS_FLOOR=True,
+                                                                  FAST_LOG=True)),
         "race-pick": (sample_race._race_pick_kernel, dict(BLOCK_C=sample_race.MAX_CHUNKS), {},
                       dict(num_warps=1)),
         "moe-topk-softmax": (moe_routing._topk_softmax_kernel,
