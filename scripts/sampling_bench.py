@@ -2,7 +2,7 @@
 ignore_eos) once plain and once per option, on one engine; prints a table of output tok/s and the
 slowdown against plain. Each row is a separate timed generate after one shared warm-up.
 
-    python scripts/sampling_bench.py --model configs/Qwen3-0.6B --load-format dummy   # ~3 min on an H200
+    python scripts/sampling_bench.py --model configs/Qwen3-0.6B --load-format dummy   # ~4 min on an H200
 """
 
 import argparse
@@ -15,6 +15,8 @@ from nanovllm import LLM, SamplingParams
 VARIANTS = {
     "plain": {},
     "logprobs=5": {"logprobs": 5},
+    "top_p=0.9": {"top_p": 0.9},
+    "min_p=0.05": {"min_p": 0.05},
     "penalties": {"repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.2},
     "logit_bias+min_tokens": {"logit_bias": {0: -5.0, 1: 2.0}, "min_tokens": 16},
     "prompt_logprobs=1": {"prompt_logprobs": 1},
