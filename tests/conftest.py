@@ -131,5 +131,8 @@ def triton_test_device() -> str:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "cpu"
     if not torch.cuda.is_available():
-        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES") == ""
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1" + (
+            " (this conftest hides the GPU unless CUDA_VISIBLE_DEVICES is set, e.g. to 0)" if hidden else ""),
+            allow_module_level=True)
     return "cuda"
