@@ -57,15 +57,18 @@ class StepSampler:
 
     def warm_up(self, logits: torch.Tensor) -> None:
         """Compile the plain-temperature sampler (torch.compile's or the fused race's) for every row
-        count of WARM_ROWS now, and the fused race's min-p variant, from logits of at least
-        max(WARM_ROWS) rows, so no step of a run stops to compile it (seconds on a cold cache, while the
-        whole batch waits)."""
+        count of WARM_ROWS now, and the fused race's other variants (min-p, top-k's float32 logits),
+        from logits of at least max(WARM_ROWS) rows, so no step of a run stops to compile it (seconds
+        on a cold cache, while the whole batch waits)."""
         for rows in WARM_ROWS:
             plain = SamplingBatch([0.5] * rows, [-1] * rows, [1.0] * rows, [0.0] * rows, [None] * rows,
                                   [None] * rows)
             self.sample(logits[:rows], plain)
-        if self.sampler.fused_race:  # its min-p variant, which no row count specializes
-            self.sample(logits[:1], SamplingBatch([0.5], [-1], [1.0], [0.05], [None], [None]))
+        if self.sampler.fused_race:
+            # Its variants by logits dtype (top-k and top-p hand it float32) and min-p floor, which no
+            # row count specializes: one row each.
+            for top_k, min_p in ((-1, 0.05), (40, 0.0), (40, 0.05)):
+                self.sample(logits[:1], SamplingBatch([0.5], [top_k], [1.0], [min_p], [None], [None]))
 
     def check(self, sampling: SamplingBatch) -> None:
         """Build the sampler's and the processors' inputs on the CPU, raising what a step would raise

@@ -47,18 +47,20 @@ def test_after_warm_up_no_batch_size_compiles_the_sampler_again(dynamo_on_cpu):
     assert dynamo_on_cpu() == frames, "a batch size compiled a sampler variant the warm-up missed"
 
 
-def test_warm_up_runs_the_fused_race_with_and_without_min_p():
-    # On CUDA the race is the Triton kernel: a variant with min-p's floor and one without, each
-    # compiled once (no row count specializes them); warm_up must meet both.
+def test_warm_up_runs_every_variant_of_the_fused_race():
+    # On CUDA the race is the Triton kernel: a variant per logits dtype (top-k/top-p scale them to
+    # float32) and with or without min-p's floor, each compiled once (no row count specializes them);
+    # warm_up must meet them all.
     pytest.importorskip("triton")
     sampler = StepSampler(VOCAB, torch.device("cpu"), compiled=False)
     sampler.sampler = sampler_module.Sampler(fused_race=True, num_sms=8)
     calls = []
 
     def fused(logits, temps, seeds, num_sms, min_ps=None):
-        calls.append((logits.shape[0], min_ps is not None))
+        calls.append((logits.shape[0], logits.dtype, min_ps is not None))
         return torch.zeros(logits.shape[0], dtype=torch.int64)
     sampler.sampler._fused = fused
-    sampler.warm_up(torch.randn(max(WARM_ROWS), VOCAB))
-    assert {rows for rows, _ in calls} == set(WARM_ROWS)
-    assert {with_min_p for _, with_min_p in calls} == {False, True}
+    sampler.warm_up(torch.randn(max(WARM_ROWS), VOCAB, dtype=torch.bfloat16))
+    assert {rows for rows, _, _ in calls} == set(WARM_ROWS)
+    assert {variant[1:] for variant in calls} == {(dtype, floor) for dtype in (torch.bfloat16, torch.float32)
+                                                  for floor in (False, True)}
