@@ -140,14 +140,15 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, 
     chunks = triton.cdiv(vocab, chunk_len)  # rounding chunk_len up can leave the last ones empty
     best_val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    # The interpreter (CPU tensors) has no hardware log: it runs the accurate one.
-    # min-p's floor needs each row's top logit first (log(0) = -inf: no floor).
+    # min-p's floor needs each row's top logit first (log(0) = -inf: no floor). Without min-p the two
+    # pointers are never read.
     row_max, log_min_ps = (logits.amax(-1).float(), min_ps.log()) if min_ps is not None else (None, None)
     _race_chunk_kernel[(rows, chunks)](logits, temperatures, seeds,
-                                       temperatures if row_max is None else row_max,  # read only with
-                                       temperatures if log_min_ps is None else log_min_ps,  # HAS_FLOOR
+                                       temperatures if row_max is None else row_max,
+                                       temperatures if log_min_ps is None else log_min_ps,
                                        best_val, best_idx, vocab, logits.stride(0), chunk_len, chunks,
                                        SUB_BLOCK=SUB_BLOCK, HAS_FLOOR=min_ps is not None,
+                                       # the interpreter (CPU tensors) has no hardware log
                                        FAST_LOG=logits.is_cuda, num_warps=NUM_WARPS)
     # BLOCK_C fixed at MAX_CHUNKS: one compiled variant for every row count.
     _race_pick_kernel[(rows,)](best_val, best_idx, out, chunks, BLOCK_C=MAX_CHUNKS, num_warps=1)
