@@ -13,7 +13,6 @@ import torch
 import triton.testing
 
 from nanovllm.kernels import sample_race
-from nanovllm.kernels.common import sm_count
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 
 VOCAB = 151936
@@ -26,7 +25,7 @@ def graph_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn) * 1e3
 
 
-def bench_rows(rows: int, num_sms: int) -> dict:
+def bench_rows(rows: int) -> dict:
     device = torch.device("cuda")
     logits = torch.randn(rows, VOCAB, device=device).to(torch.bfloat16)
     temps = torch.full((rows,), 0.6, device=device)
@@ -34,7 +33,7 @@ def bench_rows(rows: int, num_sms: int) -> dict:
     params = SamplingTensors(temps, all_greedy=False)
     pytorch = functools.partial(Sampler(compiled=True), logits, params)
     result = dict(rows=rows, pytorch_us=round(graph_us(pytorch), 1))
-    fused = functools.partial(sample_race.race, logits, temps, seeds, num_sms)
+    fused = functools.partial(sample_race.race, logits, temps, seeds)
     engine = {name: getattr(sample_race, name) for name in SETTINGS}
     timings = []
     for values in itertools.product(*SETTINGS.values()):
@@ -59,9 +58,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, action="append",
                         help="batch rows (repeatable); default 1, 64, 256")
     args = parser.parse_args()
-    num_sms = sm_count(torch.device("cuda"))
     for rows in args.rows or [1, 64, 256]:
-        print(json.dumps(bench_rows(rows, num_sms)), flush=True)
+        print(json.dumps(bench_rows(rows)), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from nanovllm.kernels.common import sm_count
+
 # Columns one loop step of a stage-1 program covers: four sub-blocks of SUB_BLOCK, one per output of a
 # Philox call (rand4x makes four numbers for the price of one).
 SUB_BLOCK = 256
@@ -119,12 +121,13 @@ def num_chunks(rows: int, vocab: int, num_sms: int) -> int:
     return max(1, min(wanted, triton.cdiv(vocab, BLOCK), MAX_CHUNKS))
 
 
-def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, num_sms: int,
-         min_ps: torch.Tensor | None = None) -> torch.Tensor:
+def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+         min_ps: torch.Tensor | None = None, *, num_sms: int | None = None) -> torch.Tensor:
     """Sampled token ids [rows] (int64) of logits [rows, vocab] (any float dtype, contiguous rows):
     argmax(logits / T + Gumbel noise of seeds[r]) per row, argmax(logits) where T == 0.
     temperatures: [rows] float32, >= 0; seeds: [rows] int64, one Philox seed per row; min_ps: [rows]
-    float32 or None, a sampled row draws no token less likely than min_p times its top one (0: none)."""
+    float32 or None, a sampled row draws no token less likely than min_p times its top one (0: none).
+    num_sms: what the grid is sized for (default: the device's SM count; tests force chunkings)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [rows, vocab] with contiguous rows; got {tuple(logits.shape)}")
     rows, vocab = logits.shape
@@ -135,7 +138,7 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, 
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    chunks = num_chunks(rows, vocab, num_sms)
+    chunks = num_chunks(rows, vocab, num_sms or sm_count(logits.device))
     chunk_len = triton.cdiv(triton.cdiv(vocab, chunks), BLOCK) * BLOCK
     chunks = triton.cdiv(vocab, chunk_len)  # rounding chunk_len up can leave the last ones empty
     best_val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)

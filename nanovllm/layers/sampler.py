@@ -41,10 +41,9 @@ class SamplingTensors:
 
 
 class Sampler:
-    def __init__(self, compiled: bool = False, fused_race: bool = False, num_sms: int = 132) -> None:
+    def __init__(self, compiled: bool = False, fused_race: bool = False) -> None:
         self.compiled = compiled  # torch.compile the race on CUDA (nanovllm.utils.compile)
         self.fused_race = fused_race  # the Triton race where params.seeds is given
-        self.num_sms = num_sms  # what the fused race sizes its grid by
         if fused_race:  # Triton: imported only where it runs
             from nanovllm.kernels.sample_race import race
             self._fused = race
@@ -61,7 +60,7 @@ class Sampler:
                 logits = _apply_top_p(logits, params.top_ps)
             temps = torch.where(temps > 0, 1.0, 0.0)  # scaled already; keeps greedy rows greedy
         if self.fused_race and params.seeds is not None:
-            return self._fused(logits, temps, params.seeds, self.num_sms, params.min_ps)
+            return self._fused(logits, temps, params.seeds, params.min_ps)
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
         for row, seed in params.seeded_rows or ():
             gen = torch.Generator(device=logits.device).manual_seed(seed)

@@ -33,9 +33,7 @@ class StepSampler:
         draws from torch's CPU generator (step_noise_seed)."""
         self.vocab_size = vocab_size
         self.device = device
-        fused = device.type == "cuda"
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if fused else 0
-        self.sampler = Sampler(compiled=compiled, fused_race=fused, num_sms=num_sms)
+        self.sampler = Sampler(compiled=compiled, fused_race=device.type == "cuda")
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch
                ) -> tuple[torch.Tensor, SampledLogprobs | None]:

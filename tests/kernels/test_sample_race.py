@@ -34,7 +34,7 @@ def test_greedy_rows_match_torch_argmax(dtype, num_sms):
     logits[3] = float("-inf")
     logits[3, vocab - 1] = 0.0  # the only finite token, in the last partial step
     assert num_sms == 1 or num_chunks(4, vocab, num_sms) > 1
-    got = race(logits.to(DEVICE), torch.zeros(4, device=DEVICE), seeds_of(1, 2, 3, 4), num_sms)
+    got = race(logits.to(DEVICE), torch.zeros(4, device=DEVICE), seeds_of(1, 2, 3, 4), num_sms=num_sms)
     assert got.tolist() == logits.float().argmax(-1).tolist()
 
 
@@ -55,7 +55,7 @@ def test_samples_follow_softmax_of_scaled_logits():
     probe = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, float("-inf")])
     logits = probe.repeat(rows, 1).to(DEVICE)
     seeds = torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    tokens = race(logits, torch.full((rows,), temperature, device=DEVICE), seeds, num_sms=132)
+    tokens = race(logits, torch.full((rows,), temperature, device=DEVICE), seeds)
     freq = torch.bincount(tokens.cpu(), minlength=len(probe)).double() / rows
     want = (probe.double() / temperature).softmax(-1)
     assert freq[-1] == 0  # a -inf token is never drawn
@@ -66,8 +66,7 @@ def test_samples_follow_softmax_of_scaled_logits():
 def test_bad_shapes_raise_value_error():
     logits = torch.zeros(2, 10, device=DEVICE)
     with pytest.raises(ValueError, match="one entry per row"):
-        race(logits, torch.ones(2, device=DEVICE), seeds_of(1, 2), num_sms=1,
-             min_ps=torch.ones(3, device=DEVICE))
+        race(logits, torch.ones(2, device=DEVICE), seeds_of(1, 2), torch.ones(3, device=DEVICE))
     with pytest.raises(ValueError, match="one entry per row"):
         race(logits, torch.ones(3, device=DEVICE), seeds_of(1, 2), num_sms=1)
     with pytest.raises(ValueError, match="contiguous rows"):
@@ -82,7 +81,7 @@ def test_min_p_drops_tokens_below_its_floor_and_keeps_the_distribution_of_the_re
     temps = torch.full((rows,), temperature, device=DEVICE)
     temps[0] = 0.0  # a greedy row: min-p leaves it alone
     min_ps = torch.full((rows,), 0.2, device=DEVICE)
-    tokens = race(logits, temps, seeds, 132, min_ps).cpu()
+    tokens = race(logits, temps, seeds, min_ps).cpu()
     assert tokens[0] == 2
     scaled = probe.double() / temperature
     kept = scaled >= scaled.max() + math.log(0.2)  # tokens 1 and 2
@@ -92,7 +91,7 @@ def test_min_p_drops_tokens_below_its_floor_and_keeps_the_distribution_of_the_re
     for f, p in zip(freq.tolist(), want.tolist(), strict=True):
         assert abs(f - p) <= 4.5 * math.sqrt(p * (1 - p) / (rows - 1)) + 1e-9, (freq, want)
     # min_p = 1 keeps the top token only (its own score is the floor: never below it).
-    assert race(logits[:8], temps[:8], seeds[:8], 132, torch.ones(8, device=DEVICE)).tolist() == [2] * 8
+    assert race(logits[:8], temps[:8], seeds[:8], torch.ones(8, device=DEVICE)).tolist() == [2] * 8
 
 
 def test_sampler_takes_the_fused_race_with_top_k_and_min_p(monkeypatch):
@@ -104,9 +103,9 @@ def test_sampler_takes_the_fused_race_with_top_k_and_min_p(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 300, generator=gen).to(DEVICE)
     temps, seeds = torch.ones(2, device=DEVICE), seeds_of(11, 12)
-    sampler = Sampler(fused_race=True, num_sms=8)
+    sampler = Sampler(fused_race=True)
     fused = sampler(logits, SamplingTensors(temps, all_greedy=False, seeds=seeds))
-    assert fused.tolist() == race(logits, temps, seeds, 8).tolist()
+    assert fused.tolist() == race(logits, temps, seeds).tolist()
     top_k = SamplingTensors(temps, all_greedy=False, seeds=seeds, max_top_k=1,
                             top_ks=torch.ones(2, dtype=torch.int64, device=DEVICE))
     assert sampler(logits, top_k).tolist() == logits.argmax(-1).tolist()  # top-k = 1 is greedy

@@ -53,10 +53,10 @@ def test_warm_up_runs_every_variant_of_the_fused_race():
     # warm_up must meet them all.
     pytest.importorskip("triton")
     sampler = StepSampler(VOCAB, torch.device("cpu"), compiled=False)
-    sampler.sampler = sampler_module.Sampler(fused_race=True, num_sms=8)
+    sampler.sampler = sampler_module.Sampler(fused_race=True)
     calls = []
 
-    def fused(logits, temps, seeds, num_sms, min_ps=None):
+    def fused(logits, temps, seeds, min_ps=None):
         calls.append((logits.shape[0], logits.dtype, min_ps is not None))
         return torch.zeros(logits.shape[0], dtype=torch.int64)
     sampler.sampler._fused = fused
