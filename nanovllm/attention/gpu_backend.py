@@ -13,8 +13,7 @@ class GPUBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def forward(self, layer: PagedLayer, q, k, v, positions, meta: AttentionMetadata) -> torch.Tensor:
-        norm = layer.qk_norm
-        q_norm, k_norm = ((norm.q_weight, norm.eps), (norm.k_weight, norm.eps)) if norm else (None, None)
+        q_norm, k_norm = qk_norms(layer)
         q, k = norm_rope_store(q, k, v, positions, layer.rotary.cos, layer.rotary.sin, layer.k_cache,
                                layer.v_cache, meta.slot_mapping, q_norm, k_norm, layer.k_scale, layer.v_scale)
         return self.attend(layer, q, k, v, meta)
@@ -23,3 +22,12 @@ class GPUBackend(AttentionBackend):
                meta: AttentionMetadata) -> torch.Tensor:
         """Attention alone: q and k are normed and rotated, and the step's K/V are in the cache."""
         raise NotImplementedError
+
+
+Norm = tuple[torch.Tensor, float] | None  # (weight [head_dim], eps), as the rope kernels take it
+
+
+def qk_norms(layer: PagedLayer) -> tuple[Norm, Norm]:
+    """The layer's (q_norm, k_norm): (weight, eps) each, or (None, None) without q/k norm."""
+    norm = layer.qk_norm
+    return ((norm.q_weight, norm.eps), (norm.k_weight, norm.eps)) if norm else (None, None)

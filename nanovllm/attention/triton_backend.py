@@ -1,15 +1,24 @@
 """Attention through the project's own Triton kernels (nanovllm.kernels): a fast GPU engine from
 `pip install` alone. Prefill reads every key/value, cached prefix included, from the paged cache;
-decode is one split-KV kernel a layer (its chunks are combined by the last one to finish). A mixed
-batch runs its decoding rows through the decode kernel and its prefill chunks through the prefill one."""
+decode is one split-KV kernel a layer (its chunks are combined by the last one to finish); a small decode
+batch folds the q/k norm, rotary and KV store into it (kernels/decode_rope.py). A mixed batch runs its
+decoding rows through the decode kernel and its prefill chunks through the prefill one."""
 
 import torch
 
 from nanovllm.attention.backend import PagedLayer
-from nanovllm.attention.gpu_backend import GPUBackend
+from nanovllm.attention.gpu_backend import GPUBackend, qk_norms
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.kernels.decode_attention import paged_decode_attention
+from nanovllm.kernels.decode_rope import paged_decode_rope_attention
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
+
+# Decode batches of up to this many rows run the norm, rotary and KV store inside the attention kernel:
+# a small step is a chain of launch-bound kernels, one fewer a layer. A larger batch keeps the separate
+# rope_store kernel: there every chunk of the split-KV kernel would repeat its group's rotation.
+# Measured (BENCHMARKS.md, call L2, 512-token contexts): 3-4% faster a step at 1-8 rows, even at 16,
+# ~3% faster at 32, 1% slower at 64.
+FUSED_ROPE_MAX_ROWS = 32
 
 
 class TritonBackend(GPUBackend):
@@ -21,6 +30,16 @@ class TritonBackend(GPUBackend):
         # engine's own, so that no other engine's kernels can race on it. Sized once for the largest
         # decode batch, so CUDA graphs captured at any batch size address the same buffer.
         self.counters = torch.zeros(max_num_seqs * num_kv_heads, dtype=torch.int32, device=device)
+
+    def forward(self, layer: PagedLayer, q, k, v, positions, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.is_prefill or q.shape[0] > FUSED_ROPE_MAX_ROWS:
+            return super().forward(layer, q, k, v, positions, meta)
+        q_norm, k_norm = qk_norms(layer)
+        return paged_decode_rope_attention(q, k, v, positions, layer.rotary.cos, layer.rotary.sin,
+                                           layer.k_cache, layer.v_cache, meta.slot_mapping, meta.seqlens_k,
+                                           meta.block_tables, layer.scale, q_norm=q_norm, k_norm=k_norm,
+                                           counters=self.counters, k_scale=layer.k_scale,
+                                           v_scale=layer.v_scale)
 
     def attend(self, layer: PagedLayer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         if not meta.is_prefill:

@@ -24,6 +24,7 @@ wrapper's argument checks belong together: splitting them would put one kernel's
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,7 +38,7 @@ from nanovllm.kernels.common import (
     paged_kv_offsets,
     sm_count,
 )
-from nanovllm.kernels.decode_launch import choose_launch
+from nanovllm.kernels.decode_launch import DecodeLaunch, choose_launch
 
 # tl.dot needs at least 16 rows, so a GQA group (often 1-8 query heads) is padded to 16 masked rows.
 # The padding costs tensor-core FLOPs, not memory traffic, and decode is bound by reading K/V.
@@ -82,10 +83,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(seqlens_k_ptr + seq)
-    # Chunks are whole tiles, so each starts on a tile boundary as paged_kv_offsets requires.
-    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    split_start = split * split_len
-    split_end = tl.minimum(split_start + split_len, kv_len)
+    split_len, split_start, split_end = chunk_bounds(kv_len, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < NUM_HEADS_PER_KV
@@ -97,6 +95,36 @@ def _decode_split_kernel(
         other=0.0,
     )
     q, qk_scale = fp8_dot_operands(q, scale_log2, k_cache_ptr.dtype.element_ty == tl.float8e4nv)
+    attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_end, split_len, k_cache_ptr,
+                 v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
+                 out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale, NUM_HEADS_PER_KV,
+                 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, COMBINE_HEADS, COMBINE_ROWS,
+                 DOT_PRECISION)
+
+
+@triton.jit
+def chunk_bounds(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """(chunk length, its start, its end) of chunk `split` of a kv_len-key context. Chunks are whole
+    tiles, so each starts on a tile boundary as paged_kv_offsets requires; the last ones may be empty."""
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    split_start = split * split_len
+    return split_len, split_start, tl.minimum(split_start + split_len, kv_len)
+
+
+@triton.jit
+def attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_end, split_len, k_cache_ptr,
+                 v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
+                 out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale,
+                 NUM_HEADS_PER_KV: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                 COMBINE_HEADS: tl.constexpr, COMBINE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One program's chunk [split_start, split_end) of one (sequence, KV head): its partial for the GQA
+    group's queries q [BLOCK_G, HEAD_DIM] (scores times qk_scale), then, in the last chunk to finish,
+    the combine. Shared by the decode kernels (this one, and decode_rope's)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < NUM_HEADS_PER_KV
+    heads = kv_head * NUM_HEADS_PER_KV + offs_g
+    offs_d = tl.arange(0, HEAD_DIM)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -200,81 +228,106 @@ def paged_decode_attention(
     The last chunk of each (sequence, KV head) to finish combines the partials; it counts finished
     chunks in `counters`, which it leaves zeroed for the next call. Pass a persistent buffer (allocating
     one costs a fill kernel), and never the same buffer to two calls that may run at once."""
-    num_heads, num_kv_heads, head_dim, block_size = check_paged_attention_args(
-        q, k_cache, v_cache, block_tables
-    )
-    batch_size = q.shape[0]
-    if seqlens_k.shape != (batch_size,) or block_tables.shape[0] != batch_size:
-        raise ValueError(
-            f"seqlens_k {tuple(seqlens_k.shape)} and block_tables {tuple(block_tables.shape)} "
-            f"must have one row per query ({batch_size})"
-        )
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
-    if batch_size == 0:
-        return out
-    max_context_len = block_tables.shape[1] * block_size
-    launch, auto_splits = choose_launch(batch_size, num_kv_heads, head_dim, max_context_len,
-                                        k_cache.element_size(), q.device, sm_count(q.device))
-    if num_splits is None:
-        num_splits = auto_splits
-    elif num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1; got {num_splits}")
-
-    # Scratch: per (sequence, head, split) a [head_dim] partial output, then one log-sum-exp each.
-    num_partials = batch_size * num_heads * num_splits
-    workspace_numel = num_partials * (head_dim + 1)
-    if workspace is None:
-        workspace = torch.empty(workspace_numel, dtype=torch.float32, device=q.device)
-    elif not (
-        workspace.dtype == torch.float32
-        and workspace.is_contiguous()
-        and workspace.numel() >= workspace_numel
-    ):
-        raise ValueError(
-            f"workspace must be a contiguous float32 tensor of at least {workspace_numel} elements "
-            f"(B * num_heads * num_splits * (head_dim + 1)); got {workspace.dtype} x {workspace.numel()}"
-        )
-    partial_out = workspace[: num_partials * head_dim]
-    partial_lse = workspace[num_partials * head_dim : workspace_numel]
-    if counters is None:
-        counters = torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=q.device)
-    elif not (counters.dtype == torch.int32 and counters.is_contiguous()
-              and counters.numel() >= batch_size * num_kv_heads):
-        raise ValueError(f"counters must be a contiguous int32 tensor of at least B * num_kv_heads = "
-                         f"{batch_size * num_kv_heads} zeros; got {counters.dtype} x {counters.numel()}")
-
-    num_heads_per_kv = num_heads // num_kv_heads
-    _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
+    call = DecodeCall.prepare(q, k_cache, v_cache, seqlens_k, block_tables, num_splits, out, workspace,
+                              counters)
+    if q.shape[0] == 0:
+        return call.out
+    _decode_split_kernel[call.grid](
         q,
         k_cache,
         v_cache,
-        partial_out,
-        partial_lse,
-        out,
-        counters,
+        call.partial_out,
+        call.partial_lse,
+        call.out,
+        call.counters,
         seqlens_k,
         block_tables,
         q.stride(0),
         q.stride(1),
-        out.stride(0),
-        out.stride(1),
+        call.out.stride(0),
+        call.out.stride(1),
         block_tables.stride(0),
-        num_splits,
+        call.num_splits,
         softmax_scale * k_scale * math.log2(math.e),
         v_scale,
-        NUM_HEADS_PER_KV=num_heads_per_kv,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(num_heads_per_kv)),
-        BLOCK_N=launch.block_n,
-        COMBINE_HEADS=triton.next_power_of_2(num_heads_per_kv),
-        COMBINE_ROWS=COMBINE_ROWS,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
+        **call.constexprs(q.dtype),
     )
-    return out
+    return call.out
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCall:
+    """What one launch of a decode kernel needs besides its inputs: its output, scratch and counters
+    (checked, or allocated), its grid and launch settings. Shared with decode_rope.py."""
+
+    out: torch.Tensor
+    partial_out: torch.Tensor  # [B * num_heads * num_splits * head_dim] float32
+    partial_lse: torch.Tensor  # [B * num_heads * num_splits] float32
+    counters: torch.Tensor
+    grid: tuple[int, int, int]  # (B, num_kv_heads, num_splits)
+    launch: DecodeLaunch
+    num_heads_per_kv: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def num_splits(self) -> int:
+        return self.grid[2]
+
+    @staticmethod
+    def prepare(q, k_cache, v_cache, seqlens_k, block_tables, num_splits, out, workspace, counters
+                ) -> "DecodeCall":
+        num_heads, num_kv_heads, head_dim, block_size = check_paged_attention_args(
+            q, k_cache, v_cache, block_tables
+        )
+        batch_size = q.shape[0]
+        if seqlens_k.shape != (batch_size,) or block_tables.shape[0] != batch_size:
+            raise ValueError(
+                f"seqlens_k {tuple(seqlens_k.shape)} and block_tables {tuple(block_tables.shape)} "
+                f"must have one row per query ({batch_size})"
+            )
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+        max_context_len = block_tables.shape[1] * block_size
+        launch, auto_splits = choose_launch(max(batch_size, 1), num_kv_heads, head_dim, max_context_len,
+                                            k_cache.element_size(), q.device, sm_count(q.device))
+        if num_splits is None:
+            num_splits = auto_splits
+        elif num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1; got {num_splits}")
+
+        # Scratch: per (sequence, head, split) a [head_dim] partial output, then one log-sum-exp each.
+        num_partials = batch_size * num_heads * num_splits
+        workspace_numel = num_partials * (head_dim + 1)
+        if workspace is None:
+            workspace = torch.empty(workspace_numel, dtype=torch.float32, device=q.device)
+        elif not (
+            workspace.dtype == torch.float32
+            and workspace.is_contiguous()
+            and workspace.numel() >= workspace_numel
+        ):
+            raise ValueError(
+                f"workspace must be a contiguous float32 tensor of at least {workspace_numel} elements "
+                f"(B * num_heads * num_splits * (head_dim + 1)); got {workspace.dtype} x {workspace.numel()}"
+            )
+        if counters is None:
+            counters = torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=q.device)
+        elif not (counters.dtype == torch.int32 and counters.is_contiguous()
+                  and counters.numel() >= batch_size * num_kv_heads):
+            raise ValueError(f"counters must be a contiguous int32 tensor of at least B * num_kv_heads = "
+                             f"{batch_size * num_kv_heads} zeros; got {counters.dtype} x {counters.numel()}")
+        return DecodeCall(out, workspace[: num_partials * head_dim],
+                          workspace[num_partials * head_dim : workspace_numel], counters,
+                          (batch_size, num_kv_heads, num_splits), launch, num_heads // num_kv_heads, head_dim,
+                          block_size)
+
+    def constexprs(self, q_dtype: torch.dtype) -> dict:
+        """The kernels' shared compile-time arguments and launch settings."""
+        group = self.num_heads_per_kv
+        return dict(NUM_HEADS_PER_KV=group, NUM_KV_HEADS=self.grid[1], HEAD_DIM=self.head_dim,
+                    BLOCK_SIZE=self.block_size, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+                    BLOCK_N=self.launch.block_n, COMBINE_HEADS=triton.next_power_of_2(group),
+                    COMBINE_ROWS=COMBINE_ROWS, DOT_PRECISION=dot_precision(q_dtype),
+                    num_warps=self.launch.num_warps, num_stages=self.launch.num_stages)

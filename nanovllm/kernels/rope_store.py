@@ -52,6 +52,27 @@ def _normed_rotated(
 
 
 @triton.jit
+def normed_rotated_rows(row_ptrs, row_mask, weight_ptr, cos_row_ptr, sin_row_ptr, eps, HEAD_DIM: tl.constexpr,
+                        HAS_NORM: tl.constexpr):
+    """_normed_rotated for several heads at once (rows at row_ptrs, masked by row_mask; HEAD_DIM a power
+    of two): [rows, HEAD_DIM] in float32. Element d takes its rotate_half partner (d + HEAD_DIM/2
+    modulo HEAD_DIM) from a second load, so the rows stay whole."""
+    half: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HEAD_DIM)
+    partner = (offs + half) % HEAD_DIM
+    x = tl.load(row_ptrs[:, None] + offs[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        x = x * rstd * tl.load(weight_ptr + offs).to(tl.float32)[None, :]
+        xp = xp * rstd * tl.load(weight_ptr + partner).to(tl.float32)[None, :]
+    cos = tl.load(cos_row_ptr + offs)[None, :]
+    sin = tl.load(sin_row_ptr + offs)[None, :]
+    # rotate_half(x) = [-x2, x1]: the first half takes minus its partner.
+    return x * cos + tl.where(offs < half, -xp, xp) * sin
+
+
+@triton.jit
 def _norm_rope_store_kernel(
     q_ptr,
     k_ptr,
@@ -127,7 +148,7 @@ def _norm_rope_store_kernel(
                 tl.store(v_cache_ptr + cache + offs_d, value, mask=d_mask)
 
 
-def _check_args(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, norm_weights) -> None:
+def check_rope_args(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, norm_weights) -> None:
     num_tokens, _, head_dim = q.shape
     if k.dim() != 3 or k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be "
@@ -175,7 +196,7 @@ def norm_rope_store(
         raise ValueError("pass both q_norm and k_norm, or neither")
     q_weight, q_eps = q_norm if q_norm is not None else (None, 0.0)
     k_weight, k_eps = k_norm if k_norm is not None else (None, 0.0)
-    _check_args(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, (q_weight, k_weight))
+    check_rope_args(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, (q_weight, k_weight))
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)

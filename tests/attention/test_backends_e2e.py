@@ -27,9 +27,13 @@ def reference(qwen3_dir):
     return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("extra", [{}, {"max_num_batched_tokens": 7}], ids=["plain", "chunked"])
-def test_triton_backend_matches_torch(qwen3_dir, reference, extra):
+@pytest.mark.parametrize("extra,fused_rows", [({}, None), ({"max_num_batched_tokens": 7}, None), ({}, 0)],
+                         ids=["plain", "chunked", "decode-unfused"])
+def test_triton_backend_matches_torch(qwen3_dir, reference, extra, fused_rows, monkeypatch):
     triton_test_device()  # skips where Triton can run neither interpreted nor on a GPU
+    if fused_rows is not None:  # these decode batches are small: take them past the fused kernel too
+        from nanovllm.attention import triton_backend
+        monkeypatch.setattr(triton_backend, "FUSED_ROPE_MAX_ROWS", fused_rows)
     llm = LLM(qwen3_dir, attention_backend="triton", **{**OPTIONS, **extra})
     assert llm.engine.model_runner.backend.name == "triton"
     first = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]

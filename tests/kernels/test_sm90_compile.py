@@ -22,12 +22,13 @@ from triton.compiler import ASTSource  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
-    decode_attention = fused_moe = moe_routing = norm_act = None
+    decode_attention = decode_rope = fused_moe = moe_routing = norm_act = None
     prefill_attention = rope_store = sample_race = skinny_gemm = None
 else:
     import nanovllm.kernels
     from nanovllm.kernels import (
         decode_attention,
+        decode_rope,
         fused_moe,
         moe_routing,
         norm_act,
@@ -95,6 +96,13 @@ def cases() -> dict:
                                dict(num_warps=4, num_stages=3)),
         "decode-fp8-small-batch": (decode_attention._decode_split_kernel, dict(DECODE, DOT_PRECISION="tf32"),
                                    FP8_CACHE, dict(num_warps=4, num_stages=3)),
+        # decode_rope: the small-batch decode with q/k norm, rotary and the KV store folded in.
+        "decode-rope": (decode_rope._decode_rope_split_kernel,
+                        dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=False), {},
+                        dict(num_warps=4, num_stages=3)),
+        "decode-rope-fp8": (decode_rope._decode_rope_split_kernel,
+                            dict(DECODE, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=True), FP8_CACHE,
+                            dict(num_warps=4, num_stages=3)),
         "prefill-fp8": (prefill_attention._prefill_kernel,
                         dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=64,
                              BLOCK_N=64, DOT_PRECISION="tf32"), FP8_CACHE),
@@ -180,7 +188,8 @@ def compile_all() -> dict[str, str]:
 
 DTYPES = ("bf16", "fp32")
 CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-small-batch",
-              "decode-fp8-small-batch", "rope-store-qk-norm", "rope-store", "rope-store-fp8",
+              "decode-fp8-small-batch", "decode-rope", "decode-rope-fp8",
+              "rope-store-qk-norm", "rope-store", "rope-store-fp8",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul",
               "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",

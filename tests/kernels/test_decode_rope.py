@@ -1,0 +1,87 @@
+"""The fused decode kernel (kernels/decode_rope.py) against the two kernels it replaces, norm_rope_store
+then paged_decode_attention, on CPU tensors through the Triton interpreter (or on CUDA with
+TRITON_INTERPRET=0): the same attention output and the same cache contents, for float32, bf16 and fp8
+caches, with and without q/k norm, with the new key in a later chunk than the first and a padding row."""
+
+import pytest
+import torch
+from conftest import triton_test_device
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels.decode_attention import paged_decode_attention  # noqa: E402
+from nanovllm.kernels.decode_rope import paged_decode_rope_attention  # noqa: E402
+from nanovllm.kernels.rope_store import norm_rope_store  # noqa: E402
+
+DEVICE = triton_test_device()
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 32, 16
+# Row 1's context (300 keys) spans many chunks: its new key lands in a later one than the first.
+SEQLENS = [5, 300, 0]  # the last row is batch padding
+
+
+def case(dtype, cache_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows, width = len(SEQLENS), (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(rows, width, generator=gen).to(dtype)  # q, k and v are strided slices of it
+    q = qkv[:, :NUM_HEADS * HEAD_DIM].view(rows, NUM_HEADS, HEAD_DIM)
+    k = qkv[:, NUM_HEADS * HEAD_DIM:(NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(rows, NUM_KV_HEADS, HEAD_DIM)
+    v = qkv[:, (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM:].view(rows, NUM_KV_HEADS, HEAD_DIM)
+    blocks_per_row = -(-max(SEQLENS) // BLOCK_SIZE)
+    num_blocks = rows * blocks_per_row
+    tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(rows, blocks_per_row)
+    seqlens = torch.tensor(SEQLENS, dtype=torch.int32)
+    positions = (seqlens - 1).clamp(min=0).long()
+    slots = torch.tensor([int(tables[r, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+                          if n else -1 for r, n in enumerate(SEQLENS)])
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    caches = [torch.randn(shape, generator=gen).to(cache_dtype) for _ in range(2)]
+    angles = torch.randn(max(SEQLENS), HEAD_DIM, generator=gen)
+    norms = [((1 + 0.1 * torch.randn(HEAD_DIM, generator=gen)).to(dtype), 1e-6) for _ in range(2)]
+    tensors = dict(q=q, k=k, v=v, positions=positions, cos=angles.cos(), sin=angles.sin(), slot_mapping=slots,
+                   seqlens_k=seqlens, block_tables=tables)
+    norms = [(weight.to(DEVICE), eps) for weight, eps in norms]
+    return {name: t.to(DEVICE) for name, t in tensors.items()}, caches, norms
+
+
+def unfused(t, k_cache, v_cache, q_norm, k_norm, scales):
+    q, _ = norm_rope_store(t["q"], t["k"], t["v"], t["positions"], t["cos"], t["sin"], k_cache, v_cache,
+                           t["slot_mapping"], q_norm, k_norm, *scales)
+    return paged_decode_attention(q, k_cache, v_cache, t["seqlens_k"], t["block_tables"], HEAD_DIM**-0.5,
+                                  k_scale=scales[0], v_scale=scales[1])
+
+
+def fused(t, k_cache, v_cache, q_norm, k_norm, scales):
+    return paged_decode_rope_attention(t["q"], t["k"], t["v"], t["positions"], t["cos"], t["sin"], k_cache,
+                                       v_cache, t["slot_mapping"], t["seqlens_k"], t["block_tables"],
+                                       HEAD_DIM**-0.5, q_norm=q_norm, k_norm=k_norm, k_scale=scales[0],
+                                       v_scale=scales[1])
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_fused_equals_rope_store_then_decode(dtype, cache_dtype, with_norm):
+    t, caches, norms = case(dtype, cache_dtype)
+    q_norm, k_norm = norms if with_norm else (None, None)
+    scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    results = []
+    for run in (unfused, fused):
+        k_cache, v_cache = (c.clone().to(DEVICE) for c in caches)
+        out = run(t, k_cache, v_cache, q_norm, k_norm, scales)
+        results.append((out.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu()))
+    (want, want_k, want_v), (got, got_k, got_v) = results
+    # Only the order of the norm's float32 sum of squares may differ: one rounding of the output at most.
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_k, want_k, rtol=tol, atol=tol)
+    assert torch.equal(got_v, want_v)  # values are stored as given (or scaled alike)
+    assert not got[-1].any()  # the padding row attends to nothing
+    changed = (got_k != caches[0].float()).any(-1).any(-1)  # [block, offset]: a new key there
+    assert changed.sum() == 2  # row 0's and row 1's, none for the padding row
+
+
+def test_norms_come_in_pairs():
+    t, caches, norms = case(torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="both q_norm and k_norm"):
+        fused(t, *(c.to(DEVICE) for c in caches), norms[0], None, (1.0, 1.0))
