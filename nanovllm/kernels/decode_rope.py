@@ -84,7 +84,7 @@ def _decode_rope_split_kernel(
     g_mask = offs_g < NUM_HEADS_PER_KV
     heads = kv_head * NUM_HEADS_PER_KV + offs_g
     q = normed_rotated_rows(q_ptr + row * q_stride_b + heads * q_stride_h, g_mask, q_weight_ptr, cos_row,
-                            sin_row, q_eps, HEAD_DIM, HAS_NORM)
+                            sin_row, q_eps, HEAD_DIM, HEAD_DIM, HAS_NORM)
     q = q.to(q_ptr.dtype.element_ty)  # rounded where rope_store would store it
 
     # The new key's position is kv_len - 1: the chunk holding it stores it (and its value) first.
@@ -93,7 +93,7 @@ def _decode_rope_split_kernel(
         if slot >= 0:
             one = tl.arange(0, 1)
             key = normed_rotated_rows(k_ptr + row * k_stride_b + kv_head * k_stride_h + one, one == 0,
-                                      k_weight_ptr, cos_row, sin_row, k_eps, HEAD_DIM, HAS_NORM)
+                                      k_weight_ptr, cos_row, sin_row, k_eps, HEAD_DIM, HEAD_DIM, HAS_NORM)
             offs_d = tl.arange(0, HEAD_DIM)
             value = tl.load(v_ptr + row * v_stride_b + kv_head * v_stride_h + offs_d)[None, :]
             cache = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
