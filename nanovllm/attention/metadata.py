@@ -23,6 +23,9 @@ class AttentionMetadata:
     # Prefill steps: how many leading sequences compute exactly one token (the decoding rows of a
     # mixed batch, which the scheduler puts first). A backend may run them through its decode kernel.
     num_decode_rows: int = 0
+    # The decoding rows (all of a decode step's, a mixed step's first num_decode_rows) by context length,
+    # longest first, int32: the order a decode kernel may start them in (kernels/decode_attention.py).
+    decode_order: torch.Tensor | None = None
     # Host copies for backends that loop over sequences in Python (the torch reference backend).
     cu_seqlens_q_host: list[int] | None = None
     seqlens_k_host: list[int] | None = None

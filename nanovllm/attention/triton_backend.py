@@ -43,7 +43,7 @@ class TritonBackend(GPUBackend):
 
     def attend(self, layer: PagedLayer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         if not meta.is_prefill:
-            return self._decode(layer, q, meta.seqlens_k, meta.block_tables)
+            return self._decode(layer, q, meta.seqlens_k, meta.block_tables, meta.decode_order)
         # A mixed batch's decoding rows (the first num_decode_rows) go to the decode kernel: through the
         # prefill kernel each would fill a 64-row query tile with one row and load K/V once per query
         # head instead of once per GQA group. The prefill kernel addresses q and out by cu_seqlens_q's
@@ -51,14 +51,15 @@ class TritonBackend(GPUBackend):
         d = meta.num_decode_rows
         out = torch.empty_like(q)
         if d:
-            self._decode(layer, q[:d], meta.seqlens_k[:d], meta.block_tables[:d], out=out[:d])
+            self._decode(layer, q[:d], meta.seqlens_k[:d], meta.block_tables[:d], meta.decode_order,
+                         out=out[:d])
         if d < meta.seqlens_k.shape[0]:
             paged_prefill_attention(q, layer.k_cache, layer.v_cache, meta.cu_seqlens_q[d:],
                                     meta.seqlens_k[d:], meta.block_tables[d:], layer.scale,
                                     meta.max_seqlen_q, out=out, k_scale=layer.k_scale, v_scale=layer.v_scale)
         return out
 
-    def _decode(self, layer: PagedLayer, q, seqlens_k, block_tables, out=None) -> torch.Tensor:
+    def _decode(self, layer: PagedLayer, q, seqlens_k, block_tables, order, out=None) -> torch.Tensor:
         return paged_decode_attention(q, layer.k_cache, layer.v_cache, seqlens_k, block_tables, layer.scale,
                                       out=out, counters=self.counters, k_scale=layer.k_scale,
-                                      v_scale=layer.v_scale)
+                                      v_scale=layer.v_scale, seq_order=order)

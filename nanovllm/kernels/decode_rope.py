@@ -71,8 +71,8 @@ def _decode_rope_split_kernel(
     HAS_NORM: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: store scaled and clamped
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)  # the grid is DecodeCall's: KV heads fastest
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(seqlens_k_ptr + seq)
     split_len, split_start, split_end = chunk_bounds(kv_len, split, num_splits, BLOCK_N)

@@ -115,8 +115,8 @@ def _norm_rope_store_kernel(
             cache_ty = k_cache_ptr.dtype.element_ty
             tl.store(k_cache_ptr + cache, tl.clamp(key * k_scale_inv, -FP8_MAX, FP8_MAX).to(cache_ty),
                      mask=kv_mask)
-            tl.store(v_cache_ptr + cache,
-                     tl.clamp(value.to(tl.float32) * v_scale_inv, -FP8_MAX, FP8_MAX).to(cache_ty), mask=kv_mask)
+            scaled_v = tl.clamp(value.to(tl.float32) * v_scale_inv, -FP8_MAX, FP8_MAX)
+            tl.store(v_cache_ptr + cache, scaled_v.to(cache_ty), mask=kv_mask)
         else:
             tl.store(k_cache_ptr + cache, k_rounded, mask=kv_mask)
             tl.store(v_cache_ptr + cache, value, mask=kv_mask)

@@ -10,12 +10,14 @@ an event per buffer says when its last copy has landed."""
 
 import logging
 
+import numpy as np
 import torch
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.layers.parallel import get_tp_group
 from nanovllm.runner.batch import StepBatch
+from nanovllm.runner.inputs import longest_first
 
 logger = logging.getLogger("nanovllm")
 
@@ -27,6 +29,8 @@ BATCH_SIZE_STEP = 16
 
 # Host staging buffers used in turn: one for the step being built, one for the step in flight.
 NUM_STAGING = 2
+# Per-row fields of the static buffer: input_ids, positions, slot_mapping, seqlens_k, decode_order.
+NUM_ROW_FIELDS = 5
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -53,15 +57,16 @@ class DecodeGraphs:
         assert self.batch_sizes[-1] == max_batch_size, "the ladder must end at the largest batch"
         self.max_batch_size = b = max_batch_size
         self.width = max_blocks_per_seq
-        # |input_ids|positions|slot_mapping|seqlens_k| (b each) |block_tables (b x width)|, int32
-        size = 4 * b + b * max_blocks_per_seq
+        # |input_ids|positions|slot_mapping|seqlens_k|decode_order| (b each) |block_tables (b x width)|, int32
+        size = NUM_ROW_FIELDS * b + b * max_blocks_per_seq
         pin = device.type == "cuda"
         self.staging = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(NUM_STAGING)]
         self.staged: list[torch.cuda.Event | None] = [None] * NUM_STAGING  # each buffer's last copy
         self.next_staging = 0
         self.static = torch.zeros(size, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.seqlens_k = self.static[: 4 * b].view(4, b)
-        self.block_tables = self.static[4 * b :].view(b, max_blocks_per_seq)
+        (self.input_ids, self.positions, self.slot_mapping, self.seqlens_k,
+         self.decode_order) = self.static[: NUM_ROW_FIELDS * b].view(NUM_ROW_FIELDS, b)
+        self.block_tables = self.static[NUM_ROW_FIELDS * b :].view(b, max_blocks_per_seq)
         self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=device)
         self.use_cuda_graph = use_cuda_graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -74,6 +79,7 @@ class DecodeGraphs:
             seqlens_k=self.seqlens_k[:batch_size],
             block_tables=self.block_tables[:batch_size],
             max_seqlen_k=self.width,
+            decode_order=self.decode_order[:batch_size],
         )
 
     def _run_model(self, batch_size: int) -> None:
@@ -132,13 +138,15 @@ class DecodeGraphs:
         host[b : b + n] = batch.positions
         host[2 * b : 2 * b + n] = batch.slot_mapping
         host[3 * b : 3 * b + n] = batch.seqlens_k
+        host[4 * b : 4 * b + n] = longest_first(host[3 * b : 3 * b + n])
         for seq_row, table in enumerate(batch.block_tables):
-            row = 4 * b + seq_row * width
+            row = NUM_ROW_FIELDS * b + seq_row * width
             host[row : row + len(table)] = table
         host[n:padded] = 0  # padded rows embed a real token (a stale one may be a pending -1) ...
         host[2 * b + n : 2 * b + padded] = -1  # ... store nothing ...
-        host[3 * b + n : 3 * b + padded] = 0  # ... and attend to nothing
-        used = 4 * b + padded * width
+        host[3 * b + n : 3 * b + padded] = 0  # ... and attend to nothing (started last)
+        host[4 * b + n : 4 * b + padded] = np.arange(n, padded)
+        used = NUM_ROW_FIELDS * b + padded * width
         self.static[:used].copy_(staging[:used], non_blocking=True)
         self.staged[i] = _copy_done_event(self.static.device)
         if prev_tokens is not None:

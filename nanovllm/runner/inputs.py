@@ -12,6 +12,7 @@ output), and nothing samples from one."""
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
@@ -41,6 +42,11 @@ def padded_num_tokens(num_tokens: int) -> int:
 def token_buckets(max_num_tokens: int) -> list[int]:
     """Every padded_num_tokens value of 1 .. max_num_tokens tokens."""
     return sorted({padded_num_tokens(n) for n in range(1, max_num_tokens + 1)})
+
+
+def longest_first(seqlens_k: np.ndarray) -> np.ndarray:
+    """The rows by context length, longest first: the order the decode kernel starts them in."""
+    return np.argsort(-seqlens_k, kind="stable")
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -74,6 +80,11 @@ def model_inputs(batch: StepBatch, device: torch.device, num_padded: int | None 
         has_prefix=any(k > q for k, q in zip(seqlens_k, q_lens)))
     if batch.is_prefill:
         meta.num_decode_rows = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+    num_decoding = meta.num_decode_rows if batch.is_prefill else len(seqlens_k)
+    if num_decoding:
+        order = longest_first(np.asarray(seqlens_k[:num_decoding], dtype=np.int32))
+        meta.decode_order = to_device(order.tolist(), torch.int32, device)  # a few us of host time
+    if batch.is_prefill:
         meta.cu_seqlens_q = to_device(cu_q, torch.int32, device)
         meta.cu_seqlens_k = to_device(cu_k, torch.int32, device)
         meta.cu_seqlens_q_host = cu_q

@@ -46,6 +46,7 @@ POINTER_TYPES = {
     "seqlens_k_ptr": "*i32",
     "cu_seqlens_q_ptr": "*i32",
     "block_tables_ptr": "*i32",
+    "seq_order_ptr": "*i32",
     "counters_ptr": "*i32",
     "cos_ptr": "*fp32",
     "sin_ptr": "*fp32",
@@ -69,6 +70,7 @@ POINTER_TYPES = {
 FLOAT_SCALARS = {"eps", "scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_inv", "v_scale"}
 # Cases reading or writing an fp8 (e4m3) KV cache: their cache pointers hold fp8.
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+ROPE_SHAPES = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128)
 DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=128,
               COMBINE_HEADS=2, COMBINE_ROWS=16)
 
@@ -79,22 +81,22 @@ def cases() -> dict:
         "prefill": (prefill_attention._prefill_kernel,
                     dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64,
                          BLOCK_N=64, DOT_PRECISION="tf32")),
-        "decode": (decode_attention._decode_split_kernel, dict(DECODE, DOT_PRECISION="tf32")),
+        "decode": (decode_attention._decode_split_kernel,
+                   dict(DECODE, DOT_PRECISION="tf32", ORDERED=True)),
         "rope-store-qk-norm": (rope_store._norm_rope_store_kernel,
-                               dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128,
-                                    HAS_NORM=True, QUANT=False)),
+                               dict(ROPE_SHAPES, HAS_NORM=True, QUANT=False)),
         "rope-store": (rope_store._norm_rope_store_kernel,
-                       dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128,
-                            HAS_NORM=False, QUANT=False)),
+                       dict(ROPE_SHAPES, HAS_NORM=False, QUANT=False)),
         "rope-store-fp8": (rope_store._norm_rope_store_kernel,
-                           dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128,
-                                HAS_NORM=True, QUANT=True), FP8_CACHE),
-        "decode-fp8": (decode_attention._decode_split_kernel, dict(DECODE, DOT_PRECISION="tf32"), FP8_CACHE),
+                           dict(ROPE_SHAPES, HAS_NORM=True, QUANT=True), FP8_CACHE),
+        "decode-fp8": (decode_attention._decode_split_kernel,
+                       dict(DECODE, DOT_PRECISION="tf32", ORDERED=True), FP8_CACHE),
         # decode_launch.SMALL_BATCH: the latency-bound settings of a 16-bit and of an fp8 cache.
         "decode-small-batch": (decode_attention._decode_split_kernel,
-                               dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32"), {},
+                               dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=False), {},
                                dict(num_warps=4, num_stages=3)),
-        "decode-fp8-small-batch": (decode_attention._decode_split_kernel, dict(DECODE, DOT_PRECISION="tf32"),
+        "decode-fp8-small-batch": (decode_attention._decode_split_kernel,
+                                   dict(DECODE, DOT_PRECISION="tf32", ORDERED=False),
                                    FP8_CACHE, dict(num_warps=4, num_stages=3)),
         # decode_rope: the small-batch decode with q/k norm, rotary and the KV store folded in.
         "decode-rope": (decode_rope._decode_rope_split_kernel,
