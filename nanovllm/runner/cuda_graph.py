@@ -67,6 +67,8 @@ class DecodeGraphs:
         (self.input_ids, self.positions, self.slot_mapping, self.seqlens_k,
          self.decode_order) = self.static[: NUM_ROW_FIELDS * b].view(NUM_ROW_FIELDS, b)
         self.block_tables = self.static[NUM_ROW_FIELDS * b :].view(b, max_blocks_per_seq)
+        # A permutation from the start (capture runs the kernels too): rows sharing an index would race.
+        self.decode_order.copy_(torch.arange(b, dtype=torch.int32))
         self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=device)
         self.use_cuda_graph = use_cuda_graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

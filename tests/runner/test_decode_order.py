@@ -1,0 +1,56 @@
+"""The order the decode kernel starts its rows in (AttentionMetadata.decode_order): the decoding rows by
+context length, longest first, built with the step's inputs; in the decode graphs' static buffer a
+permutation of every row at all times, padding rows last."""
+
+import torch
+from torch import nn
+
+from nanovllm.runner.batch import StepBatch
+from nanovllm.runner.cuda_graph import DecodeGraphs
+from nanovllm.runner.inputs import model_inputs
+
+CPU = torch.device("cpu")
+
+
+def decode_batch(seqlens: list[int]) -> StepBatch:
+    n = len(seqlens)
+    return StepBatch(is_prefill=False, input_ids=[1] * n, positions=[k - 1 for k in seqlens],
+                     slot_mapping=list(range(n)), cu_seqlens_q=list(range(n + 1)), seqlens_k=seqlens,
+                     block_tables=[[i] for i in range(n)], sample_rows=list(range(n)), sampling=None)
+
+
+def test_a_decode_step_orders_every_row_longest_first():
+    meta = model_inputs(decode_batch([5, 40, 17, 40]), CPU).meta
+    assert meta.decode_order.dtype == torch.int32
+    assert meta.decode_order.tolist() == [1, 3, 2, 0]  # ties keep their order
+
+
+def test_a_mixed_step_orders_only_its_decoding_rows():
+    # Two decoding rows (one token each), then a 3-token prefill chunk with a cached prefix.
+    batch = StepBatch(is_prefill=True, input_ids=[1, 2, 3, 4, 5], positions=[8, 30, 4, 5, 6],
+                      slot_mapping=[0, 1, 2, 3, 4], cu_seqlens_q=[0, 1, 2, 5], seqlens_k=[9, 31, 7],
+                      block_tables=[[0], [1], [2]], sample_rows=[0, 1, 2], sampling=None)
+    meta = model_inputs(batch, CPU).meta
+    assert meta.num_decode_rows == 2 and meta.decode_order.tolist() == [1, 0]
+
+
+class RecordingModel(nn.Module):
+    """Stands in for the model: records the decode order each forward sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.orders = []
+
+    def forward(self, input_ids, positions, meta):
+        self.orders.append(meta.decode_order.tolist())
+        return torch.zeros(input_ids.shape[0], 8)
+
+
+def test_decode_graph_buffers_hold_a_permutation_with_padding_rows_last():
+    model = RecordingModel()
+    graphs = DecodeGraphs(model, 4, 2, 8, torch.float32, CPU, use_cuda_graph=False, batch_sizes=[1, 4])
+    assert graphs.decode_order.tolist() == [0, 1, 2, 3]  # what a capture would run with
+    graphs.run(decode_batch([3, 9, 6]))
+    assert model.orders[-1] == [1, 2, 0, 3]  # padded to 4 rows: the padding row starts last
+    graphs.run(decode_batch([12]))
+    assert model.orders[-1] == [0]
