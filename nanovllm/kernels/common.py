@@ -59,6 +59,15 @@ def check_cache_dtype(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.
                          f"{FP8_DTYPE}")
 
 
+def output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """An attention kernel's output: `out` checked to be like q (a contiguous last dim), or a new one."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    return out
+
+
 def check_paged_attention_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
 ) -> tuple[int, int, int, int]:

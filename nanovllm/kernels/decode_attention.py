@@ -39,6 +39,7 @@ from nanovllm.kernels.common import (
     dot_precision,
     fp8_dot_operands,
     online_softmax_step,
+    output_for,
     paged_kv_offsets,
     sm_count,
 )
@@ -302,10 +303,7 @@ class DecodeCall:
                 f"seqlens_k {tuple(seqlens_k.shape)} and block_tables {tuple(block_tables.shape)} "
                 f"must have one row per query ({batch_size})"
             )
-        if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+        out = output_for(q, out)
         max_context_len = block_tables.shape[1] * block_size
         launch, auto_splits = choose_launch(max(batch_size, 1), num_kv_heads, head_dim, max_context_len,
                                             k_cache.element_size(), q.device, sm_count(q.device))

@@ -21,6 +21,7 @@ from nanovllm.kernels.common import (
     dot_precision,
     fp8_dot_operands,
     online_softmax_step,
+    output_for,
     paged_kv_offsets,
 )
 
@@ -142,10 +143,7 @@ def paged_prefill_attention(
             f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} must be [B + 1] and block_tables "
             f"{tuple(block_tables.shape)} must have B rows, for B = {batch_size} (len(seqlens_k))"
         )
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    out = output_for(q, out)
     if q.shape[0] == 0 or batch_size == 0 or max_seqlen_q <= 0:
         return out
     wide_head = head_dim > 128
