@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.common import (
+    FP8_DTYPE,
     check_paged_attention_args,
     dot_precision,
     fp8_dot_operands,
@@ -44,6 +45,7 @@ from nanovllm.kernels.common import (
     paged_kv_offsets,
     sm_count,
 )
+from nanovllm.kernels.decode_fp8_tiles import attend_fp8_words, fp8_tiles
 from nanovllm.kernels.decode_launch import DecodeLaunch, choose_launch
 
 # tl.dot needs at least 16 rows, so a GQA group (often 1-8 query heads) is padded to 16 masked rows.
@@ -85,6 +87,7 @@ def _decode_split_kernel(
     COMBINE_HEADS: tl.constexpr,
     COMBINE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_TILES: tl.constexpr,  # decode_fp8_tiles.fp8_tiles's
     ORDERED: tl.constexpr,
 ):
     # KV heads vary fastest in the grid: a sequence's heads run side by side, reading neighbouring bytes
@@ -111,7 +114,7 @@ def _decode_split_kernel(
                  v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
                  out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale, NUM_HEADS_PER_KV,
                  NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, COMBINE_HEADS, COMBINE_ROWS,
-                 DOT_PRECISION)
+                 DOT_PRECISION, FP8_TILES)
 
 
 @triton.jit
@@ -129,7 +132,8 @@ def attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_en
                  out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale,
                  NUM_HEADS_PER_KV: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                 COMBINE_HEADS: tl.constexpr, COMBINE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 COMBINE_HEADS: tl.constexpr, COMBINE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 FP8_TILES: tl.constexpr):
     """One program's chunk [split_start, split_end) of one (sequence, KV head): its partial for the GQA
     group's queries q [BLOCK_G, HEAD_DIM] (scores times qk_scale), then, in the last chunk to finish,
     the combine. Shared by the decode kernels (this one, and decode_rope's)."""
@@ -138,23 +142,28 @@ def attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_en
     heads = kv_head * NUM_HEADS_PER_KV + offs_g
     offs_d = tl.arange(0, HEAD_DIM)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    # An empty chunk (split_start >= split_end) skips the loop and reads nothing.
-    for tile_start in range(split_start, split_end, BLOCK_N):
-        offs_n = tile_start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < split_end
-        kv_offs = paged_kv_offsets(
-            block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N
-        )
-        # An fp8 cache widens to q's (float16) here; its scales are folded into qk_scale and v_scale.
-        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
-        # Position tile_start is always valid (the chunk is not empty), so every row sees a key.
-        m_i, l_i, acc = online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
-                                            DOT_PRECISION)
+    if FP8_TILES == "words":
+        m_i, l_i, acc = attend_fp8_words(q, qk_scale, kv_head, split_start, split_end, block_table_row,
+                                         k_cache_ptr, v_cache_ptr, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                         BLOCK_G, BLOCK_N)
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+        # An empty chunk (split_start >= split_end) skips the loop and reads nothing.
+        for tile_start in range(split_start, split_end, BLOCK_N):
+            offs_n = tile_start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < split_end
+            kv_offs = paged_kv_offsets(
+                block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N
+            )
+            # An fp8 cache widens to q's (float16) here; its scales are folded into qk_scale and v_scale.
+            k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
+            # Position tile_start is always valid (the chunk is not empty), so every row sees a key.
+            m_i, l_i, acc = online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
+                                                DOT_PRECISION)
 
     # A non-empty chunk has l_i >= 1 (its max term is 2^0); an empty one has l_i == 0 and becomes
     # the neutral partial (out 0, lse -inf) that stage 2 weights by 2^-inf = 0.
@@ -268,7 +277,7 @@ def paged_decode_attention(
         softmax_scale * k_scale * math.log2(math.e),
         v_scale,
         ORDERED=seq_order is not None,
-        **call.constexprs(q.dtype),
+        **call.constexprs(q.dtype, k_cache.dtype),
     )
     return call.out
 
@@ -338,11 +347,12 @@ class DecodeCall:
                           (num_kv_heads, batch_size, num_splits), launch, num_heads // num_kv_heads, head_dim,
                           block_size)
 
-    def constexprs(self, q_dtype: torch.dtype) -> dict:
+    def constexprs(self, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
         """The kernels' shared compile-time arguments and launch settings."""
         group = self.num_heads_per_kv
         return dict(NUM_HEADS_PER_KV=group, NUM_KV_HEADS=self.grid[0], HEAD_DIM=self.head_dim,
                     BLOCK_SIZE=self.block_size, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
                     BLOCK_N=self.launch.block_n, COMBINE_HEADS=triton.next_power_of_2(group),
                     COMBINE_ROWS=COMBINE_ROWS, DOT_PRECISION=dot_precision(q_dtype),
+                    FP8_TILES=fp8_tiles(cache_dtype == FP8_DTYPE, q_dtype == torch.float32),
                     num_warps=self.launch.num_warps, num_stages=self.launch.num_stages)

@@ -68,6 +68,7 @@ def _decode_rope_split_kernel(
     COMBINE_HEADS: tl.constexpr,
     COMBINE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_TILES: tl.constexpr,  # decode_fp8_tiles.fp8_tiles's
     HAS_NORM: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: store scaled and clamped
 ):
@@ -114,7 +115,7 @@ def _decode_rope_split_kernel(
                  v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
                  out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale, NUM_HEADS_PER_KV,
                  NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, COMBINE_HEADS, COMBINE_ROWS,
-                 DOT_PRECISION)
+                 DOT_PRECISION, FP8_TILES)
 
 
 def paged_decode_rope_attention(
@@ -160,6 +161,6 @@ def paged_decode_rope_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         call.out.stride(0), call.out.stride(1), block_tables.stride(0), call.num_splits,
         softmax_scale * k_scale * math.log2(math.e), v_scale,
-        HAS_NORM=has_norm, QUANT=k_cache.dtype != q.dtype, **call.constexprs(q.dtype),
+        HAS_NORM=has_norm, QUANT=k_cache.dtype != q.dtype, **call.constexprs(q.dtype, k_cache.dtype),
     )
     return call.out

@@ -9,6 +9,7 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
+from nanovllm.kernels import decode_fp8_tiles  # noqa: E402
 from nanovllm.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from nanovllm.kernels.decode_rope import paged_decode_rope_attention  # noqa: E402
 from nanovllm.kernels.rope_store import norm_rope_store  # noqa: E402
@@ -57,11 +58,13 @@ def fused(t, k_cache, v_cache, q_norm, k_norm, scales):
                                        v_scale=scales[1])
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
-                                               (torch.bfloat16, torch.bfloat16),
-                                               (torch.bfloat16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("dtype,cache_dtype,fp8_tiles", [(torch.float32, torch.float32, "cast"),
+                                                         (torch.bfloat16, torch.bfloat16, "cast"),
+                                                         (torch.bfloat16, torch.float8_e4m3fn, "cast"),
+                                                         (torch.bfloat16, torch.float8_e4m3fn, "words")])
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_fused_equals_rope_store_then_decode(dtype, cache_dtype, with_norm):
+def test_fused_equals_rope_store_then_decode(dtype, cache_dtype, fp8_tiles, with_norm, monkeypatch):
+    monkeypatch.setattr(decode_fp8_tiles, "FP8_TILES", fp8_tiles)  # decode_fp8_tiles' forms of fp8 tiles
     t, caches, norms = case(dtype, cache_dtype)
     q_norm, k_norm = norms if with_norm else (None, None)
     scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)

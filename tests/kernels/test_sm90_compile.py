@@ -72,7 +72,7 @@ FLOAT_SCALARS = {"eps", "scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 ROPE_SHAPES = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128)
 DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=128,
-              COMBINE_HEADS=2, COMBINE_ROWS=16)
+              COMBINE_HEADS=2, COMBINE_ROWS=16, FP8_TILES="cast")
 
 
 def cases() -> dict:
@@ -91,6 +91,12 @@ def cases() -> dict:
                            dict(ROPE_SHAPES, HAS_NORM=True, QUANT=True), FP8_CACHE),
         "decode-fp8": (decode_attention._decode_split_kernel,
                        dict(DECODE, DOT_PRECISION="tf32", ORDERED=True), FP8_CACHE),
+        # decode_fp8_tiles' "words" form of an fp8 cache's tiles (float32 queries keep "cast").
+        "decode-fp8-words": (decode_attention._decode_split_kernel,
+                             dict(DECODE, DOT_PRECISION="tf32", ORDERED=True, FP8_TILES="words"), FP8_CACHE),
+        "decode-fp8-words-small-batch": (decode_attention._decode_split_kernel,
+                                         dict(DECODE, DOT_PRECISION="tf32", ORDERED=False, FP8_TILES="words"),
+                                         FP8_CACHE, dict(num_warps=4, num_stages=3)),
         # decode_launch.SMALL_BATCH: the latency-bound settings of a 16-bit and of an fp8 cache.
         "decode-small-batch": (decode_attention._decode_split_kernel,
                                dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=False), {},
@@ -105,6 +111,9 @@ def cases() -> dict:
         "decode-rope-fp8": (decode_rope._decode_rope_split_kernel,
                             dict(DECODE, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=True), FP8_CACHE,
                             dict(num_warps=4, num_stages=3)),
+        "decode-rope-fp8-words": (decode_rope._decode_rope_split_kernel,
+                                  dict(DECODE, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=True,
+                                       FP8_TILES="words"), FP8_CACHE, dict(num_warps=4, num_stages=3)),
         "prefill-fp8": (prefill_attention._prefill_kernel,
                         dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=64,
                              BLOCK_N=64, DOT_PRECISION="tf32"), FP8_CACHE),
@@ -177,6 +186,8 @@ def compile_all() -> dict[str, str]:
             values = dict(constexprs)
             if dtype == "fp32" and "DOT_PRECISION" in values:
                 values["DOT_PRECISION"] = "ieee"  # what float32 runs use
+            if dtype == "fp32" and "FP8_TILES" in values:
+                values["FP8_TILES"] = "cast"  # decode_fp8_tiles.fp8_tiles's for a float32 q
             names = kernel.arg_names
             source = ASTSource(fn=kernel, signature=signature(kernel, dtype, pointers),
                                constexprs={(names.index(k),): v for k, v in values.items()})
@@ -189,8 +200,9 @@ def compile_all() -> dict[str, str]:
 
 
 DTYPES = ("bf16", "fp32")
-CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-small-batch",
-              "decode-fp8-small-batch", "decode-rope", "decode-rope-fp8",
+CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-words", "decode-small-batch",
+              "decode-fp8-small-batch", "decode-fp8-words-small-batch", "decode-rope", "decode-rope-fp8",
+              "decode-rope-fp8-words",
               "rope-store-qk-norm", "rope-store", "rope-store-fp8",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul",
               "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",

@@ -12,7 +12,7 @@ from paged_case import make_paged_cache, reference_attention
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels import decode_launch  # noqa: E402
+from nanovllm.kernels import decode_fp8_tiles, decode_launch  # noqa: E402
 from nanovllm.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from nanovllm.kernels.decode_launch import MAX_NUM_SPLITS, choose_launch, decode_num_splits  # noqa: E402
 from nanovllm.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
@@ -281,3 +281,52 @@ def test_fp8_cache_is_read_through_its_scales(kind: str, q_dtype: torch.dtype) -
                                    block_tables, scale)
     tol = ATOL if q_dtype == torch.float32 else 2e-2  # bfloat16's output rounding (8 bits)
     torch.testing.assert_close(out.cpu().float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size,num_splits", [(16, None), (256, 4)])
+def test_fp8_words_tiles_match_cast(q_dtype: torch.dtype, block_size: int, num_splits: int | None,
+                                    monkeypatch) -> None:
+    """decode_fp8_tiles' "words" form of an fp8 cache's tiles against the default "cast": the same
+    float16 products (e4m3 values are exact in float16), summed in another order, so within one
+    rounding of the output dtype; over several tiles, a partial last tile, empty chunks and a padding
+    row. Every e4m3 byte but NaN appears, in both bytes of a word: a swapped low/high byte, a wrong
+    sign or exponent shows."""
+    num_heads, num_kv_heads, head_dim, kv_lens = 4, 2, 32, [300, 0, 37, 129]
+    k_cache, v_cache, block_tables = make_paged_cache(
+        [max(n, 1) for n in kv_lens], block_size, num_kv_heads, head_dim, torch.float32, 15, device=DEVICE
+    )
+    block_tables[1] = 0  # the padding row owns nothing
+    owned = ~k_cache.isnan()
+    gen = torch.Generator().manual_seed(16)
+    codes = torch.randint(0, 256, k_cache.shape, generator=gen, dtype=torch.int32)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes)  # no NaN (0x7f, 0xff)
+    k8 = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    v8 = codes.flip(-1).to(torch.uint8).view(torch.float8_e4m3fn)
+    k8 = torch.where(owned, k8.float(), float("nan")).to(torch.float8_e4m3fn).to(DEVICE)
+    v8 = torch.where(owned, v8.float() / 64, float("nan")).to(torch.float8_e4m3fn).to(DEVICE)
+    q = torch.randn(len(kv_lens), num_heads, head_dim, generator=gen).to(DEVICE, q_dtype) / 64
+    seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+
+    def attend(form: str) -> torch.Tensor:
+        monkeypatch.setattr(decode_fp8_tiles, "FP8_TILES", form)
+        return paged_decode_attention(q, k8, v8, seqlens_k, block_tables, head_dim**-0.5,
+                                      num_splits=num_splits, k_scale=0.5, v_scale=2.0).cpu().float()
+
+    cast, words = attend("cast"), attend("words")
+    assert cast[1].abs().max() == 0 and words[1].abs().max() == 0  # the padding row
+    ulp = 2.0**-7 if q_dtype == torch.bfloat16 else 2.0**-10
+    torch.testing.assert_close(words, cast, atol=1e-6, rtol=ulp)
+    expected = reference_attention(q.float(), k8.float() * 0.5, v8.float() * 2.0, [1] * len(kv_lens),
+                                   kv_lens, block_tables, head_dim**-0.5)
+    torch.testing.assert_close(words, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_tiles_form_per_launch(monkeypatch) -> None:
+    monkeypatch.setattr(decode_fp8_tiles, "FP8_TILES", "words")
+    assert decode_fp8_tiles.fp8_tiles(True, False) == "words"
+    assert decode_fp8_tiles.fp8_tiles(True, True) == "cast"  # a float32 q widens the tiles to float32
+    assert decode_fp8_tiles.fp8_tiles(False, False) == "cast"
+    monkeypatch.setattr(decode_fp8_tiles, "FP8_TILES", "bytes")
+    with pytest.raises(ValueError, match="FP8_TILES must be one of"):
+        decode_fp8_tiles.fp8_tiles(True, False)

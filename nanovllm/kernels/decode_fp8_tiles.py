@@ -1,0 +1,99 @@
+"""The tile loop of a split-KV decode chunk over an fp8 (e4m3) cache read as 16-bit words ("words"),
+an alternative to widening each tile with `.to(float16)` ("cast", decode_attention.attend_chunk's loop).
+
+Why: with "cast" Triton feeds both dots from 8-bit tiles, so it picks 4-element (32-bit) mma operand
+groups (kWidth 4). V's groups then run along keys, across cache rows, and sm_90 has no 8-bit ldmatrix:
+the Triton 3.6 build for sm_90 (BLOCK_N 128, 4 warps, 2 stages) reads V with 128 LDS.U8 per thread
+per tile, and q, whose operand layout follows K's, with 32 LDS.64 and ~130 register moves: 1,054
+instructions per tile where the bf16 kernel takes 659 for twice the bytes (scripts/decode_sass.py).
+
+"words" reads each cached row as HEAD_DIM / 2 16-bit words, word j holding the e4m3 bytes of
+dims 2j (low byte) and 2j + 1 (high byte), and splits the dots by parity:
+
+    scores  = q[:, 0::2] @ k_even^T + q[:, 1::2] @ k_odd^T        k_even[n, j] = k[n, 2j]
+    acc_par = p @ v_par  (par = even, odd)                         acc[:, 2j + par] = acc_par[:, j]
+
+The dots' operands are 16-bit words widened by one opaque-to-layout elementwise step (widen_fp8_pairs),
+so Triton picks 16-bit operand layouts (kWidth 2): words reach registers by ldmatrix (.trans for V),
+and each register of two words becomes the two float16 pairs the mma wants with one byte permute and
+two conversions. q and p get the 16-bit layouts of the bf16 kernel (ldmatrix, no register shuffles).
+Triton 3.6, sm_90, the same launch: 635 instructions per tile instead of 1,054, the same 168 registers
+and 40 KB of shared memory (3 programs per SM). The e4m3 values are exact in float16, so the result
+equals "cast"'s up to float32 summation order. Not yet timed on a GPU: .gpu/fp8_t36_ab.py is the A/B.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.common import paged_kv_offsets
+
+# Which tile loop an fp8 cache read by 16-bit queries takes: "cast" (the default: the loop of
+# decode_attention.attend_chunk) or "words" (this module's). Other caches always take "cast".
+FP8_TILES = "cast"
+FP8_TILE_FORMS = ("cast", "words")
+# The Triton interpreter runs no inline PTX: there widen_fp8_pairs converts with plain Triton ops.
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def fp8_tiles(fp8_cache: bool, q_is_float32: bool) -> str:
+    """The FP8_TILES constexpr of a decode launch: FP8_TILES for an fp8 cache read by 16-bit queries
+    (whose tiles widen to float16, common.fp8_dot_operands), else "cast"."""
+    if FP8_TILES not in FP8_TILE_FORMS:
+        raise ValueError(f"FP8_TILES must be one of {FP8_TILE_FORMS}; got {FP8_TILES!r}")
+    return FP8_TILES if fp8_cache and not q_is_float32 else "cast"
+
+
+@triton.jit
+def widen_fp8_pairs(words):
+    """(low bytes, high bytes) of int16 `words`, each an e4m3 value, widened to float16 (exactly).
+    Two words per 32-bit register: one byte permute gathers the two low and the two high bytes, and
+    each pair converts in one instruction (sm_89+)."""
+    if INTERPRETING:
+        low = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        high = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return low, high
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def attend_fp8_words(q, qk_scale, kv_head, split_start, split_end, block_table_row, k_cache_ptr, v_cache_ptr,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(m_i, l_i, acc [BLOCK_G, HEAD_DIM]) of float16 q (scores times qk_scale, base 2) over positions
+    [split_start, split_end) of one sequence (its block-table row) and KV head, the fp8 caches read as
+    words (see the module docstring). An empty range reads nothing: m_i = -inf, l_i = 0, acc = 0."""
+    WORDS: tl.constexpr = HEAD_DIM // 2
+    q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_G, WORDS, 2]))
+    k_words_ptr = k_cache_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+    v_words_ptr = v_cache_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc_even = tl.zeros([BLOCK_G, WORDS], dtype=tl.float32)
+    acc_odd = tl.zeros([BLOCK_G, WORDS], dtype=tl.float32)
+    for tile_start in range(split_start, split_end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < split_end
+        # A row of HEAD_DIM bytes is WORDS words: the cache's word offsets are its byte offsets / 2.
+        word_offs = paged_kv_offsets(
+            block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, WORDS, BLOCK_N
+        )
+        k_even, k_odd = widen_fp8_pairs(tl.load(k_words_ptr + word_offs, mask=n_mask[:, None], other=0))
+        v_even, v_odd = widen_fp8_pairs(tl.load(v_words_ptr + word_offs, mask=n_mask[:, None], other=0))
+        qk = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even))) * qk_scale
+        # Position tile_start is always valid (the chunk is not empty), so every row sees a key.
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(tl.float16)
+        acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
+        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
+        m_i = m_new
+    # [BLOCK_G, WORDS, 2] -> [BLOCK_G, HEAD_DIM]: dims 2j and 2j + 1 side by side, once per chunk.
+    return m_i, l_i, tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_G, HEAD_DIM])
