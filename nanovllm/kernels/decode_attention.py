@@ -350,9 +350,9 @@ class DecodeCall:
     def constexprs(self, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
         """The kernels' shared compile-time arguments and launch settings."""
         group = self.num_heads_per_kv
+        tiles = fp8_tiles(cache_dtype == FP8_DTYPE, q_dtype == torch.float32)
         return dict(NUM_HEADS_PER_KV=group, NUM_KV_HEADS=self.grid[0], HEAD_DIM=self.head_dim,
                     BLOCK_SIZE=self.block_size, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
                     BLOCK_N=self.launch.block_n, COMBINE_HEADS=triton.next_power_of_2(group),
                     COMBINE_ROWS=COMBINE_ROWS, DOT_PRECISION=dot_precision(q_dtype),
-                    FP8_TILES=fp8_tiles(cache_dtype == FP8_DTYPE, q_dtype == torch.float32),
-                    num_warps=self.launch.num_warps, num_stages=self.launch.num_stages)
+                    FP8_TILES=tiles, **self.launch.options(tiles == "words"))

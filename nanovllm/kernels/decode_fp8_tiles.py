@@ -19,7 +19,7 @@ and each register of two words becomes the two float16 pairs the mma wants with 
 two conversions. q and p get the 16-bit layouts of the bf16 kernel (ldmatrix, no register shuffles).
 Triton 3.6, sm_90, the same launch: 635 instructions per tile instead of 1,054, the same 168 registers
 and 40 KB of shared memory (3 programs per SM). The e4m3 values are exact in float16, so the result
-equals "cast"'s up to float32 summation order. Not yet timed on a GPU: .gpu/fp8_t36_ab.py is the A/B.
+equals "cast"'s up to float32 summation order.
 """
 
 import os
@@ -29,9 +29,11 @@ import triton.language as tl
 
 from nanovllm.kernels.common import paged_kv_offsets
 
-# Which tile loop an fp8 cache read by 16-bit queries takes: "cast" (the default: the loop of
-# decode_attention.attend_chunk) or "words" (this module's). Other caches always take "cast".
-FP8_TILES = "cast"
+# Which tile loop an fp8 cache read by 16-bit queries takes: "words" (this module's, the default) or
+# "cast" (the loop of decode_attention.attend_chunk). Other caches always take "cast". Call M1: one
+# layer's decode at 256 and 512 rows 1.12-1.13x "cast" (1.16x with decode_launch.FP8_WORDS_MAXNREG),
+# batch 1 and 8 1.08-1.11x; call M2: bench.py with an fp8 cache 34.9k tok/s against 32.4k.
+FP8_TILES = "words"
 FP8_TILE_FORMS = ("cast", "words")
 # The Triton interpreter runs no inline PTX: there widen_fp8_pairs converts with plain Triton ops.
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")

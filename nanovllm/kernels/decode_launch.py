@@ -26,6 +26,13 @@ class DecodeLaunch:
     num_warps: int
     num_stages: int
 
+    def options(self, fp8_words: bool) -> dict:
+        """The kernel launch's keyword options; `fp8_words`: the tiles are decode_fp8_tiles' "words"."""
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if fp8_words and self == WIDE and FP8_WORDS_MAXNREG is not None:
+            options["maxnreg"] = FP8_WORDS_MAXNREG
+        return options
+
 
 WIDE = DecodeLaunch(128, 4, 2)
 NARROW = DecodeLaunch(64, 4, 2)
@@ -33,6 +40,10 @@ HEAD_DIM_256 = DecodeLaunch(32, 4, 2)
 # Per cache element size (2: bf16/fp16, 1: fp8), where a small batch leaves the kernel latency-bound.
 SMALL_BATCH = {2: DecodeLaunch(64, 4, 3), 1: DecodeLaunch(128, 4, 3)}
 SMALL_BATCH_SPLITS = 8
+# The fp8 "words" tiles at the WIDE launch take 168 registers (3 programs per SM); capped at 128, with
+# a few spills, 4 fit: one layer's decode at 256 and 512 rows 1.16x "cast" against 1.12-1.13x uncapped
+# (call M1, .gpu/fp8t36/fp8_t36_ab.py). None: no cap.
+FP8_WORDS_MAXNREG = 128
 # Shared memory left for what else the kernel keeps there (q, the dot operands' layouts).
 SHARED_MEMORY_HEADROOM = 32 * 1024
 # Enough resident programs per SM to hide memory latency in this bandwidth-bound kernel.

@@ -22,12 +22,13 @@ from triton.compiler import ASTSource  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
-    decode_attention = decode_rope = fused_moe = moe_routing = norm_act = None
+    decode_attention = decode_launch = decode_rope = fused_moe = moe_routing = norm_act = None
     prefill_attention = rope_store = sample_race = skinny_gemm = None
 else:
     import nanovllm.kernels
     from nanovllm.kernels import (
         decode_attention,
+        decode_launch,
         decode_rope,
         fused_moe,
         moe_routing,
@@ -93,7 +94,8 @@ def cases() -> dict:
                        dict(DECODE, DOT_PRECISION="tf32", ORDERED=True), FP8_CACHE),
         # decode_fp8_tiles' "words" form of an fp8 cache's tiles (float32 queries keep "cast").
         "decode-fp8-words": (decode_attention._decode_split_kernel,
-                             dict(DECODE, DOT_PRECISION="tf32", ORDERED=True, FP8_TILES="words"), FP8_CACHE),
+                             dict(DECODE, DOT_PRECISION="tf32", ORDERED=True, FP8_TILES="words"), FP8_CACHE,
+                             decode_launch.WIDE.options(fp8_words=True)),
         "decode-fp8-words-small-batch": (decode_attention._decode_split_kernel,
                                          dict(DECODE, DOT_PRECISION="tf32", ORDERED=False, FP8_TILES="words"),
                                          FP8_CACHE, dict(num_warps=4, num_stages=3)),
@@ -114,6 +116,10 @@ def cases() -> dict:
         "decode-rope-fp8-words": (decode_rope._decode_rope_split_kernel,
                                   dict(DECODE, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=True,
                                        FP8_TILES="words"), FP8_CACHE, dict(num_warps=4, num_stages=3)),
+        "decode-rope-fp8-words-wide": (decode_rope._decode_rope_split_kernel,
+                                       dict(DECODE, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=True,
+                                            FP8_TILES="words"), FP8_CACHE,
+                                       decode_launch.WIDE.options(fp8_words=True)),
         "prefill-fp8": (prefill_attention._prefill_kernel,
                         dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=64,
                              BLOCK_N=64, DOT_PRECISION="tf32"), FP8_CACHE),
@@ -202,7 +208,7 @@ def compile_all() -> dict[str, str]:
 DTYPES = ("bf16", "fp32")
 CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-words", "decode-small-batch",
               "decode-fp8-small-batch", "decode-fp8-words-small-batch", "decode-rope", "decode-rope-fp8",
-              "decode-rope-fp8-words",
+              "decode-rope-fp8-words", "decode-rope-fp8-words-wide",
               "rope-store-qk-norm", "rope-store", "rope-store-fp8",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul",
               "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
