@@ -23,6 +23,9 @@ class AttentionMetadata:
     # Prefill steps: how many leading sequences compute exactly one token (the decoding rows of a
     # mixed batch, which the scheduler puts first). A backend may run them through its decode kernel.
     num_decode_rows: int = 0
+    # Mixed steps: cu_seqlens_q of the sequences after the decoding rows, from 0 (cu_seqlens_q[d:] - d),
+    # for kernels that take only those rows' q.
+    prefill_cu_seqlens_q: torch.Tensor | None = None
     # The decoding rows (all of a decode step's, a mixed step's first num_decode_rows) by context length,
     # longest first, int32: the order a decode kernel may start them in (kernels/decode_attention.py).
     decode_order: torch.Tensor | None = None

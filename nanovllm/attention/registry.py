@@ -12,7 +12,9 @@ from nanovllm.attention.backend import AttentionBackend
 
 logger = logging.getLogger("nanovllm")
 
-BACKENDS = ("torch", "triton", "flash-attn", "fa3")
+BACKENDS = ("torch", "triton", "triton-fa3", "flash-attn", "fa3")
+# Backends that call FlashAttention-3's kernels (triton-fa3: its prefill only).
+FA3_BACKENDS = ("fa3", "triton-fa3")
 # FlashAttention-2 reads a paged cache only when a page holds a multiple of this many tokens.
 FLASH_ATTN2_PAGE_MULTIPLE = 256
 # Both FlashAttention versions compute in half precision only.
@@ -23,13 +25,17 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def auto_backend(device: torch.device) -> str:
-    """torch on CPU; on GPUs the project's Triton kernels. Chosen by measurement, not by name: on the
-    H200, bench.py's workload ran faster on triton than on fa3 in every side-by-side run (BENCHMARKS.md:
-    19.3k vs 17.5k tok/s, 23.0k vs 20.0k earlier; 1024 requests 30.7 s vs 36.1 s), because mixed and
-    prefix-cached prefills read the paged cache either way and triton's decode is one kernel a layer.
-    fa3 and flash-attn stay available by name."""
-    return "torch" if device.type != "cuda" else "triton"
+def auto_backend(device: torch.device, dtype: torch.dtype | None = None,
+                 kv_dtype: torch.dtype | None = None) -> str:
+    """torch on CPU; on GPUs the project's Triton kernels, with FlashAttention-3's prefill where FA3 is
+    installed and the cache holds the model's bfloat16/float16 (dtype given): "triton-fa3". Chosen by
+    measurement, not by name (BENCHMARKS.md): on the H200 triton's decode beat fa3's in every side-by-side
+    run (bench.py 19.3k vs 17.5k tok/s, 23.0k vs 20.0k earlier; 1024 requests 30.7 s vs 36.1 s), and FA3's
+    paged prefill kernel ran 1.5-1.9x the Triton one at 1-8k-token prompts (call M5)."""
+    if device.type != "cuda":
+        return "torch"
+    fa3_fits = dtype in FLASH_ATTN_DTYPES and kv_dtype in (None, dtype)
+    return "triton-fa3" if fa3_fits and _has_module("flash_attn_interface") else "triton"
 
 
 def _check(name: str, device: torch.device, block_size: int, dtype: torch.dtype,
@@ -38,14 +44,14 @@ def _check(name: str, device: torch.device, block_size: int, dtype: torch.dtype,
     interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if name != "torch" and device.type != "cuda" and not interpreted:
         raise ValueError(f"attention backend {name!r} needs a CUDA GPU; use attention_backend='torch' on CPU")
-    if name in ("fa3", "flash-attn") and dtype not in FLASH_ATTN_DTYPES:
+    if name in ("fa3", "triton-fa3", "flash-attn") and dtype not in FLASH_ATTN_DTYPES:
         raise ValueError(f"attention backend {name!r} computes in bfloat16/float16 only, not {dtype}; "
                          "set dtype='bfloat16', or use attention_backend='triton' or 'torch'")
-    if name in ("fa3", "flash-attn") and kv_dtype != dtype:
+    if name in ("fa3", "triton-fa3", "flash-attn") and kv_dtype != dtype:
         raise ValueError(f"attention backend {name!r} reads a KV cache of the model's dtype only; with "
                          "kv_cache_dtype='fp8' use attention_backend='triton' (or 'auto')")
-    if name == "fa3" and not _has_module("flash_attn_interface"):
-        raise ValueError("attention_backend='fa3' needs FlashAttention-3 (`flash_attn_interface`, Hopper "
+    if name in FA3_BACKENDS and not _has_module("flash_attn_interface"):
+        raise ValueError(f"attention_backend={name!r} needs FlashAttention-3 (`flash_attn_interface`, Hopper "
                          "GPUs); install it or use 'triton'")
     if name == "flash-attn":
         if not _has_module("flash_attn"):
@@ -60,16 +66,16 @@ def select_backend(requested: str, device: torch.device, block_size: int, dtype:
                    max_num_seqs: int, num_kv_heads: int,
                    kv_dtype: torch.dtype | None = None) -> AttentionBackend:
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    name = auto_backend(device) if requested == "auto" else requested
+    name = auto_backend(device, dtype, kv_dtype) if requested == "auto" else requested
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; valid: {list(BACKENDS)}")
     _check(name, device, block_size, dtype, kv_dtype)
     if name == "torch":
         from nanovllm.attention.torch_backend import TorchBackend
         backend: AttentionBackend = TorchBackend()
-    elif name == "triton":
+    elif name in ("triton", "triton-fa3"):
         from nanovllm.attention.triton_backend import TritonBackend
-        backend = TritonBackend(max_num_seqs, num_kv_heads, device)
+        backend = TritonBackend(max_num_seqs, num_kv_heads, device, fa3_prefill=name == "triton-fa3")
     elif name == "fa3":
         from nanovllm.attention.flash_attn_backend import FlashAttention3Backend
         backend = FlashAttention3Backend()

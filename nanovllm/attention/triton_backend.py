@@ -2,7 +2,11 @@
 `pip install` alone. Prefill reads every key/value, cached prefix included, from the paged cache;
 decode is one split-KV kernel a layer (its chunks are combined by the last one to finish); a small decode
 batch folds the q/k norm, rotary and KV store into it (kernels/decode_rope.py). A mixed batch runs its
-decoding rows through the decode kernel and its prefill chunks through the prefill one."""
+decoding rows through the decode kernel and its prefill chunks through the prefill one.
+
+"triton-fa3" (the auto choice where FlashAttention-3 is installed and the cache holds the model's half
+dtype) is the same backend with FA3's paged prefill kernel in place of the Triton one: 1.5-1.9x faster at
+1-8k-token prompts on an H200 (BENCHMARKS.md, call M5), while this decode kernel beats FA3's."""
 
 import torch
 
@@ -19,17 +23,26 @@ from nanovllm.kernels.prefill_attention import paged_prefill_attention
 # Measured (BENCHMARKS.md, call L2, 512-token contexts): 3-4% faster a step at 1-8 rows, even at 16,
 # ~3% faster at 32, 1% slower at 64.
 FUSED_ROPE_MAX_ROWS = 32
+# triton-fa3 runs a step's prefill chunks through FA3 when they average at least this many tokens. FA3
+# was 1.4-1.9x the Triton kernel at 512-8k-token chunks (call M5) and made 32 prompts of 6-8k tokens
+# 13% faster end to end, but 512 requests of 64-256 new tokens over a cached 2k prefix 13% slower (M6).
+FA3_MIN_MEAN_CHUNK = 512
 
 
 class TritonBackend(GPUBackend):
     name = "triton"
 
-    def __init__(self, max_num_seqs: int, num_kv_heads: int, device: torch.device) -> None:
+    def __init__(self, max_num_seqs: int, num_kv_heads: int, device: torch.device, fa3_prefill: bool = False
+                 ) -> None:
         # The decode kernel's chunk counters: zero between calls, one per (sequence, KV head). One
         # engine's layers run one after another on one stream, so they share a buffer; it is this
         # engine's own, so that no other engine's kernels can race on it. Sized once for the largest
         # decode batch, so CUDA graphs captured at any batch size address the same buffer.
         self.counters = torch.zeros(max_num_seqs * num_kv_heads, dtype=torch.int32, device=device)
+        self.fa3_with_kvcache = None
+        if fa3_prefill:
+            from flash_attn_interface import flash_attn_with_kvcache
+            self.fa3_with_kvcache, self.name = flash_attn_with_kvcache, "triton-fa3"
 
     def forward(self, layer: PagedLayer, q, k, v, positions, meta: AttentionMetadata) -> torch.Tensor:
         if meta.is_prefill or q.shape[0] > FUSED_ROPE_MAX_ROWS:
@@ -49,14 +62,40 @@ class TritonBackend(GPUBackend):
         # head instead of once per GQA group. The prefill kernel addresses q and out by cu_seqlens_q's
         # absolute offsets, so it takes the remaining rows' slice of the metadata and the whole q.
         d = meta.num_decode_rows
+        fa3 = self.fa3_with_kvcache is not None and self._long_chunks(meta)
+        if fa3 and d == 0:
+            return self._fa3_prefill(layer, q, meta, 0)
         out = torch.empty_like(q)
         if d:
             self._decode(layer, q[:d], meta.seqlens_k[:d], meta.block_tables[:d], meta.decode_order,
                          out=out[:d])
-        if d < meta.seqlens_k.shape[0]:
+        if d == meta.seqlens_k.shape[0]:
+            return out
+        if fa3:
+            out[d:] = self._fa3_prefill(layer, q[d:], meta, d)  # the decoding rows hold one token each
+        else:
             paged_prefill_attention(q, layer.k_cache, layer.v_cache, meta.cu_seqlens_q[d:],
                                     meta.seqlens_k[d:], meta.block_tables[d:], layer.scale,
                                     meta.max_seqlen_q, out=out, k_scale=layer.k_scale, v_scale=layer.v_scale)
+        return out
+
+    @staticmethod
+    def _long_chunks(meta: AttentionMetadata) -> bool:
+        """Whether the step's prefill chunks (the rows after the decoding ones) average FA3_MIN_MEAN_CHUNK
+        tokens or more."""
+        cu, d = meta.cu_seqlens_q_host, meta.num_decode_rows
+        return cu[-1] - cu[d] >= FA3_MIN_MEAN_CHUNK * (len(cu) - 1 - d)
+
+    def _fa3_prefill(self, layer: PagedLayer, q, meta: AttentionMetadata, d: int) -> torch.Tensor:
+        """FA3 over the paged cache for the sequences from row d on, q their tokens (and any padding)."""
+        cu_seqlens_q = meta.cu_seqlens_q if d == 0 else meta.prefill_cu_seqlens_q
+        out = self.fa3_with_kvcache(q, layer.k_cache, layer.v_cache, cache_seqlens=meta.seqlens_k[d:],
+                                    page_table=meta.block_tables[d:], cu_seqlens_q=cu_seqlens_q,
+                                    max_seqlen_q=meta.max_seqlen_q, softmax_scale=layer.scale, causal=True)
+        out = out[0] if isinstance(out, tuple) else out
+        num_tokens = meta.cu_seqlens_q_host[-1] - d
+        if q.shape[0] > num_tokens:  # padding rows (bucketed steps): FA3 leaves them unwritten
+            out[num_tokens:] = 0
         return out
 
     def _decode(self, layer: PagedLayer, q, seqlens_k, block_tables, order, out=None) -> torch.Tensor:

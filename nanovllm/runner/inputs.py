@@ -88,6 +88,9 @@ def model_inputs(batch: StepBatch, device: torch.device, num_padded: int | None 
         meta.cu_seqlens_q = to_device(cu_q, torch.int32, device)
         meta.cu_seqlens_k = to_device(cu_k, torch.int32, device)
         meta.cu_seqlens_q_host = cu_q
+        if 0 < meta.num_decode_rows < len(seqlens_k):
+            d = meta.num_decode_rows
+            meta.prefill_cu_seqlens_q = to_device([n - d for n in cu_q[d:]], torch.int32, device)
     return ModelInputs(to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device),
                        meta, to_device(batch.logits_indices, torch.int64, device))
 

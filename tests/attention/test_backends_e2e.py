@@ -99,6 +99,21 @@ def test_float32_picks_triton_and_flash_attention_refuses_it():
             select_backend(name, cuda, 256, torch.float32, max_num_seqs=8, num_kv_heads=2)
 
 
+def test_auto_takes_fa3_prefill_only_where_fa3_reads_the_cache(monkeypatch):
+    from nanovllm.attention import registry
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    monkeypatch.setattr(registry, "_has_module", lambda name: name == "flash_attn_interface")
+    assert registry.auto_backend(cuda, bf16, bf16) == "triton-fa3"
+    assert registry.auto_backend(cuda, bf16, torch.float8_e4m3fn) == "triton"  # FA3 reads no fp8 cache here
+    assert registry.auto_backend(cuda, torch.float32, torch.float32) == "triton"
+    assert registry.auto_backend(torch.device("cpu"), bf16, bf16) == "torch"
+    monkeypatch.setattr(registry, "_has_module", lambda name: False)
+    assert registry.auto_backend(cuda, bf16, bf16) == "triton"
+    with pytest.raises(ValueError, match="'triton-fa3' needs FlashAttention-3"):
+        registry.select_backend("triton-fa3", cuda, 256, bf16, max_num_seqs=8, num_kv_heads=2)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_padded_eager_steps_match(qwen3_dir, reference, backend, monkeypatch):
     """Prefill and mixed steps padded to the bucketed token counts (what the runner does on CUDA so

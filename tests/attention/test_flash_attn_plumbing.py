@@ -143,3 +143,51 @@ def test_flash_attn_backends_match_torch_backend(backend, q_lens, ctx_lens, is_p
     # new K/V (k normed and rotated) stored into the same slots
     torch.testing.assert_close(layer.k_cache, reference.k_cache, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(layer.v_cache, reference.v_cache)
+
+
+@pytest.mark.parametrize("q_lens, ctx_lens, pad", [
+    ([5, 9, 1], [5, 9, 1], 0),  # prefill, no cached prefix
+    ([3, 9, 2], [11, 9, 6], 3),  # prefill over cached prefixes, 3 padding rows (a bucketed step)
+    ([1, 1, 4, 2], [13, 4, 7, 2], 2),  # mixed: two decoding rows first, then prefill chunks
+], ids=["prefill", "prefill-prefix-padded", "mixed-padded"])
+def test_triton_fa3_prefill_matches_torch_backend(monkeypatch, q_lens, ctx_lens, pad):
+    """triton-fa3: the Triton backend with FA3's paged prefill: decoding rows of a mixed step through the
+    Triton decode kernel, the rest through FA3 from their own cu_seqlens (from 0); padding rows zero."""
+    from nanovllm.attention import triton_backend
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3())
+    monkeypatch.setattr(triton_backend, "FA3_MIN_MEAN_CHUNK", 1)  # these chunks are short
+    backend = triton_backend.TritonBackend(8, HKV, torch.device(DEVICE), fa3_prefill=True)
+    assert backend.name == "triton-fa3"
+    layer, (q, k, v), positions, meta = make_case(q_lens, ctx_lens, True)
+    d = next(i for i, n in enumerate(q_lens) if n != 1)
+    meta.num_decode_rows = d
+    if d:
+        cu_q = meta.cu_seqlens_q_host
+        meta.prefill_cu_seqlens_q = torch.tensor([n - d for n in cu_q[d:]], dtype=torch.int32, device=DEVICE)
+        meta.decode_order = torch.arange(d, dtype=torch.int32, device=DEVICE)
+    reference = types.SimpleNamespace(**vars(layer))
+    reference.k_cache, reference.v_cache = layer.k_cache.clone(), layer.v_cache.clone()
+    expected = TorchBackend().forward(reference, q, k, v, positions, meta)
+    # Padding rows as the runner adds them: slot -1 (stored nowhere), position 0.
+    q, k, v = (torch.cat([t, torch.randn(pad, *t.shape[1:]).to(DEVICE)]) for t in (q, k, v))
+    positions = torch.cat([positions, torch.zeros(pad, dtype=positions.dtype, device=DEVICE)])
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((pad,), -1, device=DEVICE)])
+    out = backend.forward(layer, q, k, v, positions, meta)
+    torch.testing.assert_close(out[: len(expected)], expected, atol=1e-5, rtol=1e-5)
+    assert out[len(expected):].abs().sum() == 0
+    torch.testing.assert_close(layer.k_cache, reference.k_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_fa3_leaves_short_chunks_to_the_triton_kernel(monkeypatch):
+    from nanovllm.attention import triton_backend
+    fa3 = fake_fa3()
+    calls = []
+    fa3.flash_attn_with_kvcache = lambda *args, **kwargs: calls.append(kwargs) or torch.zeros(0)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3)
+    monkeypatch.setattr(triton_backend, "FA3_MIN_MEAN_CHUNK", 5)
+    backend = triton_backend.TritonBackend(8, HKV, torch.device(DEVICE), fa3_prefill=True)
+    layer, (q, k, v), positions, meta = make_case([3, 6], [11, 6], True)  # mean chunk 4.5 < 5
+    expected = TorchBackend().forward(types.SimpleNamespace(**vars(layer)), q, k, v, positions, meta)
+    out = backend.forward(layer, q, k, v, positions, meta)
+    assert not calls
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
