@@ -27,7 +27,8 @@ DOWNLOAD_HINT = (
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_DEVICES = ("auto", "cpu", "cuda")
 VALID_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton-fa3", "flash-attn", "fa3")  # see nanovllm.attention
+# See nanovllm.attention.registry.
+VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton-fa3", "flash-attn", "fa3")
 # vLLM's names: "auto" keeps the model dtype; "fp8" is e4m3 with per-layer scales.
 VALID_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # Options typed `bool | None` (None: the engine decides), whose environment variable is read as 0/1.
