@@ -4,6 +4,9 @@ generate) and the timed generate. A variant built in the timed run stalls the wh
 compiles (on a cold cache, tenths of a second each), so after start-up the count should be zero.
 
     python scripts/compile_watch.py [--model configs/Qwen3-0.6B] [bench.py's workload options]
+    python scripts/compile_watch.py --workload shared-prefix|long-prompts [--model M]
+        (scripts/prefix_long_workloads.py's, one after the other as that script runs them: the named
+        one is timed after the other has run, when it is long-prompts; alone when shared-prefix)
 
 Prints one JSON line: per phase the Triton builds (count, seconds, by kernel) and Dynamo frames."""
 
@@ -52,19 +55,46 @@ def dynamo_frames() -> int:
     return torch._dynamo.utils.counters["frames"]["ok"]  # frames compiled
 
 
+def pop_workload() -> str:
+    """The --workload argument (removed from sys.argv, whose rest is bench.py's options): bench by default."""
+    if "--workload" not in sys.argv:
+        return "bench"
+    i = sys.argv.index("--workload")
+    workload = sys.argv[i + 1]
+    del sys.argv[i:i + 2]
+    if workload not in WORKLOADS:
+        sys.exit(f"--workload must be one of {WORKLOADS}")
+    return workload
+
+
+WORKLOADS = ("bench", "shared-prefix", "long-prompts")
+
+
 def main() -> None:
+    workload = pop_workload()
     sys.argv += [] if "--model" in sys.argv else ["--model", CONFIG, "--load-format", "dummy"]
     args = bench.parse_args()
     watch = TritonBuilds()
     start = time.perf_counter()
-    llm = LLM(os.path.expanduser(args.model), load_format=args.load_format,
-              kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              skip_tokenizer_init=args.load_format == "dummy")
-    llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)
+    options = dict(load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
+                   attention_backend=args.attention_backend, skip_tokenizer_init=args.load_format == "dummy")
+    if workload == "bench":
+        llm = LLM(os.path.expanduser(args.model), max_num_batched_tokens=args.max_num_batched_tokens,
+                  **options)
+        llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)
+        prompts, params = bench.make_workload(args.num_seqs, llm.config.hf_config.vocab_size,
+                                              args.min_input_len, args.max_input_len, args.min_output_len,
+                                              args.max_output_len)
+    else:
+        os.environ["MODEL"] = os.path.expanduser(args.model)
+        import prefix_long_workloads as workloads
+        llm = workloads.make_llm(**options)
+        if workload == "long-prompts":  # as prefix_long_workloads.py runs it: after the shared prefix
+            llm.generate(*workloads.shared_prefix_workload(), use_tqdm=False)
+            prompts, params = workloads.long_prompts_workload()
+        else:
+            prompts, params = workloads.shared_prefix_workload()
     startup_s, frames_startup = time.perf_counter() - start, dynamo_frames()
-    prompts, params = bench.make_workload(args.num_seqs, llm.config.hf_config.vocab_size, args.min_input_len,
-                                          args.max_input_len, args.min_output_len, args.max_output_len)
     watch.phase = "timed"
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
