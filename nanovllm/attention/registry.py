@@ -13,8 +13,9 @@ from nanovllm.attention.backend import AttentionBackend
 logger = logging.getLogger("nanovllm")
 
 BACKENDS = ("torch", "triton", "triton-fa3", "flash-attn", "fa3")
-# Backends that call FlashAttention-3's kernels (triton-fa3: its prefill only).
+# Backends that call FlashAttention-3's kernels (triton-fa3: its prefill only), and all FlashAttention ones.
 FA3_BACKENDS = ("fa3", "triton-fa3")
+FLASH_BACKENDS = (*FA3_BACKENDS, "flash-attn")
 # FlashAttention-2 reads a paged cache only when a page holds a multiple of this many tokens.
 FLASH_ATTN2_PAGE_MULTIPLE = 256
 # Both FlashAttention versions compute in half precision only.
@@ -44,10 +45,10 @@ def _check(name: str, device: torch.device, block_size: int, dtype: torch.dtype,
     interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if name != "torch" and device.type != "cuda" and not interpreted:
         raise ValueError(f"attention backend {name!r} needs a CUDA GPU; use attention_backend='torch' on CPU")
-    if name in ("fa3", "triton-fa3", "flash-attn") and dtype not in FLASH_ATTN_DTYPES:
+    if name in FLASH_BACKENDS and dtype not in FLASH_ATTN_DTYPES:
         raise ValueError(f"attention backend {name!r} computes in bfloat16/float16 only, not {dtype}; "
                          "set dtype='bfloat16', or use attention_backend='triton' or 'torch'")
-    if name in ("fa3", "triton-fa3", "flash-attn") and kv_dtype != dtype:
+    if name in FLASH_BACKENDS and kv_dtype != dtype:
         raise ValueError(f"attention backend {name!r} reads a KV cache of the model's dtype only; with "
                          "kv_cache_dtype='fp8' use attention_backend='triton' (or 'auto')")
     if name in FA3_BACKENDS and not _has_module("flash_attn_interface"):
