@@ -53,13 +53,20 @@ def widen_fp8_pairs(words):
     Two words per 32-bit register: one byte permute gathers the two low and the two high bytes, and
     each pair converts in one instruction (sm_89+)."""
     if INTERPRETING:
-        low = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        high = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        return low, high
+        return _widen_e4m3_bytes(words & 0xFF), _widen_e4m3_bytes((words >> 8) & 0xFF)
     return tl.inline_asm_elementwise(
         "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
         "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
         "=r,=r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _widen_e4m3_bytes(byte):
+    """widen_fp8_pairs' conversion of e4m3 codes 0-255 with plain Triton ops (the interpreter's): the
+    interpreter converts the NaN codes 0x7f and 0xff to +-480, where the GPU gives NaN, which would hide
+    a read of a cache slot that holds NaN and should have been masked."""
+    value = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return tl.where((byte & 0x7F) == 0x7F, float("nan"), value)
 
 
 @triton.jit
