@@ -22,8 +22,11 @@ from nanovllm.kernels.common import sm_count
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 CASES = [(1, 1024), (1, 4096), (64, 2048), (256, 512), (256, 1024), (512, 1024)]  # (batch, context)
-SETTINGS = dict(BLOCK_N=(32, 64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3, 4), PROGRAMS_PER_SM=(4, 16))
-QUICK = dict(BLOCK_N=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3), PROGRAMS_PER_SM=(4,))
+# Five stages: the first count at which Triton 3.6 keeps two K/V buffers (the block-table load the tile
+# addresses depend on takes a stage of its own; sm_90 SASS, ninth session), so a tile's load overlaps the
+# previous tile's math; with 2-4 only other programs on the SM hide it.
+SETTINGS = dict(BLOCK_N=(32, 64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3, 4, 5), PROGRAMS_PER_SM=(4, 16))
+QUICK = dict(BLOCK_N=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3, 5), PROGRAMS_PER_SM=(4,))
 programs_per_sm = dl.PROGRAMS_PER_SM  # the engine's, restored after each forced launch
 
 
