@@ -8,7 +8,8 @@ compiles (on a cold cache, tenths of a second each), so after start-up the count
         (scripts/prefix_long_workloads.py's, one after the other as that script runs them: the named
         one is timed after the other has run, when it is long-prompts; alone when shared-prefix)
 
-Prints one JSON line: per phase the Triton builds (count, seconds, by kernel) and Dynamo frames."""
+Prints one JSON line: per phase the Triton builds (count, seconds, by kernel) and Dynamo frames; then, for
+each kernel built in the timed run, the cache keys of all its builds, to compare."""
 
 import collections
 import json
@@ -28,27 +29,35 @@ CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs
 
 class TritonBuilds:
     """Wraps JITFunction._do_compile (an in-memory cache miss: a compile, or a load from the disk cache)
-    and records each under the current phase."""
+    and records each under the current phase, with its cache key (the specialization and launch options
+    that made it a new variant)."""
 
     def __init__(self) -> None:
         self.phase = "start-up"
-        self.builds: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
+        self.builds: dict[str, list[tuple[str, float, str]]] = collections.defaultdict(list)
         original = JITFunction._do_compile
         watch = self
 
-        def do_compile(fn, *args, **kwargs):
+        def do_compile(fn, key, *args, **kwargs):
             start = time.perf_counter()
             try:
-                return original(fn, *args, **kwargs)
+                return original(fn, key, *args, **kwargs)
             finally:
-                watch.builds[watch.phase].append((fn.__name__, time.perf_counter() - start))
+                watch.builds[watch.phase].append((fn.__name__, time.perf_counter() - start, str(key)))
 
         JITFunction._do_compile = do_compile
 
     def summary(self, phase: str) -> dict:
         builds = self.builds[phase]
-        by_kernel = collections.Counter(name for name, _ in builds)
-        return dict(count=len(builds), seconds=round(sum(s for _, s in builds), 2), by_kernel=dict(by_kernel))
+        by_kernel = collections.Counter(name for name, _, _ in builds)
+        return dict(count=len(builds), seconds=round(sum(s for _, s, _ in builds), 2), by_kernel=dict(by_kernel))
+
+    def keys_of_timed(self) -> dict[str, list[str]]:
+        """For each kernel built in the timed run, the cache keys of all its builds (start-up's first):
+        what differs between them is what a start-up warm-up missed."""
+        timed = {name for name, _, _ in self.builds["timed"]}
+        return {name: [key for phase in ("start-up", "timed") for n, _, key in self.builds[phase] if n == name]
+                for name in sorted(timed)}
 
 
 def dynamo_frames() -> int:
@@ -105,6 +114,8 @@ def main() -> None:
                                                                              / timed_s),
                                      triton=watch.summary("timed"),
                                      dynamo_frames=dynamo_frames() - frames_startup))))
+    for name, keys in watch.keys_of_timed().items():
+        print(f"{name} builds' keys (start-up first):", *keys, sep="\n  ")
     llm.shutdown()
 
 

@@ -45,3 +45,8 @@ class AttentionBackend:
                 positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], k and v: [T, Hkv, D], positions: [T] -> attention output [T, H, D]."""
         raise NotImplementedError
+
+    def warm_up(self, layer: PagedLayer, dtype: torch.dtype, max_num_seqs: int, max_blocks: int) -> None:
+        """Builds, over the layer's allocated cache, the kernel variants a step may pick by its shape
+        (`dtype`: the model's; a step has at most max_num_seqs sequences of max_blocks blocks), so that no
+        step stops mid-run to compile one. Nothing to build by default."""

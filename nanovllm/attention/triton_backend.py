@@ -98,6 +98,30 @@ class TritonBackend(GPUBackend):
             out[num_tokens:] = 0
         return out
 
+    @torch.inference_mode()
+    def warm_up(self, layer: PagedLayer, dtype: torch.dtype, max_num_seqs: int, max_blocks: int) -> None:
+        # The decode kernels take decode_launch.choose_launch's large-batch or small-batch settings by the
+        # rows and the block table's width. CUDA graphs build those of graphed decode steps, but a mixed
+        # step's decoding rows run eagerly: the shared-prefix workload's timed run built the small-batch
+        # variant (0.8 s, the whole batch waiting; call N1). Fewer rows and wider tables only ever mean
+        # more chunks, so the two extremes build every variant. Each reads block 0 and writes no cache slot.
+        device = layer.k_cache.device
+        fused_rows = min(max_num_seqs, FUSED_ROPE_MAX_ROWS)
+        for rows, width, fused in ((1, max_blocks, True), (fused_rows, 1, True), (max_num_seqs, 1, False)):
+            q = torch.zeros(rows, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
+            seqlens_k = torch.ones(rows, dtype=torch.int32, device=device)
+            tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
+            self._decode(layer, q, seqlens_k, tables, torch.arange(rows, dtype=torch.int32, device=device))
+            if fused:
+                kv = torch.zeros(rows, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
+                q_norm, k_norm = qk_norms(layer)
+                paged_decode_rope_attention(
+                    q, kv, kv, torch.zeros(rows, dtype=torch.int64, device=device), layer.rotary.cos,
+                    layer.rotary.sin, layer.k_cache, layer.v_cache,
+                    torch.full((rows,), -1, dtype=torch.int64, device=device), seqlens_k, tables, layer.scale,
+                    q_norm=q_norm, k_norm=k_norm, counters=self.counters, k_scale=layer.k_scale,
+                    v_scale=layer.v_scale)
+
     def _decode(self, layer: PagedLayer, q, seqlens_k, block_tables, order, out=None) -> torch.Tensor:
         return paged_decode_attention(q, layer.k_cache, layer.v_cache, seqlens_k, block_tables, layer.scale,
                                       out=out, counters=self.counters, k_scale=layer.k_scale,

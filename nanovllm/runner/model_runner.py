@@ -76,6 +76,8 @@ class ModelRunner:
         if on_gpu and not config.enforce_eager:
             self._capture_decode_graphs()
         if on_gpu:  # what a step would otherwise meet first mid-run (runner/warm_up.py)
+            self.backend.warm_up(self.attention_layers[0], self.dtype, config.max_num_seqs,
+                                 math.ceil(config.max_model_len / self.block_size))
             warm_up.gemm_shapes(self.model, config, self.dtype, self.device)
             if config.torch_compile or self.sampler.sampler.fused_race:
                 warm_up.sampler(self.model, self.sampler, config.hf_config.hidden_size, self.dtype,

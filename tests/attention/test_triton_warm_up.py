@@ -1,0 +1,69 @@
+"""TritonBackend.warm_up builds every launch variant of the decode kernels an eager step can pick
+(decode_launch.choose_launch's settings over all row counts and block-table widths), and writes nothing
+into the KV cache it runs over."""
+
+import types
+
+import pytest
+import torch
+from conftest import triton_test_device
+from transformers import Qwen3Config
+
+from nanovllm.attention.backend import QKNorm
+from nanovllm.attention.rotary import RotaryEmbedding
+
+pytest.importorskip("triton")
+
+from nanovllm.attention import triton_backend  # noqa: E402
+from nanovllm.kernels import decode_attention  # noqa: E402
+from nanovllm.kernels.common import sm_count  # noqa: E402
+
+DEVICE = triton_test_device()
+H, HKV, D, BS = 4, 2, 32, 16
+MAX_NUM_SEQS, MAX_BLOCKS = 8, 80  # 1,280-token contexts: enough chunks for the small-batch launch
+
+
+def make_layer(cache_dtype):
+    gen = torch.Generator().manual_seed(0)
+    cache = [torch.randn(12, BS, HKV, D, generator=gen).to(DEVICE, cache_dtype) for _ in range(2)]
+    norm = QKNorm(torch.ones(D, device=DEVICE), torch.ones(D, device=DEVICE), 1e-6)
+    rotary = RotaryEmbedding(Qwen3Config(head_dim=D), D, max_position=MAX_BLOCKS * BS).to(DEVICE)
+    return types.SimpleNamespace(num_heads=H, num_kv_heads=HKV, head_dim=D, scale=D**-0.5, rotary=rotary,
+                                 qk_norm=norm, k_cache=cache[0], v_cache=cache[1], k_scale=1.0, v_scale=1.0)
+
+
+def reachable_launches(fused: bool, element_size: int) -> set:
+    """The launches choose_launch gives the decode kernel (fused: the fused-rope one) at any shape."""
+    max_rows = min(MAX_NUM_SEQS, triton_backend.FUSED_ROPE_MAX_ROWS) if fused else MAX_NUM_SEQS
+    device = torch.device(DEVICE)
+    return {decode_attention.choose_launch(rows, HKV, D, width * BS, element_size, device, sm_count(device))[0]
+            for rows in range(1, max_rows + 1) for width in range(1, MAX_BLOCKS + 1)}
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn], ids=["fp16", "fp8"])
+def test_warm_up_builds_every_decode_launch_and_leaves_the_cache(monkeypatch, cache_dtype):
+    layer = make_layer(cache_dtype)
+    before = layer.k_cache.view(torch.uint8).clone(), layer.v_cache.view(torch.uint8).clone()
+    backend = triton_backend.TritonBackend(MAX_NUM_SEQS, HKV, torch.device(DEVICE))
+    warmed, kernel = set(), [None]
+    real_choose = decode_attention.choose_launch
+
+    def choose(*args, **kwargs):
+        launch, splits = real_choose(*args, **kwargs)
+        warmed.add((kernel[0], launch))
+        return launch, splits
+
+    monkeypatch.setattr(decode_attention, "choose_launch", choose)
+    for name, fused in (("paged_decode_attention", False), ("paged_decode_rope_attention", True)):
+        real = getattr(triton_backend, name)
+        monkeypatch.setattr(triton_backend, name,
+                            lambda *a, _f=fused, _real=real, **kw: kernel.__setitem__(0, _f) or _real(*a, **kw))
+
+    backend.warm_up(layer, torch.float16, MAX_NUM_SEQS, MAX_BLOCKS)
+
+    for fused in (False, True):
+        reachable = reachable_launches(fused, layer.k_cache.element_size())
+        assert len(reachable) == 2, "the case should reach both the large- and the small-batch launch"
+        assert reachable <= {launch for f, launch in warmed if f == fused}
+    assert torch.equal(layer.k_cache.view(torch.uint8), before[0])
+    assert torch.equal(layer.v_cache.view(torch.uint8), before[1])
