@@ -40,10 +40,17 @@ HEAD_DIM_256 = DecodeLaunch(32, 4, 2)
 # Per cache element size (2: bf16/fp16, 1: fp8), where a small batch leaves the kernel latency-bound.
 SMALL_BATCH = {2: DecodeLaunch(64, 4, 3), 1: DecodeLaunch(128, 4, 3)}
 SMALL_BATCH_SPLITS = 8
-# The fp8 "words" tiles at the WIDE launch take 168 registers (3 programs per SM); capped at 128, with
+# The fp8 "words" tiles at the WIDE launch (an fp8 cache's where FP8_LARGE_BATCH does not fit) take 168 registers (3 programs per SM); capped at 128, with
 # a few spills, 4 fit: one layer's decode at 256 and 512 rows 1.16x "cast" against 1.12-1.13x uncapped
 # (call M1, .gpu/fp8t36/fp8_t36_ab.py). None: no cap.
 FP8_WORDS_MAXNREG = 128
+# An fp8 cache's large-batch launch: 64-key tiles, 5 stages. Below 5 stages Triton keeps one K and one V
+# buffer (the block-table load the tile addresses depend on takes a stage of its own; sm_90 SASS, ninth
+# session), so each tile's load waits exposed; 5 give two. One layer's decode at 256 and 512 rows x 1k
+# tokens: 157.7 and 288.0 us against WIDE's (capped) 160.8 and 300.3 (call N2); bench.py with an fp8 cache
+# 35.3k tok/s against 34.7-34.8k in the same process (N3). A 16-bit cache gains nothing from it (N2: at
+# 0.93-0.99 of copy bandwidth already), nor its small-batch launch (single stream 0.902 ms both ways, N3).
+FP8_LARGE_BATCH = DecodeLaunch(64, 4, 5)
 # Shared memory left for what else the kernel keeps there (q, the dot operands' layouts).
 SHARED_MEMORY_HEADROOM = 32 * 1024
 # Enough resident programs per SM to hide memory latency in this bandwidth-bound kernel.
@@ -70,6 +77,8 @@ def _fits(launch: DecodeLaunch, head_dim: int, element_size: int, device: torch.
 def _large_batch_launch(head_dim: int, element_size: int, device: torch.device) -> DecodeLaunch:
     if head_dim > 128:
         return HEAD_DIM_256
+    if element_size == 1 and _fits(FP8_LARGE_BATCH, head_dim, element_size, device):
+        return FP8_LARGE_BATCH
     return WIDE if _fits(WIDE, head_dim, element_size, device) else NARROW
 
 

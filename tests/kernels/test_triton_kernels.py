@@ -206,6 +206,8 @@ def test_launch_settings_follow_batch_size_cache_dtype_and_shared_memory(monkeyp
     assert launch == decode_launch.WIDE and splits == 1
     assert choose_launch(256, 8, 128, 4096, 4, gpu, num_sms=132)[0] == decode_launch.NARROW
     assert choose_launch(256, 8, 256, 4096, 2, gpu, num_sms=132)[0] == decode_launch.HEAD_DIM_256
+    # An fp8 cache: five stages of 64-key tiles (two K/V buffers).
+    assert choose_launch(256, 8, 128, 4096, 1, gpu, num_sms=132)[0] == decode_launch.FP8_LARGE_BATCH
     # A small batch with many chunks per context: the latency-bound settings of its cache dtype, and
     # the chunk count of their tile.
     for element_size in (2, 1):
@@ -219,6 +221,7 @@ def test_launch_settings_follow_batch_size_cache_dtype_and_shared_memory(monkeyp
     decode_launch._large_batch_launch.cache_clear()
     try:
         assert choose_launch(256, 8, 128, 4096, 2, gpu, num_sms=132)[0] == decode_launch.NARROW
+        assert choose_launch(256, 8, 128, 4096, 1, gpu, num_sms=132)[0] == decode_launch.WIDE
     finally:
         decode_launch._large_batch_launch.cache_clear()
 
