@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention-backend", default="auto", choices=VALID_ATTENTION_BACKENDS)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (by the GPU)")
     parser.add_argument("--kvcache-block-size", type=int, default=256)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: an e4m3 KV cache, twice the tokens of bf16 (Triton backend)")

@@ -31,6 +31,12 @@ VALID_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton-fa3", "flash-attn", "fa3")
 # vLLM's names: "auto" keeps the model dtype; "fp8" is e4m3 with per-layer scales.
 VALID_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# max_num_seqs when not given: 1024 on a GPU of at least LARGE_GPU_BYTES (as vLLM's LLM class on H100 and
+# H200-class GPUs), where the KV cache holds that many sequences and a decode step's fixed cost (weights,
+# launches) spreads over twice the rows: 1024 requests on an H200 ran 33.3k tok/s against 30.9-31.1k at
+# 512 (BENCHMARKS.md, call N5); 512 elsewhere.
+DEFAULT_MAX_NUM_SEQS = {"large-gpu": 1024, "other": 512}
+LARGE_GPU_BYTES = 70 * 2**30
 # Options typed `bool | None` (None: the engine decides), whose environment variable is read as 0/1.
 BOOL_OR_NONE = ("async_scheduling",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,7 +65,8 @@ def _env_default(name: str, default):
 class Config:
     model: str
     max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 512
+    # None: DEFAULT_MAX_NUM_SEQS by the device (vLLM's defaults for offline use on a GPU of >= 70 GiB).
+    max_num_seqs: int | None = None
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
@@ -159,6 +166,13 @@ class Config:
         self.async_scheduling = self.async_scheduling and self.tensor_parallel_size == 1
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
+        if self.max_num_seqs is None:
+            self.max_num_seqs = DEFAULT_MAX_NUM_SEQS["large-gpu" if self._large_gpu() else "other"]
+
+    def _large_gpu(self) -> bool:
+        if self.device_type != "cuda":
+            return False
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory >= LARGE_GPU_BYTES
 
     def _resolve_device(self) -> str:
         if self.device == "auto":
@@ -205,6 +219,8 @@ class Config:
                     "data_parallel_size", "kvcache_block_size")
         for name in positive:
             value = getattr(self, name)
+            if value is None and name == "max_num_seqs":  # resolved by the device
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

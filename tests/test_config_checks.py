@@ -19,7 +19,7 @@ from nanovllm.config import Config
     (dict(enforce_eager="no"), "enforce_eager must be bool"),
     (dict(enable_prefix_caching="0"), "enable_prefix_caching must be bool"),
     (dict(enable_prefix_caching=1), "enable_prefix_caching must be bool, got int"),
-    (dict(max_num_seqs=True), "max_num_seqs must be int, got bool"),
+    (dict(max_num_seqs=True), "max_num_seqs must be int or None, got bool"),
     (dict(seed=1.5), "seed must be int"),
     (dict(num_kvcache_blocks="8"), "num_kvcache_blocks must be int or None"),
     (dict(dtype=32), "dtype must be str"),
@@ -37,6 +37,21 @@ def test_options_of_the_wrong_type_raise_type_error(qwen3_dir, options, match):
 def test_float_options_must_be_finite(qwen3_dir, options):
     with pytest.raises(ValueError, match="finite|gpu_memory_utilization"):
         Config.from_options(qwen3_dir, **options)
+
+
+def test_max_num_seqs_defaults_by_the_device(qwen3_dir, monkeypatch):
+    import types
+
+    import torch
+    assert Config.from_options(qwen3_dir, device="cpu").max_num_seqs == 512
+    assert Config.from_options(qwen3_dir, device="cpu", max_num_seqs=3).max_num_seqs == 3
+    for name, value in (("is_available", True), ("device_count", 1), ("current_device", 0)):
+        monkeypatch.setattr(torch.cuda, name, lambda _v=value: _v)
+    for gib, expected in ((141, 1024), (80, 1024), (24, 512)):  # vLLM's: 1024 from 70 GiB on
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda index, _g=gib: types.SimpleNamespace(total_memory=_g * 2**30))
+        assert Config.from_options(qwen3_dir, device="cuda").max_num_seqs == expected
+        assert Config.from_options(qwen3_dir, device="cuda", max_num_seqs=64).max_num_seqs == 64
 
 
 def test_a_path_object_is_a_valid_model(qwen3_dir):

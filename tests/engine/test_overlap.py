@@ -69,7 +69,7 @@ def test_default_is_on_for_cuda_off_for_cpu_and_tensor_parallel(qwen3_dir, monke
     monkeypatch.delenv(ENV_DEFAULTS["async_scheduling"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a Config only, no CUDA call
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert Config(qwen3_dir, device="cuda").async_scheduling is True
+    assert Config(qwen3_dir, device="cuda", max_num_seqs=8).async_scheduling is True
 
 
 def test_greedy_with_requests_finishing_at_different_steps(engines):
