@@ -4,6 +4,9 @@ each costs little here and, met first mid-run, stalled the whole batch (BENCHMAR
 - gemm_shapes: every linear layer's matmul at every row count an eager step can have (the padded
   token counts of runner/inputs.py; the LM head at every sampling-row count), so cuBLAS has chosen and
   cached a kernel for each shape (a shape met first cost ~130 us of host time per call against ~15).
+- the attention backend's kernel variants that eager steps pick by their shape
+  (AttentionBackend.warm_up; the model runner calls it): a mixed step's decoding rows built the Triton
+  decode kernel's small-batch launch mid-run (0.8 s, BENCHMARKS.md, tenth session, N1).
 - sampler: the compiled sampler's variants (torch.compile specializes one row, and few rows take
   another argmax) and the fused race's Triton kernels, each seconds of compiling on a cold cache."""
 
