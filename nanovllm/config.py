@@ -31,11 +31,11 @@ VALID_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 VALID_ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton-fa3", "flash-attn", "fa3")
 # vLLM's names: "auto" keeps the model dtype; "fp8" is e4m3 with per-layer scales.
 VALID_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-# max_num_seqs when not given: 1024 on a GPU of at least LARGE_GPU_BYTES (as vLLM's LLM class on H100 and
-# H200-class GPUs), where the KV cache holds that many sequences and a decode step's fixed cost (weights,
-# launches) spreads over twice the rows: 1024 requests on an H200 ran 33.3k tok/s against 30.9-31.1k at
-# 512 (BENCHMARKS.md, call N5); 512 elsewhere.
-DEFAULT_MAX_NUM_SEQS = {"large-gpu": 1024, "other": 512}
+# max_num_seqs when not given: MAX_NUM_SEQS_LARGE_GPU on a GPU of at least LARGE_GPU_BYTES (as vLLM's LLM
+# class on H100 and H200-class GPUs), where the KV cache holds that many sequences and a decode step's
+# fixed cost (weights, launches) spreads over twice the rows: 1024 requests on an H200 ran 33.3k tok/s
+# against 30.9-31.1k at 512 (BENCHMARKS.md, call N5); MAX_NUM_SEQS elsewhere.
+MAX_NUM_SEQS, MAX_NUM_SEQS_LARGE_GPU = 512, 1024
 LARGE_GPU_BYTES = 70 * 2**30
 # Options typed `bool | None` (None: the engine decides), whose environment variable is read as 0/1.
 BOOL_OR_NONE = ("async_scheduling",)
@@ -65,7 +65,7 @@ def _env_default(name: str, default):
 class Config:
     model: str
     max_num_batched_tokens: int = 16384
-    # None: DEFAULT_MAX_NUM_SEQS by the device (vLLM's defaults for offline use on a GPU of >= 70 GiB).
+    # None: MAX_NUM_SEQS, or MAX_NUM_SEQS_LARGE_GPU on a GPU of >= 70 GiB (vLLM's defaults for offline use).
     max_num_seqs: int | None = None
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
@@ -167,7 +167,7 @@ class Config:
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
         if self.max_num_seqs is None:
-            self.max_num_seqs = DEFAULT_MAX_NUM_SEQS["large-gpu" if self._large_gpu() else "other"]
+            self.max_num_seqs = MAX_NUM_SEQS_LARGE_GPU if self._large_gpu() else MAX_NUM_SEQS
 
     def _large_gpu(self) -> bool:
         if self.device_type != "cuda":

@@ -40,9 +40,9 @@ HEAD_DIM_256 = DecodeLaunch(32, 4, 2)
 # Per cache element size (2: bf16/fp16, 1: fp8), where a small batch leaves the kernel latency-bound.
 SMALL_BATCH = {2: DecodeLaunch(64, 4, 3), 1: DecodeLaunch(128, 4, 3)}
 SMALL_BATCH_SPLITS = 8
-# The fp8 "words" tiles at the WIDE launch (an fp8 cache's where FP8_LARGE_BATCH does not fit) take 168 registers (3 programs per SM); capped at 128, with
-# a few spills, 4 fit: one layer's decode at 256 and 512 rows 1.16x "cast" against 1.12-1.13x uncapped
-# (call M1, .gpu/fp8t36/fp8_t36_ab.py). None: no cap.
+# The fp8 "words" tiles at the WIDE launch (an fp8 cache's where FP8_LARGE_BATCH does not fit) take 168
+# registers (3 programs per SM); capped at 128, with a few spills, 4 fit: one layer's decode at 256 and
+# 512 rows 1.16x "cast" against 1.12-1.13x uncapped (call M1, .gpu/fp8t36/fp8_t36_ab.py). None: no cap.
 FP8_WORDS_MAXNREG = 128
 # An fp8 cache's large-batch launch: 64-key tiles, 5 stages. Below 5 stages Triton keeps one K and one V
 # buffer (the block-table load the tile addresses depend on takes a stage of its own; sm_90 SASS, ninth
