@@ -50,13 +50,15 @@ class TritonBuilds:
     def summary(self, phase: str) -> dict:
         builds = self.builds[phase]
         by_kernel = collections.Counter(name for name, _, _ in builds)
-        return dict(count=len(builds), seconds=round(sum(s for _, s, _ in builds), 2), by_kernel=dict(by_kernel))
+        return dict(count=len(builds), seconds=round(sum(s for _, s, _ in builds), 2),
+                    by_kernel=dict(by_kernel))
 
     def keys_of_timed(self) -> dict[str, list[str]]:
         """For each kernel built in the timed run, the cache keys of all its builds (start-up's first):
         what differs between them is what a start-up warm-up missed."""
         timed = {name for name, _, _ in self.builds["timed"]}
-        return {name: [key for phase in ("start-up", "timed") for n, _, key in self.builds[phase] if n == name]
+        return {name: [key for phase in ("start-up", "timed")
+                       for n, _, key in self.builds[phase] if n == name]
                 for name in sorted(timed)}
 
 

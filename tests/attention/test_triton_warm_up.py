@@ -36,7 +36,8 @@ def reachable_launches(fused: bool, element_size: int) -> set:
     """The launches choose_launch gives the decode kernel (fused: the fused-rope one) at any shape."""
     max_rows = min(MAX_NUM_SEQS, triton_backend.FUSED_ROPE_MAX_ROWS) if fused else MAX_NUM_SEQS
     device = torch.device(DEVICE)
-    return {decode_attention.choose_launch(rows, HKV, D, width * BS, element_size, device, sm_count(device))[0]
+    num_sms = sm_count(device)
+    return {decode_attention.choose_launch(rows, HKV, D, width * BS, element_size, device, num_sms)[0]
             for rows in range(1, max_rows + 1) for width in range(1, MAX_BLOCKS + 1)}
 
 
@@ -54,10 +55,14 @@ def test_warm_up_builds_every_decode_launch_and_leaves_the_cache(monkeypatch, ca
         return launch, splits
 
     monkeypatch.setattr(decode_attention, "choose_launch", choose)
+    def calling(fused, real):  # notes which kernel the launches chosen next belong to
+        def call(*args, **kwargs):
+            kernel[0] = fused
+            return real(*args, **kwargs)
+        return call
+
     for name, fused in (("paged_decode_attention", False), ("paged_decode_rope_attention", True)):
-        real = getattr(triton_backend, name)
-        monkeypatch.setattr(triton_backend, name,
-                            lambda *a, _f=fused, _real=real, **kw: kernel.__setitem__(0, _f) or _real(*a, **kw))
+        monkeypatch.setattr(triton_backend, name, calling(fused, getattr(triton_backend, name)))
 
     backend.warm_up(layer, torch.float16, MAX_NUM_SEQS, MAX_BLOCKS)
 
