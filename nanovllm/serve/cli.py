@@ -30,6 +30,9 @@ CHOICES = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_
            "attention_backend": VALID_ATTENTION_BACKENDS, "kv_cache_dtype": VALID_KV_CACHE_DTYPES}
 ALIASES = {"tensor_parallel_size": ["-tp"], "kvcache_block_size": ["--block-size"],
            "num_kvcache_blocks": ["--num-gpu-blocks-override"]}
+# What an option left at None means (the engine decides), for --help.
+NONE_MEANS = {"max_num_seqs": "1024 on a GPU of 70 GiB or more, else 512",
+              "num_kvcache_blocks": "sized from free memory"}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Seconds that in-flight requests get to finish after SIGTERM before they are aborted.
 GRACEFUL_TIMEOUT_S = 30
@@ -70,8 +73,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> list[str]:
         if kind is bool:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
         else:
+            shown = NONE_MEANS.get(f.name, default) if default is None else default
             group.add_argument(*flags, dest=f.name, type=kind, default=default, choices=CHOICES.get(f.name),
-                               help=f"default: {default}")
+                               help=f"default: {shown}")
         names.append(f.name)
     return names
 

@@ -25,6 +25,14 @@ def test_every_config_option_is_a_flag():
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
 
 
+def test_help_says_what_an_engine_chosen_default_is():
+    parser, _ = build_parser()
+    text = " ".join(parser.format_help().split())
+    assert "--max-num-seqs MAX_NUM_SEQS default: 1024 on a GPU of 70 GiB or more, else 512" in text
+    assert "default: sized from free memory" in text
+    assert parser.parse_args(["m"]).max_num_seqs is None  # left to the engine (Config)
+
+
 def test_console_script_wants_the_serve_command(capsys):
     assert main([]) == 2
     assert "nanovllm serve MODEL" in capsys.readouterr().err
