@@ -17,6 +17,9 @@ import typing
 from dataclasses import MISSING, Field, fields
 
 from nanovllm.config import (
+    LARGE_GPU_BYTES,
+    MAX_NUM_SEQS,
+    MAX_NUM_SEQS_LARGE_GPU,
     VALID_ATTENTION_BACKENDS,
     VALID_DEVICES,
     VALID_DTYPES,
@@ -31,7 +34,8 @@ CHOICES = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_
 ALIASES = {"tensor_parallel_size": ["-tp"], "kvcache_block_size": ["--block-size"],
            "num_kvcache_blocks": ["--num-gpu-blocks-override"]}
 # What an option left at None means (the engine decides), for --help.
-NONE_MEANS = {"max_num_seqs": "1024 on a GPU of 70 GiB or more, else 512",
+NONE_MEANS = {"max_num_seqs": f"{MAX_NUM_SEQS_LARGE_GPU} on a GPU of {LARGE_GPU_BYTES >> 30} GiB or more, "
+                              f"else {MAX_NUM_SEQS}",
               "num_kvcache_blocks": "sized from free memory"}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Seconds that in-flight requests get to finish after SIGTERM before they are aborted.
