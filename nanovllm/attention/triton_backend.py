@@ -13,6 +13,7 @@ import torch
 from nanovllm.attention.backend import PagedLayer
 from nanovllm.attention.gpu_backend import GPUBackend, qk_norms
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.kernels.common import supports_pdl
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.decode_rope import paged_decode_rope_attention
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
@@ -39,6 +40,9 @@ class TritonBackend(GPUBackend):
         # engine's own, so that no other engine's kernels can race on it. Sized once for the largest
         # decode batch, so CUDA graphs captured at any batch size address the same buffer.
         self.counters = torch.zeros(max_num_seqs * num_kv_heads, dtype=torch.int32, device=device)
+        # The fused decode kernel launches as a programmatic dependent of the q/k/v projection where the
+        # GPU can (single stream: with the skinny GEMVs', 0.85 vs 0.90 ms/token, BENCHMARKS.md call P2).
+        self.pdl = supports_pdl(device)
         self.fa3_with_kvcache = None
         if fa3_prefill:
             from flash_attn_interface import flash_attn_with_kvcache
@@ -52,7 +56,7 @@ class TritonBackend(GPUBackend):
                                            layer.k_cache, layer.v_cache, meta.slot_mapping, meta.seqlens_k,
                                            meta.block_tables, layer.scale, q_norm=q_norm, k_norm=k_norm,
                                            counters=self.counters, k_scale=layer.k_scale,
-                                           v_scale=layer.v_scale)
+                                           v_scale=layer.v_scale, pdl=self.pdl)
 
     def attend(self, layer: PagedLayer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         if not meta.is_prefill:

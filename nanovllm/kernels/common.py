@@ -13,6 +13,7 @@ one and not on each other.
 """
 
 import functools
+import os
 
 import torch
 import triton
@@ -136,6 +137,17 @@ def sm_count(device: torch.device) -> int:
         return DEFAULT_NUM_SMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def supports_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` may be launched as programmatic dependents (PDL: Hopper, sm_90, and
+    later): the next kernel starts before the one before it ends, and waits (griddepcontrol.wait) where
+    it needs that kernel's results. The interpreter (CPU tensors) runs no PTX, so never there."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @functools.cache

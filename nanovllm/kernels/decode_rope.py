@@ -18,6 +18,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanovllm.kernels.common import FP8_MAX, fp8_dot_operands
 from nanovllm.kernels.decode_attention import DecodeCall, attend_chunk, chunk_bounds
@@ -71,6 +72,7 @@ def _decode_rope_split_kernel(
     FP8_TILES: tl.constexpr,  # decode_fp8_tiles.fp8_tiles's
     HAS_NORM: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: store scaled and clamped
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait for q, k, v
 ):
     kv_head = tl.program_id(0)  # the grid is DecodeCall's: KV heads fastest
     seq = tl.program_id(1)
@@ -80,6 +82,10 @@ def _decode_rope_split_kernel(
     pos = tl.load(positions_ptr + seq).to(tl.int64)
     cos_row, sin_row = cos_ptr + pos * HEAD_DIM, sin_ptr + pos * HEAD_DIM
     row = seq.to(tl.int64)
+    if PDL:
+        # Above: host-built inputs only. q, k, v are the previous kernel's output.
+        gdc_wait()
+        gdc_launch_dependents()
 
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < NUM_HEADS_PER_KV
@@ -139,11 +145,14 @@ def paged_decode_rope_attention(
     counters: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    pdl: bool = False,  # a programmatic dependent launch (supports_pdl(q.device) must hold)
 ) -> torch.Tensor:
     """norm_rope_store(q, k, v, ...) then paged_decode_attention(...) in one kernel: returns the
     attention output [B, num_heads, head_dim] and writes the step's k (normed, rotated) and v into the
     cache. The same arguments and the same results as the two calls (up to float32 rounding in the
-    norm's sum); CUDA-graph capturable."""
+    norm's sum); CUDA-graph capturable. Under PDL the kernel may start while the one before it (the
+    q/k/v projection) runs; it reads only the step's host-built inputs (seqlens_k, positions) and the
+    rotary tables before it waits for that kernel's output."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError("pass both q_norm and k_norm, or neither")
     q_weight, q_eps = q_norm if q_norm is not None else (None, 0.0)
@@ -162,5 +171,6 @@ def paged_decode_rope_attention(
         call.out.stride(0), call.out.stride(1), block_tables.stride(0), call.num_splits,
         softmax_scale * k_scale * math.log2(math.e), v_scale,
         HAS_NORM=has_norm, QUANT=k_cache.dtype != q.dtype, **call.constexprs(q.dtype, k_cache.dtype),
+        PDL=pdl, launch_pdl=pdl,
     )
     return call.out

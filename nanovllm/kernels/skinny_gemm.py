@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanovllm.kernels.common import DEFAULT_NUM_SMS, sm_count
 
@@ -48,6 +49,9 @@ MAX_NUM_STAGES = 8
 SMEM_BUDGET = 160 << 10
 # The narrowest K tile worth a loop iteration.
 MIN_BLOCK_K = 16
+# Weight tiles a programmatic dependent launch loads before it waits for the kernel before: single-stream
+# decode 0.845-0.862 ms/token with 2, 0.861-0.901 with 4, 0.892-0.920 without PDL (BENCHMARKS.md, call P2).
+PDL_PRELOAD_TILES = 2
 # The split-K reduce: one program sums this many columns of one row.
 REDUCE_BLOCK_N = 256
 
@@ -61,12 +65,42 @@ class SkinnyConfig:
     split_k: int = 1  # programs per column block, each summing a contiguous range of K
     num_warps: int = 4
     num_stages: int = 3  # software-pipeline depth of the K loop: num_stages - 1 tiles in flight
+    preload: int | None = None  # tiles (0-2) loaded ahead of the loop; None: PDL_PRELOAD_TILES under PDL
 
 
 # What the kernel does to x before the GEMV (in its pass over x, which every program reads anyway), so
 # that the small kernel before a linear layer (its RMSNorm, SiLU-mul) need not run: skinny_norm_linear,
 # skinny_silu_linear. (tl.constexpr: a kernel may read a global only when it is one.)
 PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_MUL = (tl.constexpr(i) for i in range(4))
+
+
+@triton.jit
+def _gemv_tile(partial, squares, w, k, k_end, x_ptr, residual_ptr, sum_ptr, norm_w_ptr, K, pid_n,
+               PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """partial += w * x[k : k + BLOCK_K] (x through the prologue), and the norm's sum of squares."""
+    offs_k = k + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < k_end
+    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+    if PROLOGUE == ADD_RMS_NORM:
+        # Rounded to x's dtype as the residual stream is stored, before the norm reads it.
+        x = (x.to(tl.float32) + tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+             ).to(x_ptr.dtype.element_ty)
+        if pid_n == 0:
+            tl.store(sum_ptr + offs_k, x, mask=k_mask)
+    xf = x.to(tl.float32)
+    if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
+        # The norm's 1/rms scales the whole row: it is applied to the sums at the end.
+        squares += xf * xf
+        xf = xf * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if PROLOGUE == SILU_MUL:
+        up = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        xf = (xf / (1.0 + tl.exp(-xf)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return partial + w.to(tl.float32) * xf[None, :], squares
+
+
+@triton.jit
+def _w_tile(w_rows, k, k_end, offs):
+    return tl.load(w_rows + (k + offs)[None, :], mask=(k + offs < k_end)[None, :], other=0.0)
 
 
 @triton.jit
@@ -89,6 +123,8 @@ def _skinny_gemm_kernel(
     WRITE_PARTIAL: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PROLOGUE: tl.constexpr = PLAIN,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before
+    PRELOAD: tl.constexpr = 0,  # weight tiles (0-2) loaded first: before the wait under PDL
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -101,27 +137,29 @@ def _skinny_gemm_kernel(
     k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
     partial = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    offs = tl.arange(0, BLOCK_K)
+    k_loop = k_start
+    # Under PDL the weight, which no kernel writes, has its first PRELOAD tiles requested while the
+    # kernel before finishes; x and the rest of the weight come after the wait.
+    if PRELOAD >= 1:
+        w0 = _w_tile(w_rows, k_start, k_end, offs)
+    if PRELOAD >= 2:
+        w1 = _w_tile(w_rows, k_start + BLOCK_K, k_end, offs)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()  # the next kernel may launch now and preload its own weight
+    if PRELOAD >= 1:
+        partial, squares = _gemv_tile(partial, squares, w0, k_start, k_end, x_ptr, residual_ptr, sum_ptr,
+                                      norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
+    if PRELOAD >= 2:
+        partial, squares = _gemv_tile(partial, squares, w1, k_start + BLOCK_K, k_end, x_ptr, residual_ptr,
+                                      sum_ptr, norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
+    k_loop += PRELOAD * BLOCK_K
     # num_stages on the loop itself: Triton pipelines loads that feed no tl.dot only then.
-    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-        if PROLOGUE == ADD_RMS_NORM:
-            # Rounded to x's dtype as the residual stream is stored, before the norm reads it.
-            x = (x.to(tl.float32) + tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                 ).to(x_ptr.dtype.element_ty)
-            if pid_n == 0:
-                tl.store(sum_ptr + offs_k, x, mask=k_mask)
-        xf = x.to(tl.float32)
-        if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
-            # The norm's 1/rms scales the whole row: it is applied to the sums at the end.
-            squares += xf * xf
-            xf = xf * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        if PROLOGUE == SILU_MUL:
-            up = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            xf = (xf / (1.0 + tl.exp(-xf)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-        partial += w.to(tl.float32) * xf[None, :]
+    for k in tl.range(k_loop, k_end, BLOCK_K, num_stages=NUM_STAGES):  # w: [BLOCK_N, BLOCK_K] tiles
+        w = tl.load(w_rows + (k + offs)[None, :], mask=(k + offs < K)[None, :], other=0.0)
+        partial, squares = _gemv_tile(partial, squares, w, k, K, x_ptr, residual_ptr, sum_ptr, norm_w_ptr,
+                                      K, pid_n, PROLOGUE, BLOCK_K)
     acc = tl.sum(partial, axis=1)  # [BLOCK_N]
     if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
         acc = acc * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
@@ -189,6 +227,7 @@ def skinny_linear(
     out: torch.Tensor | None = None,  # [1, N] in x's dtype, last dim contiguous
     *,
     config: SkinnyConfig | None = None,  # default: skinny_config(...) from the shapes
+    pdl: bool = False,  # a programmatic dependent launch (supports_pdl(x.device) must hold)
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) in x's dtype with float32 accumulation, for one row (or none).
     No host sync and only shape-sized allocations, so it can run inside a captured CUDA graph."""
@@ -220,11 +259,15 @@ def skinny_linear(
     if config is None:
         config = skinny_config(n, k, x.element_size(), sm_count(x.device))
 
-    return _launch(x, weight, bias, out, config)
+    return _launch(x, weight, bias, out, config, pdl)
 
 
-def _launch(x, weight, bias, out, config: SkinnyConfig, prologue: tl.constexpr = PLAIN, residual=None,
-            summed=None, norm_weight=None, eps: float = 0.0) -> torch.Tensor:
+def _launch(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.constexpr = PLAIN,
+            residual=None, summed=None, norm_weight=None, eps: float = 0.0) -> torch.Tensor:
+    """Under PDL (programmatic dependent launch, sm_90+) the kernel may start while the kernel before it
+    runs: it loads its first weight tiles, waits for that kernel's results, then lets the next launch.
+    Everything it reads before the wait (the weight) no kernel writes, so this is race-free; the
+    split-K reduce after it is a plain launch."""
     n, k = weight.shape
     # Each split covers whole tiles, so none but the last sees the ragged end of K.
     num_tiles = triton.cdiv(k, config.block_k)
@@ -253,6 +296,9 @@ def _launch(x, weight, bias, out, config: SkinnyConfig, prologue: tl.constexpr =
         NUM_STAGES=config.num_stages,
         PROLOGUE=prologue.value,
         num_warps=config.num_warps,
+        PDL=pdl,
+        PRELOAD=min(PDL_PRELOAD_TILES * pdl if config.preload is None else config.preload, tiles_per_split),
+        launch_pdl=pdl,
     )
     if write_partial:
         _split_k_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N),)](
@@ -273,8 +319,8 @@ def _check_one_row(x: torch.Tensor, width: int, what: str) -> None:
 
 
 def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                       bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                       pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(s) @ weight.T (+ bias), s) for one row, s = x + residual (or x), in one kernel: the
     norm's kernel before the GEMV is saved. s is rounded to x's dtype as a stored residual stream is;
     the norm's 1/rms multiplies the float32 sums instead of each element, so the output can differ
@@ -291,19 +337,19 @@ def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     if config.split_k > 1:
         from nanovllm.kernels.norm_act import add_rms_norm, rms_norm
         if residual is None:
-            return skinny_linear(rms_norm(x, norm_weight, eps), weight, bias, config=config), x
+            return skinny_linear(rms_norm(x, norm_weight, eps), weight, bias, config=config, pdl=pdl), x
         normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-        return skinny_linear(normed, weight, bias, config=config), summed
+        return skinny_linear(normed, weight, bias, config=config, pdl=pdl), summed
     out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
     if residual is None:
-        return _launch(x, weight, bias, out, config, RMS_NORM, norm_weight=norm_weight, eps=eps), x
+        return _launch(x, weight, bias, out, config, pdl, RMS_NORM, norm_weight=norm_weight, eps=eps), x
     summed = torch.empty_like(x)
-    _launch(x, weight, bias, out, config, ADD_RMS_NORM, residual, summed, norm_weight, eps)
+    _launch(x, weight, bias, out, config, pdl, ADD_RMS_NORM, residual, summed, norm_weight, eps)
     return out, summed
 
 
-def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       pdl: bool = False) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T (+ bias) for one row x = [gate | up] ([1, 2K]), in one kernel: the
     SiLU-mul kernel before the GEMV is saved. The product is rounded to x's dtype as that kernel's
     output is, so the result equals SiLU-mul-then-GEMV."""
@@ -313,4 +359,4 @@ def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         raise ValueError(f"weight {weight.dtype} must be x's dtype {x.dtype}")
     config = skinny_config(weight.shape[0], k, x.element_size(), sm_count(x.device))
     out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, config, SILU_MUL)
+    return _launch(x, weight, bias, out, config, pdl, SILU_MUL)

@@ -4,6 +4,8 @@ that copies this rank's shard of a checkpoint tensor into it.
 Column-parallel layers split the output features across ranks (no communication); row-parallel
 layers split the input features and all-reduce the partial outputs."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,10 +23,11 @@ SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 def skinny_linear_or_none():
     """The skinny GEMM kernel when this engine's layers use it (imports Triton: GPU only), else None."""
-    if not kernel_options().skinny_gemm:
+    options = kernel_options()
+    if not options.skinny_gemm:
         return None
     from nanovllm.kernels.skinny_gemm import skinny_linear
-    return skinny_linear
+    return functools.partial(skinny_linear, pdl=options.pdl)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -54,6 +57,7 @@ class LinearBase(nn.Module):
         self.tp_dim = tp_dim
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.skinny = skinny_linear_or_none()
+        self.pdl = kernel_options().pdl  # for the fused one-row kernels (normed, silu_mul_forward)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -112,7 +116,7 @@ class ColumnParallelLinear(LinearBase):
         decoder's RMSNorm (layers/layernorm.py) and the projection after it, one kernel for one row."""
         if _fused_row(x, self.skinny) and (residual is None or residual.is_contiguous()):
             from nanovllm.kernels.skinny_gemm import skinny_norm_linear
-            return skinny_norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, residual)
+            return skinny_norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, residual, self.pdl)
         if residual is None:
             return self(norm(x)), x
         normed, residual = norm(x, residual)
@@ -193,5 +197,5 @@ class RowParallelLinear(LinearBase):
         if not _fused_row(gate_up, self.skinny):
             return self(act_fn(gate_up))
         from nanovllm.kernels.skinny_gemm import skinny_silu_linear
-        y = all_reduce(skinny_silu_linear(gate_up, self.weight))
+        y = all_reduce(skinny_silu_linear(gate_up, self.weight, pdl=self.pdl))
         return y if self.bias is None else y + self.bias

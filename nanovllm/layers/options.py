@@ -1,6 +1,7 @@
 """Kernel choices a layer makes once, when it is built: whether one-token matmuls use the skinny GEMM
-kernel. The model runner makes its engine's options current while it builds the model (a ContextVar:
-per engine and per thread); layers read them in __init__ and never again."""
+kernel, and whether those launch as programmatic dependents. The model runner makes its engine's options
+current while it builds the model (a ContextVar: per engine and per thread); layers read them in __init__
+and never again."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class KernelOptions:
     skinny_gemm: bool = False  # one-token matmuls through nanovllm.kernels.skinny_gemm (CUDA only)
+    pdl: bool = False  # ...launched as programmatic dependents (kernels.common.supports_pdl: sm_90+)
 
 
 # KernelOptions is frozen: the shared default cannot be mutated.

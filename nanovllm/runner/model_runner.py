@@ -34,6 +34,11 @@ def runner_device(config: Config, rank: int) -> torch.device:
     return torch.device("cuda", rank) if config.device_type == "cuda" else torch.device("cpu")
 
 
+def _supports_pdl(device: torch.device) -> bool:
+    from nanovllm.kernels.common import supports_pdl  # imports Triton: GPU only
+    return supports_pdl(device)
+
+
 class ModelRunner:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -53,7 +58,8 @@ class ModelRunner:
             self.cpu_threads = CpuThreadPolicy(config.cpu_threads)
             self.cpu_threads.apply()
         torch.manual_seed(config.seed)
-        self.model = self._build_model(KernelOptions(skinny_gemm=on_gpu and config.skinny_gemm))
+        self.model = self._build_model(KernelOptions(skinny_gemm=on_gpu and config.skinny_gemm,
+                                                     pdl=on_gpu and _supports_pdl(self.device)))
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         layer = self.attention_layers[0]
         self.backend = select_backend(config.attention_backend, self.device, self.block_size, self.dtype,

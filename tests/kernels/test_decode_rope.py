@@ -88,3 +88,39 @@ def test_norms_come_in_pairs():
     t, caches, norms = case(torch.float32, torch.float32)
     with pytest.raises(ValueError, match="both q_norm and k_norm"):
         fused(t, *(c.to(DEVICE) for c in caches), norms[0], None, (1.0, 1.0))
+
+
+def test_pdl_launch_gives_the_same_bits():
+    """As a programmatic dependent of the kernel that writes its q/k/v (an sm_90+ GPU), eagerly and replayed
+    from a CUDA graph: the same output and cache bits as a plain launch."""
+    from nanovllm.kernels.common import supports_pdl
+
+    if DEVICE != "cuda" or not supports_pdl(torch.device(DEVICE)):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU")
+    t, caches, (q_norm, k_norm) = case(torch.bfloat16, torch.bfloat16)
+    source = torch.cat([t["q"].flatten(1), t["k"].flatten(1), t["v"].flatten(1)], dim=1)
+    qkv = torch.empty_like(source)
+    nq, nk = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+
+    def run(pdl: bool, k_cache, v_cache):
+        qkv.copy_(source * 1.0)  # the kernel before, whose output the PDL launch waits for
+        rows = qkv.shape[0]
+        q = qkv[:, :nq].view(rows, NUM_HEADS, HEAD_DIM)
+        k, v = (qkv[:, nq + i * nk:nq + (i + 1) * nk].view(rows, NUM_KV_HEADS, HEAD_DIM) for i in range(2))
+        return paged_decode_rope_attention(
+            q, k, v, t["positions"], t["cos"], t["sin"], k_cache, v_cache, t["slot_mapping"], t["seqlens_k"],
+            t["block_tables"], HEAD_DIM**-0.5, q_norm=q_norm, k_norm=k_norm, pdl=pdl)
+
+    plain_caches = [c.clone().to(DEVICE) for c in caches]
+    want = run(False, *plain_caches)
+    eager_caches = [c.clone().to(DEVICE) for c in caches]
+    assert torch.equal(run(True, *eager_caches), want)
+    graph_caches = [c.clone().to(DEVICE) for c in caches]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = run(True, *graph_caches)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    for plain, pdl_eager, pdl_graph in zip(plain_caches, eager_caches, graph_caches):
+        assert torch.equal(pdl_eager, plain) and torch.equal(pdl_graph, plain)

@@ -8,6 +8,7 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
+from nanovllm.kernels import skinny_gemm  # noqa: E402
 from nanovllm.kernels.skinny_gemm import (  # noqa: E402
     SkinnyConfig,
     skinny_config,
@@ -78,6 +79,12 @@ FORCED_CONFIGS = [
     SkinnyConfig(block_n=64, block_k=32, split_k=2, num_warps=4, num_stages=2),
     SkinnyConfig(block_n=8, block_k=16, split_k=5, num_warps=4, num_stages=3),
     SkinnyConfig(block_n=4, block_k=32, split_k=1, num_warps=4, num_stages=3),
+    # The first tiles loaded ahead of the loop (as a programmatic dependent launch loads them before its
+    # wait): one or two, a ragged last tile among them, per split.
+    SkinnyConfig(block_n=16, block_k=32, split_k=1, num_warps=4, num_stages=3, preload=2),
+    SkinnyConfig(block_n=8, block_k=16, split_k=2, num_warps=4, num_stages=3, preload=1),
+    SkinnyConfig(block_n=16, block_k=16, split_k=3, num_warps=2, num_stages=3, preload=2),
+    SkinnyConfig(block_n=16, block_k=64, split_k=1, num_warps=4, num_stages=3, preload=2),  # one tile
 ]
 
 
@@ -161,6 +168,60 @@ def test_silu_prologue_matches_silu_mul_then_linear(n: int, k: int, dtype: torch
     gate, up = gate_up.float().chunk(2, dim=-1)
     activated = (torch.nn.functional.silu(gate) * up).to(dtype)
     assert_close(skinny_silu_linear(gate_up, weight, bias), reference(activated, weight, bias), dtype)
+
+
+@pytest.mark.parametrize("preload", [1, 2])
+def test_prologues_with_preloaded_tiles(preload: int):
+    """Both prologues over tiles loaded ahead of the loop: the same bits as without."""
+    n, k, dtype = 64, 96, torch.float32
+    x, weight, bias = make_inputs(1, n, k, dtype)
+    gen = torch.Generator().manual_seed(5)
+    residual, gate_up = torch.randn(1, k, generator=gen), torch.randn(1, 2 * k, generator=gen)
+    residual, gate_up = residual.to(DEVICE, dtype), gate_up.to(DEVICE, dtype)
+    norm_weight = (1 + torch.rand(k, generator=gen)).to(DEVICE, dtype)
+    plain = SkinnyConfig(block_n=16, block_k=32, num_stages=3, preload=0)
+    ahead = SkinnyConfig(block_n=16, block_k=32, num_stages=3, preload=preload)
+    for prologue, args in ((skinny_gemm.ADD_RMS_NORM, (residual, torch.empty_like(x), norm_weight, 1e-6)),
+                           (skinny_gemm.SILU_MUL, ())):
+        source = gate_up if prologue == skinny_gemm.SILU_MUL else x
+        outs = [skinny_gemm._launch(source, weight, bias, torch.empty(1, n, device=DEVICE, dtype=dtype),
+                                    config, False, prologue, *args) for config in (plain, ahead)]
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_pdl_launches_give_the_same_bits_in_a_cuda_graph():
+    """On a GPU that supports programmatic dependent launch, a chain of the three kernels (each waiting on
+    the one before) gives bit-identical results with and without it, eagerly and replayed from a graph."""
+    from nanovllm.kernels.common import supports_pdl
+
+    if DEVICE != "cuda" or not supports_pdl(torch.device(DEVICE)):
+        assert not supports_pdl(torch.device("cpu"))
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU")
+    k, inner, dtype = 1024, 3072, torch.bfloat16
+    gen = torch.Generator().manual_seed(6)
+    x, residual = (torch.randn(1, k, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    norm_weight = (1 + torch.rand(k, generator=gen)).to(DEVICE, dtype)
+    gate_up_w = (torch.randn(2 * inner, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    down_w = (torch.randn(k, inner, generator=gen) / inner**0.5).to(DEVICE, dtype)
+    o_w = (torch.randn(k, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+
+    def chain(pdl: bool):
+        h = x
+        for _ in range(3):
+            gate_up, summed = skinny_norm_linear(h, norm_weight, 1e-6, gate_up_w, residual=residual, pdl=pdl)
+            h = skinny_linear(skinny_silu_linear(gate_up, down_w, pdl=pdl), o_w, pdl=pdl)
+        return h, summed
+
+    expected = chain(False)
+    assert all(torch.equal(a, b) for a, b in zip(chain(True), expected))
+    graph = torch.cuda.CUDAGraph()
+    chain(True)  # compiled outside the capture
+    with torch.cuda.graph(graph):
+        captured = chain(True)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, expected))
 
 
 def test_prologues_reject_bad_arguments():
