@@ -1,14 +1,15 @@
 """Probes of the linear layers' cost on the GPU, outside the engine: Qwen3-0.6B's decode chain (28 layers
 x qkv, o, gate_up, down; `pdl` adds the LM head) replayed in one CUDA graph, at M rows. Each subcommand
-is one question of BENCHMARKS.md's fifth session; all of them answered no, so none of these kernels is
-in the engine.
+is one question of BENCHMARKS.md's fifth session, which answered no to each; `pdl` now times the engine's
+own GEMV, which launches as a programmatic dependent since the eleventh session (calls P2, P3).
 
-    python scripts/linear_probe.py pdl        # 1-row GEMVs: programmatic dependent launch + L2 prefetch?
+    python scripts/linear_probe.py pdl        # 1-row GEMVs with and without programmatic dependent launch
     python scripts/linear_probe.py tiles      # cuBLAS vs cuBLASLt vs a Triton tile GEMM, M = 1..256
     python scripts/linear_probe.py few-rows   # cuBLAS vs a GEMV-shaped tl.dot kernel with split-K, M = 2..128
     python scripts/linear_probe.py host       # host us per call: cuBLAS shapes new and seen, Triton"""
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -26,35 +27,6 @@ from nanovllm.kernels.skinny_gemm import skinny_config, skinny_linear  # noqa: E
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # (N, K) of one layer's four linears
 VOCAB, HIDDEN, LAYERS = 151936, 1024, 28
 WEIGHT_BYTES = 1.19e9  # the chain with the LM head, bf16
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _gemv_pdl(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRIGGER_EARLY: tl.constexpr):
-    """skinny_gemm's kernel with grid dependency control: optionally prefetch this program's weights into
-    L2 and let the next kernel launch, then wait for the previous one before reading x."""
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
-    if PREFETCH:
-        for k in range(0, K, BLOCK_K):
-            _prefetch_l2(w_rows + tl.minimum(k + tl.arange(0, BLOCK_K // 64) * 64, K - 1)[None, :])
-    if TRIGGER_EARLY:
-        gdc_launch_dependents()
-    gdc_wait()
-    partial = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
-        x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
-        partial += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_n, tl.sum(partial, axis=1).to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @triton.jit
@@ -158,21 +130,19 @@ def cublas(x, w, out):
 
 
 def probe_pdl() -> None:
+    """The engine's one-row GEMV with and without programmatic dependent launch, and the weight tiles a
+    PDL launch loads before its wait (SkinnyConfig.preload; the engine's: PDL_PRELOAD_TILES)."""
     chain = Chain(1, with_head=True)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def pdl(prefetch: bool, trigger_early: bool):
+    def gemv(pdl: bool, preload: int | None = None):
         def run(x, w, out):
-            n, k = w.shape
-            c = skinny_config(n, k, 2, num_sms)
-            _gemv_pdl[(triton.cdiv(n, c.block_n),)](
-                x, w, out, n, k, w.stride(0), BLOCK_N=c.block_n, BLOCK_K=c.block_k, NUM_STAGES=c.num_stages,
-                PREFETCH=prefetch, TRIGGER_EARLY=trigger_early, num_warps=c.num_warps, launch_pdl=True)
+            config = dataclasses.replace(skinny_config(*w.shape, 2, num_sms), preload=preload)
+            skinny_linear(x, w, out=out, config=config, pdl=pdl)
         return run
 
-    variants = {"skinny_gemm (engine)": lambda x, w, o: skinny_linear(x, w, out=o),
-                "pdl": pdl(False, True), "pdl + L2 prefetch": pdl(True, True),
-                "pdl + L2 prefetch, trigger at exit": pdl(True, False)}
+    variants = {"no PDL": gemv(False), "PDL (engine)": gemv(True), "PDL, no preload": gemv(True, 0),
+                "PDL, 1 tile preloaded": gemv(True, 1)}
     reference = None
     for name, linear in variants.items():
         us = graph_us(lambda linear=linear: chain.run(linear), reps=200)
