@@ -4,6 +4,7 @@ generate) and the timed generate. A variant built in the timed run stalls the wh
 compiles (on a cold cache, tenths of a second each), so after start-up the count should be zero.
 
     python scripts/compile_watch.py [--model configs/Qwen3-0.6B] [bench.py's workload options]
+    python scripts/compile_watch.py --enforce-eager --num-seqs 16     # decode steps without CUDA graphs
     python scripts/compile_watch.py --workload shared-prefix|long-prompts [--model M]
         (scripts/prefix_long_workloads.py's, one after the other as that script runs them: the named
         one is timed after the other has run, when it is long-prompts; alone when shared-prefix)
@@ -89,9 +90,11 @@ def main() -> None:
     start = time.perf_counter()
     options = dict(load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
                    attention_backend=args.attention_backend, skip_tokenizer_init=args.load_format == "dummy")
+    if args.enforce_eager and workload != "bench":
+        sys.exit(f"--enforce-eager applies to the bench workload only, not {workload}")
     if workload == "bench":
         llm = LLM(os.path.expanduser(args.model), max_num_batched_tokens=args.max_num_batched_tokens,
-                  **options)
+                  enforce_eager=args.enforce_eager, **options)
         llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)
         prompts, params = bench.make_workload(args.num_seqs, llm.config.hf_config.vocab_size,
                                               args.min_input_len, args.max_input_len, args.min_output_len,

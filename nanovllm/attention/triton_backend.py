@@ -124,7 +124,7 @@ class TritonBackend(GPUBackend):
                     layer.rotary.sin, layer.k_cache, layer.v_cache,
                     torch.full((rows,), -1, dtype=torch.int64, device=device), seqlens_k, tables, layer.scale,
                     q_norm=q_norm, k_norm=k_norm, counters=self.counters, k_scale=layer.k_scale,
-                    v_scale=layer.v_scale)
+                    v_scale=layer.v_scale, pdl=self.pdl)  # the variant forward launches
 
     def _decode(self, layer: PagedLayer, q, seqlens_k, block_tables, order, out=None) -> torch.Tensor:
         return paged_decode_attention(q, layer.k_cache, layer.v_cache, seqlens_k, block_tables, layer.scale,

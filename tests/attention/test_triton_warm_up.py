@@ -72,3 +72,17 @@ def test_warm_up_builds_every_decode_launch_and_leaves_the_cache(monkeypatch, ca
         assert reachable <= {launch for f, launch in warmed if f == fused}
     assert torch.equal(layer.k_cache.view(torch.uint8), before[0])
     assert torch.equal(layer.v_cache.view(torch.uint8), before[1])
+
+
+def test_warm_up_builds_the_fused_kernel_as_a_programmatic_dependent_where_forward_launches_it(monkeypatch):
+    """On an sm_90+ GPU forward launches the fused kernel with pdl=True, a variant of its own: the warm-up
+    must build that one (an eager decode step would otherwise compile it mid-run)."""
+    layer = make_layer(torch.float16)
+    backend = triton_backend.TritonBackend(MAX_NUM_SEQS, HKV, torch.device(DEVICE))
+    backend.pdl = True  # as supports_pdl says on an H100/H200
+    fused_calls = []
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", lambda *args, **kwargs: None)
+    monkeypatch.setattr(triton_backend, "paged_decode_rope_attention",
+                        lambda *args, **kwargs: fused_calls.append(kwargs.get("pdl", False)))
+    backend.warm_up(layer, torch.float16, MAX_NUM_SEQS, MAX_BLOCKS)
+    assert fused_calls and all(fused_calls)
