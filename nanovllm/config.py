@@ -89,7 +89,7 @@ class Config:
     attention_backend: str = field(default_factory=lambda: _env_default("attention_backend", "auto"))
     # GPU only: torch.compile fuses the sampler (temperature, min-p, both argmaxes) into a few kernels.
     torch_compile: bool = field(default_factory=lambda: _env_default("torch_compile", True))
-    # GPU only: one-token matmuls through nanovllm.kernels.skinny_gemm instead of cuBLAS.
+    # GPU only: matmuls of 1-16 tokens through nanovllm.kernels.skinny_gemm / skinny_rows instead of cuBLAS.
     skinny_gemm: bool = field(default_factory=lambda: _env_default("skinny_gemm", True))
     kv_cache_dtype: str = "auto"
     # Decode tokens of running requests and prompt chunks of new ones in one forward pass (vLLM v1's

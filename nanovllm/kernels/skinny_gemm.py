@@ -5,8 +5,8 @@ A GEMV costs one read of the weight (N * K * 2 bytes in bf16); FLOPs are free. S
 BLOCK_N output columns and streams its [BLOCK_N, K] slab of the weight in [BLOCK_N, BLOCK_K] tiles,
 pipelined num_stages deep (cp.async into shared memory) so that enough bytes are in flight to cover HBM
 latency; x is tiny and stays in L2. acc[BLOCK_N, BLOCK_K] += w * x elementwise in float32, summed
-across lanes once at the end (no per-tile shuffles). From two rows on, a tensor-core variant measured no
-faster than cuBLAS (BENCHMARKS.md), so this kernel takes one row only.
+across lanes once at the end (no per-tile shuffles). This kernel takes one row; kernels/skinny_rows.py
+takes 2-16 (on tensor cores).
 
 Split-K (grid axis 1) is used only when too few column blocks exist to keep the SMs busy. It stays
 deterministic: float32 partials go to a [split_k, N] workspace that a second kernel sums in a fixed order.

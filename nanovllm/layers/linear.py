@@ -4,7 +4,7 @@ that copies this rank's shard of a checkpoint tensor into it.
 Column-parallel layers split the output features across ranks (no communication); row-parallel
 layers split the input features and all-reduce the partial outputs."""
 
-import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,34 +15,68 @@ from nanovllm.layers.parallel import all_reduce, get_tp_rank, get_tp_size
 
 # A one-token matmul (single-stream decode) is a weight-streaming GEMV, where cuBLAS reaches a third
 # to two thirds of the memory bandwidth; nanovllm.kernels.skinny_gemm streams it 1.1-3.7x faster on an
-# H200. From 2 tokens on, its tensor-core path measured no faster than cuBLAS (BENCHMARKS.md), so
-# cuBLAS keeps those. Config(skinny_gemm=False) turns it off.
-SKINNY_MAX_TOKENS = 1
+# H200. From 2 to SKINNY_MAX_TOKENS tokens (decode at a few sequences) nanovllm.kernels.skinny_rows
+# streams the weight once on tensor cores. Both fold the RMSNorm before a layer into it, the GEMV also
+# the SiLU-mul.
+# Config(skinny_gemm=False) turns them off.
+SKINNY_MAX_TOKENS = 16
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+# Where the kernels run (tests add the CPU, where Triton's interpreter runs them).
+SKINNY_DEVICE_TYPES = ("cuda",)
 
 
-def skinny_linear_or_none():
-    """The skinny GEMM kernel when this engine's layers use it (imports Triton: GPU only), else None."""
+@dataclass(frozen=True, slots=True)
+class SkinnyKernels:
+    """The Triton kernels this engine's few-token matmuls take (GPU only: imported when called), with
+    the options fixed when the layer was built."""
+
+    pdl: bool  # launched as programmatic dependents (sm_90+)
+    max_tokens: int
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether x's matmul runs here (0 to max_tokens rows of a half-precision CUDA tensor)."""
+        return (x.device.type in SKINNY_DEVICE_TYPES and x.dim() == 2 and x.shape[0] <= self.max_tokens
+                and x.dtype in SKINNY_DTYPES)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether the RMSNorm before a linear layer folds into its kernel."""
+        return self.takes(x) and x.shape[0] >= 1 and x.is_contiguous()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= 1:
+            from nanovllm.kernels.skinny_gemm import skinny_linear
+            return skinny_linear(x, weight, bias, pdl=self.pdl)
+        from nanovllm.kernels.skinny_rows import rows_linear
+        return rows_linear(x, weight, bias, pdl=self.pdl)
+
+    def norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.shape[0] == 1:
+            from nanovllm.kernels.skinny_gemm import skinny_norm_linear
+            return skinny_norm_linear(x, norm_weight, eps, weight, bias, residual, self.pdl)
+        from nanovllm.kernels.skinny_rows import rows_norm_linear
+        return rows_norm_linear(x, norm_weight, eps, weight, bias, residual, self.pdl)
+
+    def silu_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One row only: from two, SiLU-mul folded into the rows kernel measured slower (skinny_rows)."""
+        from nanovllm.kernels.skinny_gemm import skinny_silu_linear
+        return skinny_silu_linear(x, weight, pdl=self.pdl)
+
+
+def skinny_linear_or_none() -> SkinnyKernels | None:
+    """The few-token kernels when this engine's layers use them, else None."""
     options = kernel_options()
     if not options.skinny_gemm:
         return None
-    from nanovllm.kernels.skinny_gemm import skinny_linear
-    return functools.partial(skinny_linear, pdl=options.pdl)
+    return SkinnyKernels(options.pdl, SKINNY_MAX_TOKENS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           skinny=None) -> torch.Tensor:
-    if (skinny is not None and x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_TOKENS
-            and x.dtype in SKINNY_DTYPES):
-        return skinny(x, weight, bias)
+           skinny: SkinnyKernels | None = None) -> torch.Tensor:
+    if skinny is not None and skinny.takes(x):
+        return skinny.linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def _fused_row(x: torch.Tensor, skinny) -> bool:
-    """Whether a one-token step folds the small kernel before a linear layer (its RMSNorm, SiLU-mul)
-    into the skinny GEMV (kernels/skinny_gemm.py: one kernel instead of two)."""
-    return (skinny is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
-            and x.dtype in SKINNY_DTYPES)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -57,7 +91,6 @@ class LinearBase(nn.Module):
         self.tp_dim = tp_dim
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.skinny = skinny_linear_or_none()
-        self.pdl = kernel_options().pdl  # for the fused one-row kernels (normed, silu_mul_forward)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -113,10 +146,10 @@ class ColumnParallelLinear(LinearBase):
     def normed(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual), or without a residual (self(norm(x)), x): the
-        decoder's RMSNorm (layers/layernorm.py) and the projection after it, one kernel for one row."""
-        if _fused_row(x, self.skinny) and (residual is None or residual.is_contiguous()):
-            from nanovllm.kernels.skinny_gemm import skinny_norm_linear
-            return skinny_norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, residual, self.pdl)
+        decoder's RMSNorm (layers/layernorm.py) and the projection after it, one kernel for a few rows."""
+        fused = self.skinny is not None and self.skinny.fuses(x)
+        if fused and (residual is None or residual.is_contiguous()):
+            return self.skinny.norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, residual)
         if residual is None:
             return self(norm(x)), x
         normed, residual = norm(x, residual)
@@ -194,8 +227,7 @@ class RowParallelLinear(LinearBase):
 
     def silu_mul_forward(self, gate_up: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
         """self(act_fn(gate_up)) for the SiLU-gated MLP's [gate | up]: one kernel for one row."""
-        if not _fused_row(gate_up, self.skinny):
+        if self.skinny is None or not self.skinny.fuses(gate_up) or gate_up.shape[0] != 1:
             return self(act_fn(gate_up))
-        from nanovllm.kernels.skinny_gemm import skinny_silu_linear
-        y = all_reduce(skinny_silu_linear(gate_up, self.weight, pdl=self.pdl))
+        y = all_reduce(self.skinny.silu_linear(gate_up, self.weight))
         return y if self.bias is None else y + self.bias

@@ -1,4 +1,4 @@
-"""Kernel choices a layer makes once, when it is built: whether one-token matmuls use the skinny GEMM
+"""Kernel choices a layer makes once, when it is built: whether few-token matmuls use the skinny GEMM
 kernel, and whether those launch as programmatic dependents. The model runner makes its engine's options
 current while it builds the model (a ContextVar: per engine and per thread); layers read them in __init__
 and never again."""
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class KernelOptions:
-    skinny_gemm: bool = False  # one-token matmuls through nanovllm.kernels.skinny_gemm (CUDA only)
+    skinny_gemm: bool = False  # 1-16 token matmuls through kernels.skinny_gemm / skinny_rows (CUDA only)
     pdl: bool = False  # ...launched as programmatic dependents (kernels.common.supports_pdl: sm_90+)
 
 

@@ -3,7 +3,9 @@ each costs little here and, met first mid-run, stalled the whole batch (BENCHMAR
 
 - gemm_shapes: every linear layer's matmul at every row count an eager step can have (the padded
   token counts of runner/inputs.py; the LM head at every sampling-row count), so cuBLAS has chosen and
-  cached a kernel for each shape (a shape met first cost ~130 us of host time per call against ~15).
+  cached a kernel for each shape (a shape met first cost ~130 us of host time per call against ~15), and
+  the few-token Triton kernels (layers/linear.py's SkinnyKernels) have built the variants with the
+  RMSNorm or SiLU-mul folded in, which decode at 1-16 rows launches.
 - the attention backend's kernel variants that eager steps pick by their shape
   (AttentionBackend.warm_up; the model runner calls it): a mixed step's decoding rows built the Triton
   decode kernel's small-batch launch mid-run (0.8 s, BENCHMARKS.md, tenth session, N1).
@@ -15,7 +17,7 @@ from torch import nn
 
 from nanovllm.config import Config
 from nanovllm.layers.embed_head import ParallelLMHead
-from nanovllm.layers.linear import LinearBase, linear
+from nanovllm.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear, linear
 from nanovllm.runner.inputs import token_buckets
 from nanovllm.runner.sampling import WARM_ROWS, StepSampler
 
@@ -35,7 +37,27 @@ def gemm_shapes(model: nn.Module, config: Config, dtype: torch.dtype, device: to
     for head in heads:
         for rows in range(1, min(config.max_num_seqs, config.max_num_batched_tokens) + 1):
             linear(x[:rows, :head.weight.shape[1]], head.weight, skinny=head.skinny)
+    for module in layers.values():
+        _fused_variants(module)
     torch.cuda.synchronize(device)
+
+
+def _fused_variants(module: LinearBase) -> None:
+    """The few-token kernels' variants with the norm (after a residual add or not) or the SiLU-mul folded
+    in, at one row and at two (every row count up to SKINNY_MAX_TOKENS shares the two-row build)."""
+    skinny, weight = module.skinny, module.weight
+    if skinny is None:
+        return
+    k = weight.shape[1]
+    x = torch.zeros(2, 2 * k, dtype=weight.dtype, device=weight.device)
+    for rows in sorted({1, min(2, skinny.max_tokens)}):
+        rows_x = x[:rows, :k].contiguous()
+        if isinstance(module, ColumnParallelLinear) and skinny.fuses(rows_x):
+            norm_weight = torch.ones(k, dtype=weight.dtype, device=weight.device)
+            for residual in (None, x[:rows, k:]):
+                skinny.norm_linear(rows_x, norm_weight, 1e-6, weight, module.bias, residual)
+        if isinstance(module, RowParallelLinear) and rows == 1 and skinny.fuses(x[:1]):
+            skinny.silu_linear(x[:1], weight)
 
 
 @torch.inference_mode()

@@ -23,7 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
     decode_attention = decode_launch = decode_rope = fused_moe = moe_routing = norm_act = None
-    prefill_attention = rope_store = sample_race = skinny_gemm = None
+    prefill_attention = rope_store = sample_race = skinny_gemm = skinny_rows = None
 else:
     import nanovllm.kernels
     from nanovllm.kernels import (
@@ -37,6 +37,7 @@ else:
         rope_store,
         sample_race,
         skinny_gemm,
+        skinny_rows,
     )
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -150,6 +151,18 @@ def cases() -> dict:
                             dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=3,
                                  PROLOGUE=skinny_gemm.ADD_RMS_NORM.value, PDL=True, PRELOAD=2), {},
                             dict(launch_pdl=True)),
+        "skinny-rows-add-rms-norm-pdl": (skinny_rows._skinny_rows_kernel,
+                                         dict(ROWS_=16, BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False,
+                                              WRITE_PARTIAL=False, NUM_STAGES=4,
+                                              PROLOGUE=skinny_rows.ADD_RMS_NORM.value, PDL=True,
+                                              PRELOAD=2), {},
+                                         dict(launch_pdl=True)),
+        "skinny-rows-split": (skinny_rows._skinny_rows_kernel,
+                              dict(ROWS_=16, BLOCK_N=16, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True,
+                                   NUM_STAGES=4, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2), {},
+                              dict(num_warps=2, launch_pdl=True)),
+        "skinny-rows-reduce": (skinny_rows._rows_split_k_reduce_kernel,
+                               dict(SPLIT_K=2, HAS_BIAS=True, BLOCK_N=256)),
         "split-k-reduce": (skinny_gemm._split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
         "add-rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
         "rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=1024)),
@@ -231,6 +244,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "decode-rope-fp8-words-large-batch",
               "rope-store-qk-norm", "rope-store", "rope-store-fp8",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "skinny-gemm-pdl",
+              "skinny-rows-add-rms-norm-pdl", "skinny-rows-split", "skinny-rows-reduce",
               "decode-rope-pdl", "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
               "moe-topk-softmax", "race-chunk", "race-pick")

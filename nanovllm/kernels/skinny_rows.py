@@ -1,0 +1,251 @@
+"""Few-row matmuls on tensor cores: out[M, N] = x[M, K] @ weight[N, K]^T (+ bias) for 2 <= M <= MAX_ROWS,
+as decode at a batch of a few sequences runs every linear layer. On an H200 (BENCHMARKS.md, thirteenth
+session, R2) a decode step at 2-16 rows took 9-19% less than with cuBLAS and separate norm kernels.
+
+At these M the weight is nearly all the bytes, so like skinny_gemm's GEMV each program streams its
+[BLOCK_N, K] slab of the weight once, in pipelined [BLOCK_N, BLOCK_K] tiles. The products run on tensor
+cores with the operands swapped ("swap-AB"): a weight tile is the dot's left operand (BLOCK_N >= 16 rows)
+and the rows of x, padded to ROWS = 16, its right one, so the float32 accumulator is a small [BLOCK_N,
+ROWS] tile. Padding rows repeat the last real row (valid addresses, no masks) and are never stored.
+
+The RMSNorm before a linear layer folds into it as in skinny_gemm, per row (after a residual add or not;
+each row's sum stored once by the first column block, rounded to x's dtype), each row's 1/rms applied to
+its sums at the end. The dot's operands are in x's dtype, so the normed row enters it rounded after the
+norm weight and before 1/rms: the output can differ from norm-then-GEMM by that rounding. SiLU-mul does
+not fold in: every column block recomputing it for 16 rows made the down projection slower than the
+SiLU-mul kernel and a plain launch (R2: 257 against 211 us for 28 calls).
+
+On sm_90+ it launches as a programmatic dependent, as skinny_gemm does: it loads its first weight tiles,
+waits for the kernel before, then lets the next one launch. Split-K (float32 partials summed in a fixed
+order by a second kernel) is for plain launches only (a split would cut the norm's sum of squares).
+Sizes come from shapes alone, so calls are CUDA-graph capturable.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, REDUCE_BLOCK_N, RMS_NORM
+
+# The rows of x the dot takes at once: tl.dot's smallest operand width.
+ROWS = 16
+MAX_ROWS = ROWS
+# rows_config's choices, measured on an H200 (132 SMs; BENCHMARKS.md, thirteenth session, R1-R2: 28 calls
+# of each Qwen3-0.6B linear at 2, 8 and 16 rows, the best of ~20 settings a shape). q/k/v (N = 4096) and
+# gate/up (6144) ran fastest in 64-row column blocks (64 and 96 programs), o_proj and down_proj (N = 1024)
+# in 16-row ones; down_proj (K = 3072) split in four (211 us against 218-231 unsplit or in two), o_proj
+# (K = 2048) unsplit, 5 stages. In the engine (R4, decode graphs at 2-16 rows) the norm-folded launches
+# without preloaded tiles took 40-70 us a step less than with two.
+MIN_COLUMN_BLOCKS = 64
+SPLIT_ABOVE_TILES = 8
+SPLIT_K = 4
+
+
+@dataclass(frozen=True, slots=True)
+class RowsConfig:
+    block_n: int = 16  # weight rows (output columns) per program
+    block_k: int = 256  # K elements per weight tile
+    split_k: int = 1  # programs per column block, each summing a contiguous range of K
+    num_warps: int = 2
+    num_stages: int = 4
+    preload: int = 2  # weight tiles loaded before the PDL wait (0-2)
+
+
+@triton.jit
+def _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, store_rows, norm_w_ptr, K, pid_n,
+               PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += w @ x[:, k : k + BLOCK_K]^T (x through the prologue), and the norm's sums of squares."""
+    offs_k = k + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < k_end
+    x = tl.load(x_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)  # [ROWS, BLOCK_K]
+    if PROLOGUE == ADD_RMS_NORM:
+        # Rounded to x's dtype as the residual stream is stored, before the norm reads it.
+        x = (x.to(tl.float32) + tl.load(residual_rows + offs_k[None, :], mask=k_mask[None, :],
+                                        other=0.0).to(tl.float32)).to(w.dtype)
+        if pid_n == 0:
+            tl.store(sum_rows + offs_k[None, :], x, mask=store_rows[:, None] & k_mask[None, :])
+    if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
+        xf = x.to(tl.float32)
+        squares += xf * xf
+        x = (xf * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]).to(w.dtype)
+    return tl.dot(w, tl.trans(x), acc), squares
+
+
+@triton.jit
+def _w_tile(w_rows, k, k_end, BLOCK_K: tl.constexpr):
+    offs_k = k + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_end)[None, :], other=0.0)
+
+
+@triton.jit(do_not_specialize=["M"])  # one build for every row count (Triton would give 1 and 16 their own)
+def _skinny_rows_kernel(
+    x_ptr,  # [M, K], rows stride_xm apart, last dim contiguous
+    w_ptr,  # [N, K]
+    bias_ptr,
+    out_ptr,  # [M, N], rows stride_om apart; with WRITE_PARTIAL a [split_k, M, N] float32 workspace
+    residual_ptr,  # ADD_RMS_NORM: [M, K], rows stride_rm apart, added to x
+    sum_ptr,  # ADD_RMS_NORM: [M, K] contiguous, receives x + residual (written by the first column block)
+    norm_w_ptr,  # RMS_NORM, ADD_RMS_NORM: [K]
+    eps,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_rm,
+    tiles_per_split,
+    ROWS_: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PROLOGUE: tl.constexpr = PLAIN,
+    PDL: tl.constexpr = False,
+    PRELOAD: tl.constexpr = 0,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, ROWS_)
+    m_mask = offs_m < M
+    # Columns past N read the last weight row and padding rows the last row of x: loads need only K masks.
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    real_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    x_rows = x_ptr + real_m[:, None] * stride_xm  # [ROWS, 1]
+    residual_rows = residual_ptr + real_m[:, None] * stride_rm
+    sum_rows = sum_ptr + real_m[:, None] * K
+    k_start = pid_k * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
+    acc = tl.zeros([BLOCK_N, ROWS_], dtype=tl.float32)
+    squares = tl.zeros([ROWS_, BLOCK_K], dtype=tl.float32)
+    if PRELOAD >= 1:
+        w0 = _w_tile(w_rows, k_start, k_end, BLOCK_K)
+    if PRELOAD >= 2:
+        w1 = _w_tile(w_rows, k_start + BLOCK_K, k_end, BLOCK_K)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if PRELOAD >= 1:
+        acc, squares = _rows_tile(acc, squares, w0, k_start, k_end, x_rows, residual_rows, sum_rows, m_mask,
+                                  norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
+    if PRELOAD >= 2:
+        acc, squares = _rows_tile(acc, squares, w1, k_start + BLOCK_K, k_end, x_rows, residual_rows, sum_rows,
+                                  m_mask, norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
+    for k in tl.range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        w = _w_tile(w_rows, k, k_end, BLOCK_K)
+        acc, squares = _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, m_mask,
+                                  norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
+    if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
+        acc = acc * tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[None, :]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if WRITE_PARTIAL:
+        tl.store(out_ptr + (pid_k * M + offs_m)[None, :] * N + offs_n[:, None], acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+
+
+@triton.jit
+def _rows_split_k_reduce_kernel(partial_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # A fixed summation order: the same inputs give the same bits on every run.
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(partial_ptr + (split * M + row) * N + offs_n, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, prologue: tl.constexpr = PLAIN,
+                residual=None, summed=None, norm_weight=None, eps: float = 0.0) -> torch.Tensor:
+    """out[:M] = prologue(x) @ weight.T (+ bias); the callers check shapes and dtypes."""
+    m, (n, k) = x.shape[0], weight.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"the rows kernel takes 1 to {MAX_ROWS} rows, not {m}")
+    num_tiles = triton.cdiv(k, config.block_k)
+    split_k = 1 if prologue in (RMS_NORM, ADD_RMS_NORM) else max(1, min(config.split_k, num_tiles))
+    tiles_per_split = triton.cdiv(num_tiles, split_k)
+    split_k = triton.cdiv(num_tiles, tiles_per_split)
+    write_partial = split_k > 1
+    target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if write_partial else out
+    _skinny_rows_kernel[(triton.cdiv(n, config.block_n), split_k)](
+        x, weight, bias if bias is not None else x, target,
+        residual if residual is not None else x, summed if summed is not None else x,
+        norm_weight if norm_weight is not None else x, eps, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
+        tiles_per_split,
+        ROWS_=ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
+        WRITE_PARTIAL=write_partial, NUM_STAGES=config.num_stages, PROLOGUE=prologue.value, PDL=pdl,
+        PRELOAD=min(config.preload if pdl else 0, tiles_per_split),
+        num_warps=config.num_warps, launch_pdl=pdl,
+    )
+    if write_partial:
+        _rows_split_k_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
+            target, bias if bias is not None else x, out, m, n, out.stride(0), SPLIT_K=split_k,
+            HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N)
+    return out
+
+
+def rows_config(n: int, k: int, prologue: tl.constexpr = PLAIN) -> RowsConfig:
+    """Launch settings from shapes alone: a column block of 64 weight rows at 4 warps (16 a warp, the dot's
+    whole layout) where that still gives MIN_COLUMN_BLOCKS programs, else 16 rows at 2 warps; split-K for a
+    plain launch over more than SPLIT_ABOVE_TILES tiles."""
+    block_n, num_warps = (64, 4) if triton.cdiv(n, 64) >= MIN_COLUMN_BLOCKS else (16, 2)
+    block_k = max(16, min(256, triton.next_power_of_2(k)))
+    split_k = SPLIT_K if prologue == PLAIN and triton.cdiv(k, block_k) > SPLIT_ABOVE_TILES else 1
+    num_stages = 5 if block_n == 16 else 4
+    # Two preloaded 64-row tiles are 128 registers a thread held across the norm's prologue.
+    preload = 0 if prologue in (RMS_NORM, ADD_RMS_NORM) else 2
+    return RowsConfig(block_n, block_k, split_k, num_warps, num_stages, preload)
+
+
+def _check(x: torch.Tensor, width: int, weight: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != width or x.stride(-1) != 1:
+        raise ValueError(f"{what} must be 1 to {MAX_ROWS} rows of {width} with a contiguous last dim; "
+                         f"got {tuple(x.shape)}")
+    if weight.dtype != x.dtype or weight.stride(-1) != 1 or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"weight {weight.dtype} (and bias) must be x's dtype {x.dtype}, with a contiguous "
+                         "last dim")
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                pdl: bool = False) -> torch.Tensor:
+    """x @ weight.T (+ bias) for 1 to MAX_ROWS rows, in x's dtype with float32 accumulation."""
+    (n, k) = weight.shape
+    _check(x, k, weight, bias, "x")
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    return launch_rows(x, weight, bias, out, rows_config(n, k, PLAIN), pdl)
+
+
+def rows_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s) @ weight.T (+ bias), s) for 1 to MAX_ROWS rows, s = x + residual (or x), in one kernel
+    (see the module docstring for the rounding)."""
+    (n, k) = weight.shape
+    _check(x, k, weight, bias, "x")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.stride(-1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x's shape and dtype")
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} must be ({k},) "
+                         f"{x.dtype}")
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    prologue = RMS_NORM if residual is None else ADD_RMS_NORM
+    config = rows_config(n, k, prologue)
+    summed = torch.empty((x.shape[0], k), dtype=x.dtype, device=x.device) if residual is not None else None
+    launch_rows(x, weight, bias, out, config, pdl, prologue, residual, summed, norm_weight, eps)
+    return out, (x if summed is None else summed)
+

@@ -1,0 +1,130 @@
+"""The tensor-core few-rows kernel (kernels/skinny_rows.py) against PyTorch, on CPU tensors through the
+Triton interpreter (float16: its tl.dot multiplies bfloat16's raw bits) or on CUDA when TRITON_INTERPRET=0:
+plain and RMSNorm-folded launches at 1-16 rows, ragged N and K, split-K, bias, the residual stream it
+writes, the launch settings, and the argument checks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import triton_test_device
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels import skinny_rows  # noqa: E402
+from nanovllm.kernels.skinny_rows import (  # noqa: E402
+    RowsConfig,
+    launch_rows,
+    rows_linear,
+    rows_norm_linear,
+)
+from nanovllm.utils.norm import rms_norm  # noqa: E402
+
+DEVICE = triton_test_device()
+DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# The operands enter the dot rounded to the dtype (the normed row after its weight): one rounding more
+# than the float32 reference.
+TOLERANCES = {torch.float16: 3e-3, torch.bfloat16: 3e-2}
+ROW_COUNTS = [1, 2, 3, 8, 16]
+# A small config so that the interpreter's shapes span several column blocks and K tiles.
+SMALL = RowsConfig(block_n=16, block_k=32, num_stages=2)
+
+
+def make(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, x_width: int | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, x_width or k, generator=gen)
+    weight = torch.randn(n, k, generator=gen) / k**0.5
+    bias = torch.randn(n, generator=gen)
+    return x.to(DEVICE, dtype), weight.to(DEVICE, dtype), bias.to(DEVICE, dtype)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    tol = TOLERANCES[out.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", ROW_COUNTS)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_plain_rows_match_matmul_for_ragged_shapes_and_splits(m: int, split_k: int, dtype: torch.dtype):
+    x, weight, bias = make(m, 40, 100, dtype)
+    for b in (None, bias):
+        out = torch.empty(m, 40, dtype=dtype, device=DEVICE)
+        launch_rows(x, weight, b, out, RowsConfig(16, 32, split_k=split_k, num_stages=2))
+        assert_close(out, F.linear(x.float(), weight.float(), None if b is None else b.float()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", ROW_COUNTS)
+def test_add_norm_prologue_stores_the_residual_stream_and_norms_each_row(m: int, dtype: torch.dtype):
+    x, weight, _ = make(m, 48, 96, dtype)
+    residual = make(m, 1, 96, dtype, seed=1)[0]
+    norm_weight = (torch.rand(96) + 0.5).to(DEVICE, dtype)
+    out = torch.empty(m, 48, dtype=dtype, device=DEVICE)
+    summed = torch.empty(m, 96, dtype=dtype, device=DEVICE)
+    launch_rows(x, weight, None, out, SMALL, False, skinny_rows.ADD_RMS_NORM, residual, summed, norm_weight,
+                1e-6)
+    expected_sum = (x.float() + residual.float()).to(dtype)
+    assert torch.equal(summed, expected_sum)  # the stream is stored exactly as the add kernel rounds it
+    normed = rms_norm(expected_sum.float(), norm_weight.float(), 1e-6)
+    assert_close(out, normed @ weight.float().T)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [2, 5, 16])
+def test_norm_prologue_without_residual(m: int, dtype: torch.dtype):
+    x, weight, _ = make(m, 48, 96, dtype)
+    norm_weight = (torch.rand(96) + 0.5).to(DEVICE, dtype)
+    out = torch.empty(m, 48, dtype=dtype, device=DEVICE)
+    launch_rows(x, weight, None, out, SMALL, False, skinny_rows.RMS_NORM, norm_weight=norm_weight, eps=1e-6)
+    assert_close(out, rms_norm(x.float(), norm_weight.float(), 1e-6) @ weight.float().T)
+
+
+def test_norm_launches_never_split_k():
+    """A split would cut each row's sum of squares: the norm prologues run unsplit whatever the config."""
+    x, weight, _ = make(3, 32, 128, torch.float16)
+    norm_weight = torch.ones(128, dtype=torch.float16, device=DEVICE)
+    out = torch.empty(3, 32, dtype=torch.float16, device=DEVICE)
+    split = RowsConfig(16, 32, split_k=4, num_stages=2)
+    launch_rows(x, weight, None, out, split, False, skinny_rows.RMS_NORM, norm_weight=norm_weight, eps=1e-6)
+    assert_close(out, rms_norm(x.float(), norm_weight.float(), 1e-6) @ weight.float().T)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_public_functions_agree_with_norm_then_linear(dtype: torch.dtype):
+    m, n, k = 4, 64, 128
+    x, weight, bias = make(m, n, k, dtype)
+    residual = make(m, 1, k, dtype, seed=3)[0]
+    norm_weight = (torch.rand(k) + 0.5).to(DEVICE, dtype)
+    assert_close(rows_linear(x, weight, bias), F.linear(x.float(), weight.float(), bias.float()))
+    out, summed = rows_norm_linear(x, norm_weight, 1e-6, weight, residual=residual)
+    assert torch.equal(summed, (x.float() + residual.float()).to(dtype))
+    assert_close(out, rms_norm(summed.float(), norm_weight.float(), 1e-6) @ weight.float().T)
+    out, same = rows_norm_linear(x, norm_weight, 1e-6, weight, bias)
+    assert same is x
+    assert_close(out, rms_norm(x.float(), norm_weight.float(), 1e-6) @ weight.float().T + bias.float())
+
+
+def test_bad_arguments_raise_value_errors():
+    x, weight, _ = make(2, 32, 64, torch.float16)
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        rows_linear(torch.zeros(17, 64, dtype=torch.float16, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="rows of 64"):
+        rows_linear(x[:, :32], weight)
+    with pytest.raises(ValueError, match="dtype"):
+        rows_linear(x, weight.float())
+    with pytest.raises(ValueError, match="residual"):
+        rows_norm_linear(x, torch.ones(64, dtype=torch.float16, device=DEVICE), 1e-6, weight, residual=x[:1])
+    with pytest.raises(ValueError, match="norm_weight"):
+        rows_norm_linear(x, torch.ones(32, dtype=torch.float16, device=DEVICE), 1e-6, weight)
+
+
+def test_launch_settings_follow_the_measured_shapes():
+    """Qwen3-0.6B's linears get the settings that measured fastest (skinny_rows.MIN_COLUMN_BLOCKS)."""
+    config = skinny_rows.rows_config
+    assert config(4096, 1024, skinny_rows.ADD_RMS_NORM) == RowsConfig(64, 256, 1, 4, 4, preload=0)  # q/k/v
+    assert config(6144, 1024, skinny_rows.ADD_RMS_NORM) == RowsConfig(64, 256, 1, 4, 4, preload=0)  # gate/up
+    assert config(1024, 2048) == RowsConfig(16, 256, 1, 2, 5)  # o_proj: 8 tiles, unsplit
+    assert config(1024, 3072) == RowsConfig(16, 256, 4, 2, 5)  # down_proj: 12 tiles, split in four
+    assert config(1024, 3072, skinny_rows.RMS_NORM).split_k == 1  # a norm is never split
+    assert config(151936, 1024).block_n == 64  # the LM head
+    assert config(64, 40) == RowsConfig(16, 64, 1, 2, 5)  # K tiles no wider than K

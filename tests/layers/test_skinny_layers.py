@@ -1,0 +1,86 @@
+"""The linear layers' few-token kernels (layers/linear.py, SkinnyKernels): at 1 to SKINNY_MAX_TOKENS rows
+ColumnParallelLinear.normed folds the RMSNorm into the kernel (the one-row GEMV or the rows kernel) and
+gives what the norm then the layer give, plain matmuls take them too, and RowParallelLinear folds the
+SiLU-mul at one row only; more rows take cuBLAS and the norm kernel. On the CPU the kernels run in
+Triton's interpreter (float16: its tl.dot multiplies bfloat16's raw bits); on CUDA with TRITON_INTERPRET=0."""
+
+import pytest
+import torch
+from conftest import triton_test_device
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels import skinny_gemm, skinny_rows  # noqa: E402
+from nanovllm.layers import linear  # noqa: E402
+from nanovllm.layers.activation import SiluAndMul  # noqa: E402
+from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
+from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from nanovllm.layers.options import KernelOptions, use_kernel_options  # noqa: E402
+
+DEVICE = triton_test_device()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[str]:
+    """The few-token kernels the layers call, by name, in order; the layers may run them on this device."""
+    monkeypatch.setattr(linear, "SKINNY_DEVICE_TYPES", (DEVICE,))
+    calls = []
+
+    def spying(module, name: str):
+        fn = getattr(module, name)
+
+        def spy(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return spy
+
+    for module, name in ((skinny_gemm, "skinny_linear"), (skinny_gemm, "skinny_norm_linear"),
+                         (skinny_gemm, "skinny_silu_linear"), (skinny_rows, "rows_linear"),
+                         (skinny_rows, "rows_norm_linear")):
+        monkeypatch.setattr(module, name, spying(module, name))
+    return calls
+
+
+def make_layers() -> tuple[ColumnParallelLinear, RowParallelLinear, RMSNorm]:
+    torch.manual_seed(0)
+    with torch.device(DEVICE), use_kernel_options(KernelOptions(skinny_gemm=True)):
+        up, down, norm = ColumnParallelLinear(128, 512), RowParallelLinear(256, 128), RMSNorm(128)
+    for layer in (up, down, norm):
+        layer.half()
+        for p in layer.parameters():
+            p.data.normal_(std=0.1)
+    return up, down, norm
+
+
+def run_layers(up, down, norm, rows: int) -> None:
+    """Each layer's few-token call against the norm or SiLU-mul, then the plain matmul."""
+    x, residual = torch.randn(2, rows, 128, device=DEVICE, dtype=torch.float16).unbind(0)
+    out, summed = up.normed(x, norm, residual)
+    normed, expected_sum = norm(x, residual)
+    assert torch.equal(summed, expected_sum)
+    torch.testing.assert_close(out, torch.nn.functional.linear(normed, up.weight), atol=2e-2, rtol=2e-2)
+    gate_up = torch.randn(rows, 512, device=DEVICE, dtype=torch.float16)
+    act = SiluAndMul()(gate_up)
+    torch.testing.assert_close(down.silu_mul_forward(gate_up, SiluAndMul()),
+                               torch.nn.functional.linear(act, down.weight), atol=2e-3, rtol=2e-3)
+
+
+def test_one_row_folds_the_norm_and_the_activation_into_the_gemv(kernel_calls):
+    run_layers(*make_layers(), 1)
+    assert kernel_calls == ["skinny_norm_linear", "skinny_silu_linear"]
+
+
+@pytest.mark.parametrize("rows", [2, 3, 16])
+def test_few_rows_fold_the_norm_into_the_rows_kernel(kernel_calls, rows: int):
+    run_layers(*make_layers(), rows)
+    # down: the SiLU-mul kernel, then the rows kernel's plain matmul
+    assert kernel_calls == ["rows_norm_linear", "rows_linear"]
+
+
+def test_more_rows_or_the_switch_take_the_plain_path(kernel_calls, monkeypatch):
+    layers = make_layers()
+    run_layers(*layers, linear.SKINNY_MAX_TOKENS + 1)
+    assert kernel_calls == []
+    monkeypatch.setattr(linear, "SKINNY_MAX_TOKENS", 1)  # read when a layer is built
+    run_layers(*make_layers(), 2)
+    assert kernel_calls == []

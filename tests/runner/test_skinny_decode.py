@@ -1,0 +1,49 @@
+"""Whole-engine greedy decoding with every step of up to SKINNY_MAX_TOKENS tokens through the few-token
+kernels (the one-row GEMV and the rows kernel: the linear layers, the LM head, the norms folded in; in
+Triton's interpreter on the CPU, in float32) gives the plain path's tokens at decode batches of 4, 3
+and 2 rows."""
+
+import pytest
+import torch
+from conftest import PROMPTS, triton_test_device
+
+from nanovllm import LLM, SamplingParams
+
+pytest.importorskip("triton")
+
+OPTIONS = dict(kvcache_block_size=4, max_model_len=128, max_num_seqs=8, dtype="float32", enforce_eager=True,
+               num_kvcache_blocks=256, attention_backend="torch")
+# Sequences leave one by one: decode batches of 4, then 3, then 2 rows, then 1.
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 6, 8, 12)]
+
+
+def test_few_token_kernels_give_the_plain_tokens(qwen3_dir, monkeypatch):
+    device = triton_test_device()
+    plain = LLM(qwen3_dir, **OPTIONS)
+    expected = [o["token_ids"] for o in plain.generate(PROMPTS[:4], PARAMS, use_tqdm=False)]
+    plain.shutdown()
+
+    from nanovllm.kernels import skinny_rows
+    from nanovllm.layers import embed_head, linear
+
+    # The layers take the kernels as on a GPU, on this device and in float32 (token-exact here).
+    def kernels():
+        return linear.SkinnyKernels(pdl=False, max_tokens=linear.SKINNY_MAX_TOKENS)
+
+    monkeypatch.setattr(linear, "skinny_linear_or_none", kernels)
+    monkeypatch.setattr(embed_head, "skinny_linear_or_none", kernels)
+    monkeypatch.setattr(linear, "SKINNY_DEVICE_TYPES", (device,))
+    monkeypatch.setattr(linear, "SKINNY_DTYPES", (torch.float32,))
+    rows_seen, launch_rows = [], skinny_rows.launch_rows
+
+    def spy(x, *args, **kwargs):
+        prologue = kwargs.get("prologue", args[5] if len(args) > 5 else skinny_rows.PLAIN)
+        rows_seen.append((x.shape[0], prologue.value))
+        return launch_rows(x, *args, **kwargs)
+
+    monkeypatch.setattr(skinny_rows, "launch_rows", spy)
+    llm = LLM(qwen3_dir, **OPTIONS)
+    assert [o["token_ids"] for o in llm.generate(PROMPTS[:4], PARAMS, use_tqdm=False)] == expected
+    llm.shutdown()
+    assert {m for m, _ in rows_seen} >= {2, 3, 4}
+    assert {p for _, p in rows_seen} >= {skinny_rows.PLAIN.value, skinny_rows.ADD_RMS_NORM.value}
