@@ -1,6 +1,7 @@
 """Few-row matmuls on tensor cores: out[M, N] = x[M, K] @ weight[N, K]^T (+ bias) for 2 <= M <= MAX_ROWS,
 as decode at a batch of a few sequences runs every linear layer. On an H200 (BENCHMARKS.md, thirteenth
-session, R2) a decode step at 2-16 rows took 9-19% less than with cuBLAS and separate norm kernels.
+session, R2-R5) a decode step's graph at 2-16 rows took 9-17% less than with cuBLAS and separate norm
+kernels. The LM head (N = 151,936) stays with cuBLAS, as fast there (R8).
 
 At these M the weight is nearly all the bytes, so like skinny_gemm's GEMV each program streams its
 [BLOCK_N, K] slab of the weight once, in pipelined [BLOCK_N, BLOCK_K] tiles. The products run on tensor

@@ -44,7 +44,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
-        self.skinny = skinny_linear_or_none()
+        # One row only: from two, cuBLAS reads this wide weight (311 MB for Qwen3's vocabulary) at ~3.9
+        # TB/s, 78-81 us at 2-16 rows on an H200, where the rows kernel took 80-134 (BENCHMARKS.md, R8).
+        self.skinny = skinny_linear_or_none(max_tokens=1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[num_tokens, hidden] -> [num_tokens, vocab] on rank 0 (None on other ranks)."""

@@ -64,12 +64,13 @@ class SkinnyKernels:
         return skinny_silu_linear(x, weight, pdl=self.pdl)
 
 
-def skinny_linear_or_none() -> SkinnyKernels | None:
-    """The few-token kernels when this engine's layers use them, else None."""
+def skinny_linear_or_none(max_tokens: int | None = None) -> SkinnyKernels | None:
+    """The few-token kernels when this engine's layers use them (for up to max_tokens tokens, default
+    SKINNY_MAX_TOKENS), else None."""
     options = kernel_options()
     if not options.skinny_gemm:
         return None
-    return SkinnyKernels(options.pdl, SKINNY_MAX_TOKENS)
+    return SkinnyKernels(options.pdl, SKINNY_MAX_TOKENS if max_tokens is None else max_tokens)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 from nanovllm.kernels import skinny_gemm, skinny_rows  # noqa: E402
 from nanovllm.layers import linear  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
+from nanovllm.layers.embed_head import ParallelLMHead  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from nanovllm.layers.options import KernelOptions, use_kernel_options  # noqa: E402
@@ -84,3 +85,15 @@ def test_more_rows_or_the_switch_take_the_plain_path(kernel_calls, monkeypatch):
     monkeypatch.setattr(linear, "SKINNY_MAX_TOKENS", 1)  # read when a layer is built
     run_layers(*make_layers(), 2)
     assert kernel_calls == []
+
+
+def test_the_lm_head_takes_the_gemv_at_one_row_and_cublas_from_two(kernel_calls):
+    with torch.device(DEVICE), use_kernel_options(KernelOptions(skinny_gemm=True)):
+        head = ParallelLMHead(300, 64)
+    head.half()
+    head.weight.data.normal_(std=0.1)
+    for rows in (1, 3):
+        hidden = torch.randn(rows, 64, device=DEVICE, dtype=torch.float16)
+        expected = torch.nn.functional.linear(hidden, head.weight)
+        torch.testing.assert_close(head.compute_logits(hidden), expected, atol=2e-3, rtol=2e-3)
+    assert kernel_calls == ["skinny_linear"]

@@ -1,7 +1,7 @@
 """Whole-engine greedy decoding with every step of up to SKINNY_MAX_TOKENS tokens through the few-token
-kernels (the one-row GEMV and the rows kernel: the linear layers, the LM head, the norms folded in; in
-Triton's interpreter on the CPU, in float32) gives the plain path's tokens at decode batches of 4, 3
-and 2 rows."""
+kernels (the one-row GEMV and the rows kernel: the linear layers, the norms folded in, the LM head at one
+row; in Triton's interpreter on the CPU, in float32) gives the plain path's tokens at decode batches of 4,
+3, 2 and 1 rows."""
 
 import pytest
 import torch
@@ -27,8 +27,8 @@ def test_few_token_kernels_give_the_plain_tokens(qwen3_dir, monkeypatch):
     from nanovllm.layers import embed_head, linear
 
     # The layers take the kernels as on a GPU, on this device and in float32 (token-exact here).
-    def kernels():
-        return linear.SkinnyKernels(pdl=False, max_tokens=linear.SKINNY_MAX_TOKENS)
+    def kernels(max_tokens=None):
+        return linear.SkinnyKernels(False, linear.SKINNY_MAX_TOKENS if max_tokens is None else max_tokens)
 
     monkeypatch.setattr(linear, "skinny_linear_or_none", kernels)
     monkeypatch.setattr(embed_head, "skinny_linear_or_none", kernels)
