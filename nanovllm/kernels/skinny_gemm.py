@@ -176,24 +176,28 @@ def _skinny_gemm_kernel(
 
 
 @triton.jit
-def _split_k_reduce_kernel(
-    partial_ptr,  # [SPLIT_K, N] float32
+def split_k_reduce_kernel(
+    partial_ptr,  # [SPLIT_K, M, N] float32
     bias_ptr,
-    out_ptr,
+    out_ptr,  # [M, N], rows stride_om apart
+    M,
     N,
+    stride_om,
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """out = the split-K partials summed (+ bias); grid (column blocks, rows). Also skinny_rows'."""
+    row = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     # A fixed summation order: the same inputs give the same bits on every run.
     for split in tl.static_range(SPLIT_K):
-        acc += tl.load(partial_ptr + split * N + offs_n, mask=n_mask, other=0.0)
+        acc += tl.load(partial_ptr + (split * M + row) * N + offs_n, mask=n_mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def skinny_config(n: int, k: int, element_size: int, num_sms: int = DEFAULT_NUM_SMS) -> SkinnyConfig:
@@ -305,11 +309,13 @@ def _launch(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.
         launch_pdl=pdl,
     )
     if write_partial:
-        _split_k_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N),)](
+        split_k_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), 1)](
             target,
             bias if bias is not None else x,
             out,
+            1,
             n,
+            out.stride(0),
             SPLIT_K=split_k,
             HAS_BIAS=bias is not None,
             BLOCK_N=REDUCE_BLOCK_N,

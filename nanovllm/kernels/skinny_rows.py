@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, REDUCE_BLOCK_N, RMS_NORM
+from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, REDUCE_BLOCK_N, RMS_NORM, split_k_reduce_kernel
 
 # The rows of x the dot takes at once: tl.dot's smallest operand width.
 ROWS = 16
@@ -154,21 +154,6 @@ def _skinny_rows_kernel(
                  mask=out_mask)
 
 
-@triton.jit
-def _rows_split_k_reduce_kernel(partial_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr,
-                                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # A fixed summation order: the same inputs give the same bits on every run.
-    for split in tl.static_range(SPLIT_K):
-        acc += tl.load(partial_ptr + (split * M + row) * N + offs_n, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
 def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, prologue: tl.constexpr = PLAIN,
                 residual=None, summed=None, norm_weight=None, eps: float = 0.0) -> torch.Tensor:
     """out[:M] = prologue(x) @ weight.T (+ bias); the callers check shapes and dtypes."""
@@ -193,7 +178,7 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
         num_warps=config.num_warps, launch_pdl=pdl,
     )
     if write_partial:
-        _rows_split_k_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
+        split_k_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
             target, bias if bias is not None else x, out, m, n, out.stride(0), SPLIT_K=split_k,
             HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N)
     return out
