@@ -9,7 +9,8 @@ across lanes once at the end (no per-tile shuffles). This kernel takes one row; 
 takes 2-16 (on tensor cores).
 
 Split-K (grid axis 1) is used only when too few column blocks exist to keep the SMs busy. It stays
-deterministic: float32 partials go to a [split_k, N] workspace that a second kernel sums in a fixed order.
+deterministic: float32 partials go to a [split_k, N] workspace that a second kernel sums in a fixed order
+(kernels/split_k.py).
 All sizes come from shapes (no host sync, no data-dependent allocation), so calls are CUDA-graph capturable.
 Accumulation is float32; the result is in x's dtype.
 
@@ -30,6 +31,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanovllm.kernels.common import DEFAULT_NUM_SMS, sm_count
+from nanovllm.kernels.split_k import plan_split_k, reduce_split_k, split_k_workspace
 
 # Bytes of weight the whole GPU should have requested but not yet received: H200 HBM (~4.8 TB/s) times a
 # loaded-memory latency of ~0.8 us (Little's law). The pipeline depth is chosen so that the resident
@@ -56,8 +58,6 @@ MIN_BLOCK_K = 16
 # Weight tiles a programmatic dependent launch loads before it waits for the kernel before: single-stream
 # decode 0.845-0.862 ms/token with 2, 0.861-0.901 with 4, 0.892-0.920 without PDL (BENCHMARKS.md, call P2).
 PDL_PRELOAD_TILES = 2
-# The split-K reduce: one program sums this many columns of one row.
-REDUCE_BLOCK_N = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,31 +175,6 @@ def _skinny_gemm_kernel(
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
-def split_k_reduce_kernel(
-    partial_ptr,  # [SPLIT_K, M, N] float32
-    bias_ptr,
-    out_ptr,  # [M, N], rows stride_om apart
-    M,
-    N,
-    stride_om,
-    SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """out = the split-K partials summed (+ bias); grid (column blocks, rows). Also skinny_rows'."""
-    row = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # A fixed summation order: the same inputs give the same bits on every run.
-    for split in tl.static_range(SPLIT_K):
-        acc += tl.load(partial_ptr + (split * M + row) * N + offs_n, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
 def skinny_config(n: int, k: int, element_size: int, num_sms: int = DEFAULT_NUM_SMS) -> SkinnyConfig:
     """Launch parameters for x[1, k] @ weight[n, k]^T from shapes alone (no autotuning, so a graph capture
     never compiles or times anything). BLOCK_N: the widest that still gives PROGRAMS_PER_SM programs per
@@ -277,14 +252,10 @@ def _launch(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.
     Everything it reads before the wait (the weight) no kernel writes, so this is race-free; the
     split-K reduce after it is a plain launch."""
     n, k = weight.shape
-    # Each split covers whole tiles, so none but the last sees the ragged end of K.
-    num_tiles = triton.cdiv(k, config.block_k)
-    split_k = max(1, min(config.split_k, num_tiles))
-    tiles_per_split = triton.cdiv(num_tiles, split_k)
-    split_k = triton.cdiv(num_tiles, tiles_per_split)  # drop splits that would get no tile
-    write_partial = split_k > 1
-    target = torch.empty((split_k, n), dtype=torch.float32, device=x.device) if write_partial else out
-    _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split_k)](
+    split = plan_split_k(k, config.block_k, config.split_k)
+    write_partial = split.splits > 1
+    target = split_k_workspace(split, 1, n, x.device) if write_partial else out
+    _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split.splits)](
         x,
         weight,
         bias if bias is not None else x,  # never read without HAS_BIAS
@@ -296,7 +267,7 @@ def _launch(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.
         n,
         k,
         weight.stride(0),
-        tiles_per_split,
+        split.tiles_per_split,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         HAS_BIAS=bias is not None,
@@ -305,22 +276,11 @@ def _launch(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.
         PROLOGUE=prologue.value,
         num_warps=config.num_warps,
         PDL=pdl,
-        PRELOAD=min(PDL_PRELOAD_TILES * pdl if config.preload is None else config.preload, tiles_per_split),
+        PRELOAD=min(PDL_PRELOAD_TILES * pdl if config.preload is None else config.preload,
+                    split.tiles_per_split),
         launch_pdl=pdl,
     )
-    if write_partial:
-        split_k_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), 1)](
-            target,
-            bias if bias is not None else x,
-            out,
-            1,
-            n,
-            out.stride(0),
-            SPLIT_K=split_k,
-            HAS_BIAS=bias is not None,
-            BLOCK_N=REDUCE_BLOCK_N,
-        )
-    return out
+    return reduce_split_k(target, bias, out) if write_partial else out
 
 
 def _check_one_row(x: torch.Tensor, width: int, what: str) -> None:

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, REDUCE_BLOCK_N, RMS_NORM, split_k_reduce_kernel
+from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, RMS_NORM
+from nanovllm.kernels.split_k import plan_split_k, reduce_split_k, split_k_workspace
 
 # The rows of x the dot takes at once: tl.dot's smallest operand width.
 ROWS = 16
@@ -160,28 +161,21 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
     m, (n, k) = x.shape[0], weight.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the rows kernel takes 1 to {MAX_ROWS} rows, not {m}")
-    num_tiles = triton.cdiv(k, config.block_k)
-    split_k = 1 if prologue in (RMS_NORM, ADD_RMS_NORM) else max(1, min(config.split_k, num_tiles))
-    tiles_per_split = triton.cdiv(num_tiles, split_k)
-    split_k = triton.cdiv(num_tiles, tiles_per_split)
-    write_partial = split_k > 1
-    target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if write_partial else out
-    _skinny_rows_kernel[(triton.cdiv(n, config.block_n), split_k)](
+    split = plan_split_k(k, config.block_k, 1 if prologue in (RMS_NORM, ADD_RMS_NORM) else config.split_k)
+    write_partial = split.splits > 1
+    target = split_k_workspace(split, m, n, x.device) if write_partial else out
+    _skinny_rows_kernel[(triton.cdiv(n, config.block_n), split.splits)](
         x, weight, bias if bias is not None else x, target,
         residual if residual is not None else x, summed if summed is not None else x,
         norm_weight if norm_weight is not None else x, eps, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
-        tiles_per_split,
+        split.tiles_per_split,
         ROWS_=ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
         WRITE_PARTIAL=write_partial, NUM_STAGES=config.num_stages, PROLOGUE=prologue.value, PDL=pdl,
-        PRELOAD=min(config.preload if pdl else 0, tiles_per_split),
+        PRELOAD=min(config.preload if pdl else 0, split.tiles_per_split),
         num_warps=config.num_warps, launch_pdl=pdl,
     )
-    if write_partial:
-        split_k_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
-            target, bias if bias is not None else x, out, m, n, out.stride(0), SPLIT_K=split_k,
-            HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N)
-    return out
+    return reduce_split_k(target, bias, out) if write_partial else out
 
 
 def rows_config(n: int, k: int, prologue: tl.constexpr = PLAIN) -> RowsConfig:

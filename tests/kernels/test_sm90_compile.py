@@ -23,7 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
     decode_attention = decode_launch = decode_rope = fused_moe = moe_routing = norm_act = None
-    prefill_attention = rope_store = sample_race = skinny_gemm = skinny_rows = None
+    prefill_attention = rope_store = sample_race = skinny_gemm = skinny_rows = split_k = None
 else:
     import nanovllm.kernels
     from nanovllm.kernels import (
@@ -38,6 +38,7 @@ else:
         sample_race,
         skinny_gemm,
         skinny_rows,
+        split_k,
     )
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -161,7 +162,7 @@ def cases() -> dict:
                               dict(ROWS_=16, BLOCK_N=16, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True,
                                    NUM_STAGES=4, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2), {},
                               dict(num_warps=2, launch_pdl=True)),
-        "split-k-reduce": (skinny_gemm.split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
+        "split-k-reduce": (split_k.split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
         "add-rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
         "rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=1024)),
         "silu-and-mul": (norm_act._silu_and_mul_kernel, dict(BLOCK=norm_act.ACT_BLOCK)),
