@@ -103,7 +103,8 @@ def _gemv_tile(partial, squares, w, k, k_end, x_ptr, residual_ptr, sum_ptr, norm
 
 
 @triton.jit
-def _w_tile(w_rows, k, k_end, offs):
+def weight_tile(w_rows, k, k_end, offs):
+    """The [rows, len(offs)] weight tile at K offset k; columns from k_end on read as 0. Also skinny_rows'."""
     return tl.load(w_rows + (k + offs)[None, :], mask=(k + offs < k_end)[None, :], other=0.0)
 
 
@@ -146,9 +147,9 @@ def _skinny_gemm_kernel(
     # Under PDL the weight, which no kernel writes, has its first PRELOAD tiles requested while the
     # kernel before finishes; x and the rest of the weight come after the wait.
     if PRELOAD >= 1:
-        w0 = _w_tile(w_rows, k_start, k_end, offs)
+        w0 = weight_tile(w_rows, k_start, k_end, offs)
     if PRELOAD >= 2:
-        w1 = _w_tile(w_rows, k_start + BLOCK_K, k_end, offs)
+        w1 = weight_tile(w_rows, k_start + BLOCK_K, k_end, offs)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()  # the next kernel may launch now and preload its own weight

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, RMS_NORM
+from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, RMS_NORM, weight_tile
 from nanovllm.kernels.split_k import plan_split_k, reduce_split_k, split_k_workspace
 
 # The rows of x the dot takes at once: tl.dot's smallest operand width.
@@ -76,12 +76,6 @@ def _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, store
     return tl.dot(w, tl.trans(x), acc), squares
 
 
-@triton.jit
-def _w_tile(w_rows, k, k_end, BLOCK_K: tl.constexpr):
-    offs_k = k + tl.arange(0, BLOCK_K)
-    return tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_end)[None, :], other=0.0)
-
-
 @triton.jit(do_not_specialize=["M"])  # one build for every row count (Triton would give 1 and 16 their own)
 def _skinny_rows_kernel(
     x_ptr,  # [M, K], rows stride_xm apart, last dim contiguous
@@ -126,10 +120,11 @@ def _skinny_rows_kernel(
     k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
     acc = tl.zeros([BLOCK_N, ROWS_], dtype=tl.float32)
     squares = tl.zeros([ROWS_, BLOCK_K], dtype=tl.float32)
+    offs = tl.arange(0, BLOCK_K)
     if PRELOAD >= 1:
-        w0 = _w_tile(w_rows, k_start, k_end, BLOCK_K)
+        w0 = weight_tile(w_rows, k_start, k_end, offs)
     if PRELOAD >= 2:
-        w1 = _w_tile(w_rows, k_start + BLOCK_K, k_end, BLOCK_K)
+        w1 = weight_tile(w_rows, k_start + BLOCK_K, k_end, offs)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -140,7 +135,7 @@ def _skinny_rows_kernel(
         acc, squares = _rows_tile(acc, squares, w1, k_start + BLOCK_K, k_end, x_rows, residual_rows, sum_rows,
                                   m_mask, norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
     for k in tl.range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        w = _w_tile(w_rows, k, k_end, BLOCK_K)
+        w = weight_tile(w_rows, k, k_end, offs)
         acc, squares = _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, m_mask,
                                   norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
     if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
