@@ -1,7 +1,7 @@
 """The tensor-core few-rows kernel (kernels/skinny_rows.py) against PyTorch, on CPU tensors through the
 Triton interpreter (float16: its tl.dot multiplies bfloat16's raw bits) or on CUDA when TRITON_INTERPRET=0:
 plain and RMSNorm-folded launches at 1-16 rows, ragged N and K, split-K, bias, the residual stream it
-writes, the launch settings, and the argument checks."""
+writes, the launch settings (on CUDA also the Qwen3-0.6B shapes at them), and the argument checks."""
 
 import pytest
 import torch
@@ -128,3 +128,20 @@ def test_launch_settings_follow_the_measured_shapes():
     assert config(1024, 3072, skinny_rows.RMS_NORM).split_k == 1  # a norm is never split
     assert config(151936, 1024).block_n == 64  # the LM head
     assert config(64, 40) == RowsConfig(16, 64, 1, 2, 5)  # K tiles no wider than K
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="full-size tiles: too slow for the interpreter")
+@pytest.mark.parametrize("m", [2, 16])
+def test_qwen3_shapes_at_their_launch_settings(m: int):
+    """Each Qwen3-0.6B linear at rows_config's settings (the 64-row weight tiles and pipeline depths the
+    engine launches, which must fit the shared memory) gives the matmul."""
+    for n, k, prologue in ((4096, 1024, skinny_rows.ADD_RMS_NORM), (6144, 1024, skinny_rows.ADD_RMS_NORM),
+                           (1024, 2048, skinny_rows.PLAIN), (1024, 3072, skinny_rows.PLAIN)):
+        x, weight, _ = make(m, n, k, torch.bfloat16)
+        if prologue == skinny_rows.PLAIN:
+            assert_close(rows_linear(x, weight), F.linear(x.float(), weight.float()))
+            continue
+        residual = make(m, 1, k, torch.bfloat16, seed=1)[0]
+        norm_weight = (torch.rand(k) + 0.5).to(DEVICE, torch.bfloat16)
+        out, summed = rows_norm_linear(x, norm_weight, 1e-6, weight, residual=residual)
+        assert_close(out, rms_norm(summed.float(), norm_weight.float(), 1e-6) @ weight.float().T)
