@@ -4,7 +4,9 @@ next captured size (padded rows store no KV and attend to nothing). Block tables
 max_model_len, so every sequence the scheduler admits fits.
 
 Inputs are staged in a pinned host buffer laid out like the graphs' static device buffer, so a
-decode step costs one host-to-device copy and one graph launch. There are two staging buffers, used
+decode step costs one host-to-device copy and one graph launch (and, with overlap scheduling, one small
+kernel that puts the previous step's sampled ids in place: kernels/prev_tokens.py, which reads the
+rows to take from that same copy). There are two staging buffers, used
 in turn: with overlap scheduling the host fills step n+1's while step n's copy may not have run yet;
 an event per buffer says when its last copy has landed."""
 
@@ -29,8 +31,9 @@ BATCH_SIZE_STEP = 16
 
 # Host staging buffers used in turn: one for the step being built, one for the step in flight.
 NUM_STAGING = 2
-# Per-row fields of the static buffer: input_ids, positions, slot_mapping, seqlens_k, decode_order.
-NUM_ROW_FIELDS = 5
+# Per-row fields of the static buffer: input_ids, positions, slot_mapping, seqlens_k, decode_order,
+# prev_rows (the row of the previous step's sampled ids that is the row's input, or -1).
+NUM_ROW_FIELDS = 6
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -57,15 +60,16 @@ class DecodeGraphs:
         assert self.batch_sizes[-1] == max_batch_size, "the ladder must end at the largest batch"
         self.max_batch_size = b = max_batch_size
         self.width = max_blocks_per_seq
-        # |input_ids|positions|slot_mapping|seqlens_k|decode_order| (b each) |block_tables (b x width)|, int32
+        # |input_ids|positions|slot_mapping|seqlens_k|decode_order|prev_rows| (b each)
+        # |block_tables (b x width)|, int32
         size = NUM_ROW_FIELDS * b + b * max_blocks_per_seq
         pin = device.type == "cuda"
         self.staging = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(NUM_STAGING)]
         self.staged: list[torch.cuda.Event | None] = [None] * NUM_STAGING  # each buffer's last copy
         self.next_staging = 0
         self.static = torch.zeros(size, dtype=torch.int32, device=device)
-        (self.input_ids, self.positions, self.slot_mapping, self.seqlens_k,
-         self.decode_order) = self.static[: NUM_ROW_FIELDS * b].view(NUM_ROW_FIELDS, b)
+        (self.input_ids, self.positions, self.slot_mapping, self.seqlens_k, self.decode_order,
+         self.prev_rows) = self.static[: NUM_ROW_FIELDS * b].view(NUM_ROW_FIELDS, b)
         self.block_tables = self.static[NUM_ROW_FIELDS * b :].view(b, max_blocks_per_seq)
         # A permutation from the start (capture runs the kernels too): rows sharing an index would race.
         self.decode_order.copy_(torch.arange(b, dtype=torch.int32))
@@ -126,11 +130,10 @@ class DecodeGraphs:
             self.staged[i].synchronize()  # long done: the step that used it has been waited for
         return i
 
-    def run(self, batch: StepBatch, prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
-            ) -> torch.Tensor:
+    def run(self, batch: StepBatch, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Decode the batch through the graph of the smallest captured size >= its number of sequences;
-        returns the hidden states [num_seqs, hidden]. prev_tokens: (indices, tokens) of input ids the
-        previous step sampled, on the device (overlap scheduling)."""
+        returns the hidden states [num_seqs, hidden]. prev_sampled: the previous step's sampled ids on the
+        device, which batch.prev_token_rows index (overlap scheduling)."""
         n, b, width = batch.num_seqs, self.max_batch_size, self.width
         padded = next(size for size in self.batch_sizes if size >= n)
         i = self._take_staging()
@@ -148,17 +151,29 @@ class DecodeGraphs:
         host[2 * b + n : 2 * b + padded] = -1  # ... store nothing ...
         host[3 * b + n : 3 * b + padded] = 0  # ... and attend to nothing (started last)
         host[4 * b + n : 4 * b + padded] = np.arange(n, padded)
+        host[5 * b : 5 * b + n] = -1
+        # A decode row holds one token: a pending token's index in input_ids is its row.
+        host[5 * b + np.asarray(batch.prev_token_indices, dtype=np.int64)] = batch.prev_token_rows
         used = NUM_ROW_FIELDS * b + padded * width
         self.static[:used].copy_(staging[:used], non_blocking=True)
         self.staged[i] = _copy_done_event(self.static.device)
-        if prev_tokens is not None:
-            indices, tokens = prev_tokens
-            self.input_ids[indices] = tokens.to(self.input_ids.dtype)
+        if batch.prev_token_rows:
+            assert prev_sampled is not None, "the batch takes tokens from a previous step but got none"
+            self._take_prev_tokens(n, prev_sampled)
         if self.use_cuda_graph:
             self.graphs[padded].replay()
         else:
             self._run_model(padded)
         return self.hidden[:n]
+
+    def _take_prev_tokens(self, n: int, prev_sampled: torch.Tensor) -> None:
+        ids, rows = self.input_ids[:n], self.prev_rows[:n]
+        if ids.device.type == "cuda":
+            from nanovllm.kernels.prev_tokens import take_prev_tokens  # GPU only: imports Triton
+            take_prev_tokens(ids, rows, prev_sampled)
+        else:
+            take = rows >= 0
+            ids[take] = prev_sampled[rows[take].long()].to(ids.dtype)
 
 
 def _copy_done_event(device: torch.device) -> torch.cuda.Event | None:

@@ -197,9 +197,9 @@ class ModelRunner:
         those of every token of the step [num_tokens, hidden] (None from a CUDA graph)."""
         if self.cpu_threads is not None:
             self.cpu_threads.apply()
-        prev_tokens = self._previous_tokens(batch, prev_sampled)
         if not batch.is_prefill and self.decode_graphs and self.decode_graphs.can_run(batch.num_seqs):
-            return self.decode_graphs.run(batch, prev_tokens), None  # decode: every row samples
+            return self.decode_graphs.run(batch, prev_sampled), None  # decode: every row samples
+        prev_tokens = self._previous_tokens(batch, prev_sampled)
         # Prefill and mixed steps run padded to a size the piecewise graphs were captured at, or when
         # too large for them, eagerly, padded so that cuBLAS meets only shapes it has seen (inputs.py).
         graph_size = num_padded = None

@@ -220,13 +220,19 @@ def test_stream_matches_generate(engines):
 
 
 def test_decode_graph_buffers_take_the_previous_tokens(qwen3_dir, engines):
-    """The CUDA-graph decode path's static input buffer (run eagerly here) gets the pending tokens."""
+    """The CUDA-graph decode path's static input buffer (run eagerly here) gets the pending tokens: through
+    its prev_rows field, from the previous step's sampled ids."""
     llm = LLM(qwen3_dir, async_scheduling=True, **OPTIONS)
     runner = llm.engine.model_runner
     runner.decode_graphs = DecodeGraphs(runner.model, 4, 256 // 4, runner.config.hf_config.hidden_size,
                                         runner.dtype, runner.device, use_cuda_graph=False, batch_sizes=[1, 4])
     fed, plain_run = [], runner.decode_graphs.run
-    runner.decode_graphs.run = lambda batch, prev: fed.append(prev is not None) or plain_run(batch, prev)
+
+    def run(batch, prev_sampled):
+        fed.append(bool(batch.prev_token_rows))  # rows whose input the previous step sampled
+        return plain_run(batch, prev_sampled)
+
+    runner.decode_graphs.run = run
     outputs = llm.generate(PROMPTS[:3], [greedy(n) for n in (12, 6, 9)], use_tqdm=False)
     expected = engines[0].generate(PROMPTS[:3], [greedy(n) for n in (12, 6, 9)], use_tqdm=False)
     assert completions(outputs) == completions(expected)
