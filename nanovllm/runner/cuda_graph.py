@@ -3,14 +3,14 @@ up to the largest decode batch the scheduler can form, and replayed with the bat
 next captured size (padded rows store no KV and attend to nothing). Block tables are sized for
 max_model_len, so every sequence the scheduler admits fits.
 
-Inputs are staged in a pinned host buffer laid out like the graphs' static device buffer, so a
-decode step costs one host-to-device copy and one graph launch (and, with overlap scheduling, one small
-kernel that puts the previous step's sampled ids in place: kernels/prev_tokens.py, which reads the
-rows to take from that same copy). There are two staging buffers, used
-in turn: with overlap scheduling the host fills step n+1's while step n's copy may not have run yet;
-an event per buffer says when its last copy has landed."""
+A step's inputs are written into a slot of the runner's uploads (runner/transfers.py), laid out like the
+graphs' static device buffer, and copied on a stream of their own; one kernel before the replay
+(kernels/decode_inputs.py) moves them into the static buffer and, with overlap scheduling, puts the
+previous step's sampled ids in place from the prev_rows field. So a decode step costs the compute
+stream one small kernel and one graph launch."""
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.layers.parallel import get_tp_group
 from nanovllm.runner.batch import StepBatch
 from nanovllm.runner.inputs import longest_first
+from nanovllm.runner.transfers import Uploads
 
 logger = logging.getLogger("nanovllm")
 
@@ -27,13 +28,24 @@ logger = logging.getLogger("nanovllm")
 # graph every 16 rows keeps the padding waste under 16 rows while capture stays quick.
 SMALL_BATCH_SIZES = (1, 2, 4, 8)
 BATCH_SIZE_STEP = 16
-
-
-# Host staging buffers used in turn: one for the step being built, one for the step in flight.
-NUM_STAGING = 2
 # Per-row fields of the static buffer: input_ids, positions, slot_mapping, seqlens_k, decode_order,
 # prev_rows (the row of the previous step's sampled ids that is the row's input, or -1).
 NUM_ROW_FIELDS = 6
+
+
+@dataclass(slots=True)
+class StagedStep:
+    """A decode step's inputs on their way: `DecodeGraphs.replay` runs it once the uploads are flushed."""
+
+    num_seqs: int
+    padded: int  # the captured batch size it runs at
+    inputs: torch.Tensor  # the uploaded copy of the static buffer's used part (int32)
+    takes_previous: bool  # some row's input is a token the previous step sampled
+
+
+def staging_bytes(max_batch_size: int, max_blocks_per_seq: int) -> int:
+    """The most a decode step uploads: StagedStep.inputs at the largest batch (int32)."""
+    return 4 * (NUM_ROW_FIELDS + max_blocks_per_seq) * max_batch_size
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -63,10 +75,6 @@ class DecodeGraphs:
         # |input_ids|positions|slot_mapping|seqlens_k|decode_order|prev_rows| (b each)
         # |block_tables (b x width)|, int32
         size = NUM_ROW_FIELDS * b + b * max_blocks_per_seq
-        pin = device.type == "cuda"
-        self.staging = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(NUM_STAGING)]
-        self.staged: list[torch.cuda.Event | None] = [None] * NUM_STAGING  # each buffer's last copy
-        self.next_staging = 0
         self.static = torch.zeros(size, dtype=torch.int32, device=device)
         (self.input_ids, self.positions, self.slot_mapping, self.seqlens_k, self.decode_order,
          self.prev_rows) = self.static[: NUM_ROW_FIELDS * b].view(NUM_ROW_FIELDS, b)
@@ -74,6 +82,7 @@ class DecodeGraphs:
         # A permutation from the start (capture runs the kernels too): rows sharing an index would race.
         self.decode_order.copy_(torch.arange(b, dtype=torch.int32))
         self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=device)
+        self.no_tokens = torch.zeros(1, dtype=torch.int64, device=device)  # "sampled" of a step without any
         self.use_cuda_graph = use_cuda_graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -96,6 +105,8 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture largest first, so the smaller graphs reuse the largest one's memory pool."""
         self.slot_mapping.fill_(-1)  # captured with empty batches: nothing is stored, nothing read
+        # Builds the kernel that moves each step's inputs in (kernels/decode_inputs.py), not mid-run.
+        self._place(self.static[: NUM_ROW_FIELDS * self.max_batch_size].clone(), 0, self.no_tokens)
         for batch_size in reversed(self.batch_sizes):
             self._run_model(batch_size)  # warm-up: compiles and autotunes outside the capture
             graph = torch.cuda.CUDAGraph()
@@ -122,65 +133,50 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch_size and (bool(self.graphs) or not self.use_cuda_graph)
 
-    def _take_staging(self) -> int:
-        """The next host staging buffer, once the copy that last read it has run."""
-        i = self.next_staging
-        self.next_staging = (i + 1) % NUM_STAGING
-        if self.staged[i] is not None:
-            self.staged[i].synchronize()  # long done: the step that used it has been waited for
-        return i
-
-    def run(self, batch: StepBatch, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode the batch through the graph of the smallest captured size >= its number of sequences;
-        returns the hidden states [num_seqs, hidden]. prev_sampled: the previous step's sampled ids on the
-        device, which batch.prev_token_rows index (overlap scheduling)."""
+    def stage(self, batch: StepBatch, uploads: Uploads) -> StagedStep:
+        """Write the batch's inputs into this step's uploads, padded to the smallest captured size >= its
+        number of sequences."""
         n, b, width = batch.num_seqs, self.max_batch_size, self.width
         padded = next(size for size in self.batch_sizes if size >= n)
-        i = self._take_staging()
-        staging = self.staging[i]
-        host = staging.numpy()
+        host, inputs = uploads.reserve(NUM_ROW_FIELDS * b + padded * width, torch.int32)
         host[:n] = batch.input_ids
         host[b : b + n] = batch.positions
         host[2 * b : 2 * b + n] = batch.slot_mapping
         host[3 * b : 3 * b + n] = batch.seqlens_k
         host[4 * b : 4 * b + n] = longest_first(host[3 * b : 3 * b + n])
+        tables = host[NUM_ROW_FIELDS * b :].reshape(padded, width)
+        tables[:] = 0  # the slot holds another step's bytes: no kernel may meet them as block ids
         for seq_row, table in enumerate(batch.block_tables):
-            row = NUM_ROW_FIELDS * b + seq_row * width
-            host[row : row + len(table)] = table
+            tables[seq_row, : len(table)] = table
         host[n:padded] = 0  # padded rows embed a real token (a stale one may be a pending -1) ...
+        host[b + n : b + padded] = 0
         host[2 * b + n : 2 * b + padded] = -1  # ... store nothing ...
         host[3 * b + n : 3 * b + padded] = 0  # ... and attend to nothing (started last)
         host[4 * b + n : 4 * b + padded] = np.arange(n, padded)
-        host[5 * b : 5 * b + n] = -1
+        host[5 * b : 5 * b + padded] = -1
         # A decode row holds one token: a pending token's index in input_ids is its row.
         host[5 * b + np.asarray(batch.prev_token_indices, dtype=np.int64)] = batch.prev_token_rows
-        used = NUM_ROW_FIELDS * b + padded * width
-        self.static[:used].copy_(staging[:used], non_blocking=True)
-        self.staged[i] = _copy_done_event(self.static.device)
-        if batch.prev_token_rows:
+        return StagedStep(n, padded, inputs, bool(batch.prev_token_rows))
+
+    def replay(self, step: StagedStep, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Run a staged step (after its uploads' flush); returns the hidden states [num_seqs, hidden].
+        prev_sampled: the previous step's sampled ids on the device, which the prev_rows field indexes."""
+        if step.takes_previous:
             assert prev_sampled is not None, "the batch takes tokens from a previous step but got none"
-            self._take_prev_tokens(n, prev_sampled)
+        self._place(step.inputs, step.num_seqs, prev_sampled if step.takes_previous else self.no_tokens)
         if self.use_cuda_graph:
-            self.graphs[padded].replay()
+            self.graphs[step.padded].replay()
         else:
-            self._run_model(padded)
-        return self.hidden[:n]
+            self._run_model(step.padded)
+        return self.hidden[: step.num_seqs]
 
-    def _take_prev_tokens(self, n: int, prev_sampled: torch.Tensor) -> None:
-        ids, rows = self.input_ids[:n], self.prev_rows[:n]
-        if ids.device.type == "cuda":
-            from nanovllm.kernels.prev_tokens import take_prev_tokens  # GPU only: imports Triton
-            take_prev_tokens(ids, rows, prev_sampled)
-        else:
-            take = rows >= 0
-            ids[take] = prev_sampled[rows[take].long()].to(ids.dtype)
-
-
-def _copy_done_event(device: torch.device) -> torch.cuda.Event | None:
-    """An event recorded after the staging copy just queued (None on the CPU, where copies are done
-    when they return)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
+    def _place(self, inputs: torch.Tensor, num_seqs: int, sampled: torch.Tensor) -> None:
+        prev_offset = 5 * self.max_batch_size
+        if inputs.device.type == "cuda":
+            from nanovllm.kernels.decode_inputs import place_decode_inputs  # GPU only: imports Triton
+            place_decode_inputs(self.static, inputs, num_seqs, prev_offset, sampled.long())
+            return
+        self.static[: inputs.numel()] = inputs
+        rows = inputs[prev_offset : prev_offset + num_seqs]
+        take = rows >= 0
+        self.input_ids[:num_seqs][take] = sampled[rows[take].long()].to(torch.int32)

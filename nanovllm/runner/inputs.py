@@ -10,6 +10,7 @@ Padding rows are token 0 at position 0 with slot -1 (no KV stored); the attentio
 only the real tokens, so no attention kernel reads a padding row (the attention layer zeroes their
 output), and nothing samples from one."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,26 +96,33 @@ def model_inputs(batch: StepBatch, device: torch.device, num_padded: int | None 
                        meta, to_device(batch.logits_indices, torch.int64, device))
 
 
+# Puts a list on the device as a tensor of the dtype (to_device's job, or runner/transfers.Uploads.put).
+Put = Callable[[list, torch.dtype], torch.Tensor]
+
+
 def sampling_tensors(sampling: SamplingBatch, vocab_size: int, device: torch.device,
-                     noise_seed: int | None = None) -> SamplingTensors:
-    """The rows' parameters as tensors; noise_seed (a fresh random number per step): also a Philox seed
-    per row for the fused race, noise_seed + row for rows without a seed of their own."""
+                     noise_seed: int | None = None, put: Put | None = None) -> SamplingTensors:
+    """The rows' parameters as tensors, each through put (default: a copy of its own); noise_seed (a
+    fresh random number per step): also a Philox seed per row for the fused race, noise_seed + row for
+    rows without a seed of their own."""
+    if put is None:
+        put = lambda values, dtype: to_device(values, dtype, device)  # noqa: E731
     temperatures = sampling.temperatures
     if all(t == 0 for t in temperatures):
         return SamplingTensors(None, all_greedy=True)
-    tensors = SamplingTensors(to_device(temperatures, torch.float32, device), all_greedy=False)
+    tensors = SamplingTensors(put(temperatures, torch.float32), all_greedy=False)
     top_ks = [min(k, vocab_size) if k > 0 else vocab_size for k in sampling.top_ks]
     if min(top_ks) < vocab_size:
-        tensors.top_ks, tensors.max_top_k = to_device(top_ks, torch.int64, device), max(top_ks)
+        tensors.top_ks, tensors.max_top_k = put(top_ks, torch.int64), max(top_ks)
     if any(p < 1.0 for p in sampling.top_ps):
-        tensors.top_ps = to_device(sampling.top_ps, torch.float32, device)
+        tensors.top_ps = put(sampling.top_ps, torch.float32)
     if any(p > 0.0 for p in sampling.min_ps):
-        tensors.min_ps = to_device(sampling.min_ps, torch.float32, device)
+        tensors.min_ps = put(sampling.min_ps, torch.float32)
     tensors.seeded_rows = [(row, seed) for row, seed in enumerate(sampling.seeds) if seed is not None] or None
     if noise_seed is not None:
         seeds = [(noise_seed + row) & SEED_MASK if seed is None else seed
                  for row, seed in enumerate(sampling.seeds)]
-        tensors.seeds = to_device(seeds, torch.int64, device)
+        tensors.seeds = put(seeds, torch.int64)
     return tensors
 
 

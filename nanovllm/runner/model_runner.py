@@ -15,18 +15,26 @@ from nanovllm.attention.registry import select_backend
 from nanovllm.config import Config
 from nanovllm.layers.options import KernelOptions, use_kernel_options
 from nanovllm.layers.parallel import get_tp_rank, min_across_ranks
+from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.models import get_model_class
 from nanovllm.runner import kv_cache, warm_up
 from nanovllm.runner.batch import SamplingBatch, StepBatch, StepOutput
-from nanovllm.runner.cuda_graph import DecodeGraphs
+from nanovllm.runner.cuda_graph import DecodeGraphs, staging_bytes
 from nanovllm.runner.inputs import model_inputs, padded_num_tokens, to_device
 from nanovllm.runner.piecewise import PiecewiseGraphs, memory_token_limit
 from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row, worst_case_sampling
 from nanovllm.runner.step_output import PendingOutput
+from nanovllm.runner.transfers import Uploads
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
 logger = logging.getLogger("nanovllm")
+
+
+# Upload bytes a sampling row can take: temperature, top-k, top-p, min-p, seed (runner/inputs.py), and
+# room for the reservations' alignment (transfers.ALIGN) besides.
+SAMPLING_BYTES_PER_ROW = 4 + 8 + 4 + 4 + 8
+UPLOAD_SLACK = 1024
 
 
 def runner_device(config: Config, rank: int) -> torch.device:
@@ -68,6 +76,12 @@ class ModelRunner:
             layer.backend = self.backend
         self.sampler = StepSampler(self.vocab_size, self.device, compiled=on_gpu and config.torch_compile)
         self.pad_eager = on_gpu
+        # Each step's small inputs in one copy off the compute stream, its sampled ids back on another
+        # (runner/transfers.py, step_output.py).
+        max_batch, max_blocks = self._decode_graph_size()
+        self.uploads = Uploads(self.device, staging_bytes(max_batch, max_blocks)
+                               + SAMPLING_BYTES_PER_ROW * config.max_num_seqs + UPLOAD_SLACK)
+        self.download_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.decode_graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if on_gpu and not config.enforce_eager:
@@ -107,14 +121,19 @@ class ModelRunner:
         logger.debug("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
         return model.eval()
 
+    def _decode_graph_size(self) -> tuple[int, int]:
+        """(the largest decode batch the scheduler can form, so that no step falls outside the captured
+        sizes; the most blocks a sequence can hold)."""
+        config = self.config
+        return (min(config.max_num_seqs, config.max_num_batched_tokens),
+                math.ceil(config.max_model_len / self.block_size))
+
     def _capture_decode_graphs(self) -> None:
         if not self.backend.supports_cuda_graph:
             logger.info("attention backend %s cannot run in CUDA graphs; decoding eagerly", self.backend.name)
             return
         config = self.config
-        # The largest decode batch the scheduler can form: no step falls outside the captured sizes.
-        max_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
-        max_blocks = math.ceil(config.max_model_len / self.block_size)
+        max_batch, max_blocks = self._decode_graph_size()
         self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, config.hf_config.hidden_size,
                                           self.dtype, self.device)
         self.decode_graphs.capture()
@@ -192,13 +211,23 @@ class ModelRunner:
         return to_device(batch.prev_token_indices, torch.int64, self.device), prev_sampled[rows]
 
     def _forward(self, batch: StepBatch, prev_sampled: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The hidden states of the sampling rows' last tokens [len(batch.sample_rows), hidden], and
-        those of every token of the step [num_tokens, hidden] (None from a CUDA graph)."""
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, SamplingTensors | None]:
+        """The hidden states of the sampling rows' last tokens [len(batch.sample_rows), hidden], those of
+        every token of the step [num_tokens, hidden] (None from a CUDA graph), and the sampler's
+        tensors for the batch's sampling rows (None where this rank does not sample)."""
         if self.cpu_threads is not None:
             self.cpu_threads.apply()
+        uploads = self.uploads
+        uploads.begin()
+        staged = None
         if not batch.is_prefill and self.decode_graphs and self.decode_graphs.can_run(batch.num_seqs):
-            return self.decode_graphs.run(batch, prev_sampled), None  # decode: every row samples
+            staged = self.decode_graphs.stage(batch, uploads)
+        params = None
+        if batch.sampling is not None and batch.sample_rows:
+            params = self.sampler.tensors(batch.sampling, uploads.put)
+        uploads.flush()
+        if staged is not None:
+            return self.decode_graphs.replay(staged, prev_sampled), None, params  # decode: every row samples
         prev_tokens = self._previous_tokens(batch, prev_sampled)
         # Prefill and mixed steps run padded to a size the piecewise graphs were captured at, or when
         # too large for them, eagerly, padded so that cuBLAS meets only shapes it has seen (inputs.py).
@@ -214,7 +243,7 @@ class ModelRunner:
             hidden = self.piecewise.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return hidden[inputs.logits_indices], hidden
+        return hidden[inputs.logits_indices], hidden, params
 
     def _sampling_logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
         if not batch.sample_rows:
@@ -239,7 +268,7 @@ class ModelRunner:
         """Start one step without waiting for it: forward, sampling and the copy of the sampled ids to
         the host are queued on the device; `wait()` on the result reads them (None on the other ranks).
         prev_sampled: the previous step's sampled ids, for the batch's prev_token_* inputs."""
-        hidden, all_hidden = self._forward(batch, prev_sampled)
+        hidden, all_hidden, params = self._forward(batch, prev_sampled)
         prompt_lps = None
         if batch.prompt_logprob_spans:  # every rank: the LM head gathers across ranks
             assert all_hidden is not None, "prompt logprobs come from prefill steps, which use no graph"
@@ -249,10 +278,10 @@ class ModelRunner:
         if logits is None:
             return None
         if batch.sample_rows:
-            tokens, logprobs = self.sampler.sample(logits, batch.sampling)
+            tokens, logprobs = self.sampler.sample(logits, batch.sampling, params)
         else:
             tokens, logprobs = torch.empty(0, dtype=torch.int64, device=self.device), None
-        return PendingOutput(tokens, logprobs, prompt_lps)
+        return PendingOutput(tokens, logprobs, prompt_lps, self.download_stream)
 
     def check_sampling(self, sampling: SamplingBatch) -> None:
         """Raise what rank 0 would raise turning these sampling rows into tensors (on the CPU)."""
@@ -266,6 +295,7 @@ class ModelRunner:
         # The graph runners hold the model's modules, and the attention layers views of the cache:
         # while this runner lives (an LLM object not yet collected), none may keep the cache alive.
         self.decode_graphs = self.piecewise = None
+        self.uploads.release()
         kv_cache.detach(self.attention_layers)
         del self.model, self.attention_layers
         self.kv_cache = None

@@ -7,10 +7,10 @@ from collections.abc import Callable
 import torch
 
 from nanovllm.layers.logprobs import SampledLogprobs, prompt_logprobs, sampled_logprobs
-from nanovllm.layers.sampler import SPLIT_ARGMAX_ROWS, Sampler
+from nanovllm.layers.sampler import SPLIT_ARGMAX_ROWS, Sampler, SamplingTensors
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.runner.batch import SEED_MASK, ProcessorRow, PromptLogprobSpan, SamplingBatch, StepOutput
-from nanovllm.runner.inputs import logits_processor_tensors, sampling_tensors
+from nanovllm.runner.inputs import Put, logits_processor_tensors, sampling_tensors
 from nanovllm.runner.step_output import PendingOutput
 from nanovllm.sampling_params import MAX_LOGPROBS
 
@@ -35,16 +35,22 @@ class StepSampler:
         self.device = device
         self.sampler = Sampler(compiled=compiled, fused_race=device.type == "cuda")
 
-    def sample(self, logits: torch.Tensor, sampling: SamplingBatch
+    def tensors(self, sampling: SamplingBatch, put: Put | None = None) -> SamplingTensors:
+        """The rows' parameters on the device, each list through put (runner/transfers.Uploads.put: one
+        copy for the step) or, without one, a copy of its own."""
+        noise_seed = step_noise_seed() if self.sampler.fused_race else None
+        return sampling_tensors(sampling, self.vocab_size, self.device, noise_seed, put)
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch, params: SamplingTensors | None = None
                ) -> tuple[torch.Tensor, SampledLogprobs | None]:
-        """Sample each row of logits [rows, vocab] with its parameters, processors and logprobs; the
-        tokens [rows] and logprobs stay on the device (no sync)."""
+        """Sample each row of logits [rows, vocab] with its parameters (params: `tensors(sampling)`, made
+        here when not given), processors and logprobs; the tokens [rows] and logprobs stay on the device
+        (no sync)."""
         raw = logits
         processors = logits_processor_tensors(sampling.processors, self.vocab_size, self.device)
         if processors is not None:
             logits = processors.apply(logits)
-        noise_seed = step_noise_seed() if self.sampler.fused_race else None
-        tokens = self.sampler(logits, sampling_tensors(sampling, self.vocab_size, self.device, noise_seed))
+        tokens = self.sampler(logits, params if params is not None else self.tensors(sampling))
         ks = sampling.num_logprobs
         # Raw-model logprobs (vLLM's default logprobs_mode), only when some row asked.
         return tokens, sampled_logprobs(raw, tokens, ks)

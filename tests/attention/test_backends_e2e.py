@@ -79,8 +79,8 @@ def test_padded_static_buffer_decode_matches(qwen3_dir, reference, backend, capl
     runner.decode_graphs = DecodeGraphs(runner.model, 4, 128 // 4, runner.config.hf_config.hidden_size,
                                         runner.dtype, runner.device, use_cuda_graph=False, batch_sizes=[1, 4])
     graphs, padded_batches = runner.decode_graphs, []
-    plain_run = graphs.run
-    graphs.run = lambda batch, *rest: padded_batches.append(batch.num_seqs) or plain_run(batch, *rest)
+    plain_stage = graphs.stage
+    graphs.stage = lambda batch, *rest: padded_batches.append(batch.num_seqs) or plain_stage(batch, *rest)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 6, 9)]
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)  # 3 rows, then 2, then 1
     assert {3, 2, 1} <= set(padded_batches)

@@ -226,13 +226,13 @@ def test_decode_graph_buffers_take_the_previous_tokens(qwen3_dir, engines):
     runner = llm.engine.model_runner
     runner.decode_graphs = DecodeGraphs(runner.model, 4, 256 // 4, runner.config.hf_config.hidden_size,
                                         runner.dtype, runner.device, use_cuda_graph=False, batch_sizes=[1, 4])
-    fed, plain_run = [], runner.decode_graphs.run
+    fed, plain_replay = [], runner.decode_graphs.replay
 
-    def run(batch, prev_sampled):
-        fed.append(bool(batch.prev_token_rows))  # rows whose input the previous step sampled
-        return plain_run(batch, prev_sampled)
+    def replay(step, prev_sampled):
+        fed.append(step.takes_previous)  # rows whose input the previous step sampled
+        return plain_replay(step, prev_sampled)
 
-    runner.decode_graphs.run = run
+    runner.decode_graphs.replay = replay
     outputs = llm.generate(PROMPTS[:3], [greedy(n) for n in (12, 6, 9)], use_tqdm=False)
     expected = engines[0].generate(PROMPTS[:3], [greedy(n) for n in (12, 6, 9)], use_tqdm=False)
     assert completions(outputs) == completions(expected)

@@ -23,18 +23,18 @@ from triton.compiler import ASTSource  # noqa: E402
 if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
     decode_attention = decode_launch = decode_rope = fused_moe = moe_routing = norm_act = None
-    prefill_attention = prev_tokens = rope_store = sample_race = skinny_gemm = skinny_rows = split_k = None
+    decode_inputs = prefill_attention = rope_store = sample_race = skinny_gemm = skinny_rows = split_k = None
 else:
     import nanovllm.kernels
     from nanovllm.kernels import (
         decode_attention,
+        decode_inputs,
         decode_launch,
         decode_rope,
         fused_moe,
         moe_routing,
         norm_act,
         prefill_attention,
-        prev_tokens,
         rope_store,
         sample_race,
         skinny_gemm,
@@ -169,8 +169,8 @@ def cases() -> dict:
         "silu-and-mul": (norm_act._silu_and_mul_kernel, dict(BLOCK=norm_act.ACT_BLOCK)),
         "race-chunk": (sample_race._race_chunk_kernel, dict(SUB_BLOCK=sample_race.SUB_BLOCK, HAS_FLOOR=True,
                                                                   FAST_LOG=True)),
-        "prev-tokens": (prev_tokens._take_prev_tokens_kernel, dict(BLOCK=1024),
-                        {"ids_ptr": "*i32", "prev_rows_ptr": "*i32", "sampled_ptr": "*i64"}),
+        "decode-inputs": (decode_inputs._place_inputs_kernel, dict(BLOCK=decode_inputs.BLOCK),
+                          {"static_ptr": "*i32", "staged_ptr": "*i32", "sampled_ptr": "*i64"}),
         "race-pick": (sample_race._race_pick_kernel, dict(BLOCK_C=sample_race.MAX_CHUNKS), {},
                       dict(num_warps=1)),
         "moe-topk-softmax": (moe_routing._topk_softmax_kernel,
@@ -249,7 +249,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split",
               "decode-rope-pdl", "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
-              "moe-topk-softmax", "race-chunk", "race-pick", "prev-tokens")
+              "moe-topk-softmax", "race-chunk", "race-pick", "decode-inputs")
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from torch import nn
 from nanovllm.runner.batch import StepBatch
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.inputs import model_inputs
+from nanovllm.runner.transfers import Uploads
 
 CPU = torch.device("cpu")
 
@@ -46,11 +47,20 @@ class RecordingModel(nn.Module):
         return torch.zeros(input_ids.shape[0], 8)
 
 
+def run(graphs: DecodeGraphs, batch: StepBatch) -> None:
+    """A decode step the way the model runner takes it through the graphs (here eagerly)."""
+    uploads = Uploads(CPU, 0)
+    uploads.begin()
+    staged = graphs.stage(batch, uploads)
+    uploads.flush()
+    graphs.replay(staged)
+
+
 def test_decode_graph_buffers_hold_a_permutation_with_padding_rows_last():
     model = RecordingModel()
     graphs = DecodeGraphs(model, 4, 2, 8, torch.float32, CPU, use_cuda_graph=False, batch_sizes=[1, 4])
     assert graphs.decode_order.tolist() == [0, 1, 2, 3]  # what a capture would run with
-    graphs.run(decode_batch([3, 9, 6]))
+    run(graphs, decode_batch([3, 9, 6]))
     assert model.orders[-1] == [1, 2, 0, 3]  # padded to 4 rows: the padding row starts last
-    graphs.run(decode_batch([12]))
+    run(graphs, decode_batch([12]))
     assert model.orders[-1] == [0]

@@ -1,0 +1,102 @@
+"""A step's small host -> device inputs in one copy on a stream of their own, off the compute stream.
+
+On the compute stream every copy is a node that the next kernel waits behind (2-8 us each on an H200,
+BENCHMARKS.md Q1, S2), and a one-row decode step had three before its first kernel. Here the step's
+inputs (the decode graph's staging area, the sampler's per-row parameters) are written into one of two
+pinned host slots, and `flush()` copies the slot on the copy stream; the compute stream only waits for
+that copy's event. With overlap scheduling the host builds step n+1 while the GPU runs step n, so the
+copy has landed long before step n+1's first kernel.
+
+Slot i is reused two steps later: the host waits for its last copy before writing it again, and the copy
+stream waits for a compute-stream event recorded when the step after slot i's last user began (by then
+every kernel that read slot i was queued before that event). On the CPU there is nothing to overlap: a
+reservation is a plain tensor."""
+
+import numpy as np
+import torch
+
+NUM_SLOTS = 2
+# Every reservation starts on this many bytes, so any dtype's view of the slot is aligned.
+ALIGN = 16
+
+
+class Uploads:
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        """capacity: bytes of one slot; a step that asks for more copies the rest on the compute stream."""
+        self.device = device
+        self.capacity = capacity
+        self.on_gpu = device.type == "cuda"
+        self.slot = NUM_SLOTS - 1
+        self.used = 0
+        self.overflow: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pinned host, device), beyond capacity
+        if not self.on_gpu:
+            return
+        self.host = [torch.empty(capacity, dtype=torch.uint8, pin_memory=True) for _ in range(NUM_SLOTS)]
+        self.dev = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(NUM_SLOTS)]
+        self.copied: list[torch.cuda.Event | None] = [None] * NUM_SLOTS  # each slot's last copy
+        self.stream = torch.cuda.Stream(device)
+        self.begun: torch.cuda.Event | None = None  # compute stream when the current step began
+        self.reuse_after: torch.cuda.Event | None = None  # ... when the previous step began
+
+    def begin(self) -> None:
+        """Start a step's reservations in the next slot."""
+        if not self.on_gpu:
+            return
+        self.slot = (self.slot + 1) % NUM_SLOTS
+        copied = self.copied[self.slot]
+        if copied is not None:
+            copied.synchronize()  # long done: its step has been waited for
+        self.used = 0
+        self.overflow.clear()
+        # With two slots, this slot's last user is the step before the previous one: everything it queued
+        # lies before the event the previous step's begin() recorded.
+        self.reuse_after = self.begun
+        self.begun = torch.cuda.Event()
+        self.begun.record(torch.cuda.current_stream(self.device))
+
+    def reserve(self, count: int, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
+        """(a host array to fill now, the device tensor it reaches): [count] of dtype each. The device
+        tensor may be read on the compute stream after `flush()`, within this step."""
+        if not self.on_gpu:
+            t = torch.empty(count, dtype=dtype)
+            return t.numpy(), t
+        start = -(-self.used // ALIGN) * ALIGN
+        end = start + count * dtype.itemsize
+        if end > self.capacity:
+            host = torch.empty(count, dtype=dtype, pin_memory=True)
+            dev = torch.empty(count, dtype=dtype, device=self.device)
+            self.overflow.append((host, dev))
+            return host.numpy(), dev
+        self.used = end
+        return self.host[self.slot][start:end].view(dtype).numpy(), self.dev[self.slot][start:end].view(dtype)
+
+    def put(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """values as a [len(values)] device tensor of dtype, readable after `flush()`."""
+        host, dev = self.reserve(len(values), dtype)
+        host[:] = values
+        return dev
+
+    def flush(self) -> None:
+        """Copy this step's reservations; the compute stream's next work waits for them."""
+        if not self.on_gpu:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if self.used:
+            slot = self.slot
+            with torch.cuda.stream(self.stream):
+                if self.reuse_after is not None:
+                    self.stream.wait_event(self.reuse_after)
+                self.dev[slot][: self.used].copy_(self.host[slot][: self.used], non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self.stream)
+            self.copied[slot] = copied
+            compute.wait_event(copied)
+            self.used = 0
+        for host, dev in self.overflow:
+            dev.copy_(host, non_blocking=True)
+        self.overflow.clear()
+
+    def release(self) -> None:
+        """Wait for the copies in flight (before the slots' memory is freed)."""
+        if self.on_gpu:
+            self.stream.synchronize()
