@@ -145,13 +145,16 @@ class DecodeGraphs:
         host[3 * b : 3 * b + n] = batch.seqlens_k
         host[4 * b : 4 * b + n] = longest_first(host[3 * b : 3 * b + n])
         tables = host[NUM_ROW_FIELDS * b :].reshape(padded, width)
-        tables[:] = 0  # the slot holds another step's bytes: no kernel may meet them as block ids
+        tables[:] = 0  # no kernel may meet another step's bytes as block ids
         for seq_row, table in enumerate(batch.block_tables):
             tables[seq_row, : len(table)] = table
-        host[n:padded] = 0  # padded rows embed a real token (a stale one may be a pending -1) ...
+        # The slot holds another step's bytes: every field is written up to `padded` (the graph reads no
+        # further). Padding rows embed token 0 at position 0, store nothing, attend to nothing (started
+        # last) and take no previous token.
+        host[n:padded] = 0
         host[b + n : b + padded] = 0
-        host[2 * b + n : 2 * b + padded] = -1  # ... store nothing ...
-        host[3 * b + n : 3 * b + padded] = 0  # ... and attend to nothing (started last)
+        host[2 * b + n : 2 * b + padded] = -1
+        host[3 * b + n : 3 * b + padded] = 0
         host[4 * b + n : 4 * b + padded] = np.arange(n, padded)
         host[5 * b : 5 * b + padded] = -1
         # A decode row holds one token: a pending token's index in input_ids is its row.
