@@ -74,8 +74,7 @@ class DecodeGraphs:
         self.width = max_blocks_per_seq
         # |input_ids|positions|slot_mapping|seqlens_k|decode_order|prev_rows| (b each)
         # |block_tables (b x width)|, int32
-        size = NUM_ROW_FIELDS * b + b * max_blocks_per_seq
-        self.static = torch.zeros(size, dtype=torch.int32, device=device)
+        self.static = torch.zeros(staging_bytes(b, max_blocks_per_seq) // 4, dtype=torch.int32, device=device)
         (self.input_ids, self.positions, self.slot_mapping, self.seqlens_k, self.decode_order,
          self.prev_rows) = self.static[: NUM_ROW_FIELDS * b].view(NUM_ROW_FIELDS, b)
         self.block_tables = self.static[NUM_ROW_FIELDS * b :].view(b, max_blocks_per_seq)
