@@ -69,16 +69,9 @@ def _lane_best(logits_row, base, offs, end, u, scale, floor, greedy_row, best_va
 @triton.jit(do_not_specialize=["chunk_len", "num_chunks"])
 def _race_chunk_kernel(logits_ptr, temps_ptr, seeds_ptr, row_max_ptr, log_min_p_ptr, best_val_ptr,
                        best_idx_ptr, vocab, stride_row, chunk_len, num_chunks, SUB_BLOCK: tl.constexpr,
-                       HAS_FLOOR: tl.constexpr, FAST_LOG: tl.constexpr):
+                       HAS_FLOOR: tl.constexpr, FAST_LOG: tl.constexpr, ALL_GREEDY: tl.constexpr = False):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    temp = tl.load(temps_ptr + row)
-    greedy_row = temp == 0.0
-    scale = LOG2E / tl.where(greedy_row, 1.0, temp)
-    seed = tl.load(seeds_ptr + row)
-    floor = tl.full([], float("-inf"), tl.float32)
-    if HAS_FLOOR:
-        floor = tl.load(row_max_ptr + row) * scale + tl.load(log_min_p_ptr + row) * LOG2E
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
     start = chunk * chunk_len
     end = tl.minimum(start + chunk_len, vocab)
@@ -86,6 +79,34 @@ def _race_chunk_kernel(logits_ptr, temps_ptr, seeds_ptr, row_max_ptr, log_min_p_
     # Per lane, not per step: one reduction at the end instead of two per sub-block.
     best_val = tl.full([SUB_BLOCK], float("-inf"), tl.float32)
     best_idx = tl.full([SUB_BLOCK], 0, tl.int32) + start
+    if ALL_GREEDY:  # no temperatures, seeds or floors: the argmax alone
+        for step in range(start, end, SUB_BLOCK):
+            cols = step + offs
+            mask = cols < end
+            x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            better = mask & (x > best_val)  # strictly: a lane's first column of equal ones stays
+            best_val, best_idx = tl.where(better, x, best_val), tl.where(better, cols, best_idx)
+    else:
+        best_val, best_idx = _race_lanes(logits_row, temps_ptr, seeds_ptr, row_max_ptr, log_min_p_ptr, row,
+                                         start, end, offs, best_val, best_idx, SUB_BLOCK, HAS_FLOOR, FAST_LOG)
+    top = tl.max(best_val, 0)
+    # The first column holding the top score (lanes that never saw a finite one keep `start`).
+    where = tl.min(tl.where(best_val == top, best_idx, vocab), 0)
+    tl.store(best_val_ptr + row * num_chunks + chunk, top)
+    tl.store(best_idx_ptr + row * num_chunks + chunk, tl.minimum(where, end - 1))
+
+
+@triton.jit
+def _race_lanes(logits_row, temps_ptr, seeds_ptr, row_max_ptr, log_min_p_ptr, row, start, end, offs,
+                best_val, best_idx, SUB_BLOCK: tl.constexpr, HAS_FLOOR: tl.constexpr, FAST_LOG: tl.constexpr):
+    """Each lane's best race score over columns [start, end) of the row and where it was."""
+    temp = tl.load(temps_ptr + row)
+    greedy_row = temp == 0.0
+    scale = LOG2E / tl.where(greedy_row, 1.0, temp)
+    seed = tl.load(seeds_ptr + row)
+    floor = tl.full([], float("-inf"), tl.float32)
+    if HAS_FLOOR:
+        floor = tl.load(row_max_ptr + row) * scale + tl.load(log_min_p_ptr + row) * LOG2E
     # chunk_len is a multiple of 4 * SUB_BLOCK, so the Philox offsets (column // 4 within a step) of
     # different steps and chunks never meet.
     for step in range(start, end, 4 * SUB_BLOCK):
@@ -98,11 +119,7 @@ def _race_chunk_kernel(logits_ptr, temps_ptr, seeds_ptr, row_max_ptr, log_min_p_
                                         greedy_row, best_val, best_idx, FAST_LOG)
         best_val, best_idx = _lane_best(logits_row, step + 3 * SUB_BLOCK, offs, end, u3, scale, floor,
                                         greedy_row, best_val, best_idx, FAST_LOG)
-    top = tl.max(best_val, 0)
-    # The first column holding the top score (lanes that never saw a finite one keep `start`).
-    where = tl.min(tl.where(best_val == top, best_idx, vocab), 0)
-    tl.store(best_val_ptr + row * num_chunks + chunk, top)
-    tl.store(best_idx_ptr + row * num_chunks + chunk, tl.minimum(where, end - 1))
+    return best_val, best_idx
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
@@ -135,6 +152,22 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
             or (min_ps is not None and min_ps.shape != (rows,))):
         raise ValueError(f"temperatures {tuple(temperatures.shape)}, seeds {tuple(seeds.shape)} and min_ps "
                          f"must have one entry per row ({rows})")
+    return _launch(logits, temperatures, seeds, min_ps, num_sms)
+
+
+def greedy(logits: torch.Tensor, *, num_sms: int | None = None) -> torch.Tensor:
+    """argmax(logits) per row [rows] (int64), the first column on ties as torch's: the race's two kernels
+    without its noise, where a few rows' torch argmax, reduced in chunks first (layers/sampler.py's
+    row_argmax), takes five or six small ones."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [rows, vocab] with contiguous rows; got {tuple(logits.shape)}")
+    return _launch(logits, None, None, None, num_sms)
+
+
+def _launch(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds: torch.Tensor | None,
+            min_ps: torch.Tensor | None, num_sms: int | None) -> torch.Tensor:
+    """The race's two kernels; no temperatures: every row greedy (its variant draws no noise)."""
+    rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
@@ -143,6 +176,9 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
     chunks = triton.cdiv(vocab, chunk_len)  # rounding chunk_len up can leave the last ones empty
     best_val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    all_greedy = temperatures is None
+    if all_greedy:  # the pointers the greedy variant never reads
+        temperatures, seeds = best_val, out
     # min-p's floor needs each row's top logit first (log(0) = -inf: no floor). Without min-p the two
     # pointers are never read.
     row_max, log_min_ps = (logits.amax(-1).float(), min_ps.log()) if min_ps is not None else (None, None)
@@ -152,7 +188,7 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                                        best_val, best_idx, vocab, logits.stride(0), chunk_len, chunks,
                                        SUB_BLOCK=SUB_BLOCK, HAS_FLOOR=min_ps is not None,
                                        # the interpreter (CPU tensors) has no hardware log
-                                       FAST_LOG=logits.is_cuda, num_warps=NUM_WARPS)
+                                       FAST_LOG=logits.is_cuda, ALL_GREEDY=all_greedy, num_warps=NUM_WARPS)
     # BLOCK_C fixed at MAX_CHUNKS: one compiled variant for every row count.
     _race_pick_kernel[(rows,)](best_val, best_idx, out, chunks, BLOCK_C=MAX_CHUNKS, num_warps=1)
     return out

@@ -8,7 +8,8 @@ GPU the scaling, masking and both argmaxes compile into a couple of kernels.
 
 With `fused_race` (the engine's choice on CUDA) the race is one Triton pass over the logits that draws
 its noise from per-row Philox seeds (kernels/sample_race.py) instead of storing it; the same
-distribution, from other random numbers, min-p included."""
+distribution, from other random numbers, min-p included; and an all-greedy batch of a few rows takes
+the same two kernels without the noise (kernels/sample_race.greedy)."""
 
 from dataclasses import dataclass
 
@@ -45,11 +46,13 @@ class Sampler:
         self.compiled = compiled  # torch.compile the race on CUDA (nanovllm.utils.compile)
         self.fused_race = fused_race  # the Triton race where params.seeds is given
         if fused_race:  # Triton: imported only where it runs
-            from nanovllm.kernels.sample_race import race
-            self._fused = race
+            from nanovllm.kernels.sample_race import greedy, race
+            self._fused, self._fused_greedy = race, greedy
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if params.all_greedy:
+            if self.fused_race and logits.shape[0] < SPLIT_ARGMAX_ROWS and logits.stride(-1) == 1:
+                return self._fused_greedy(logits)  # two kernels where row_argmax's split takes five
             return row_argmax(logits)  # half-precision logits widen to float32 exactly: same argmax
         temps = params.temperatures
         if params.top_ks is not None or params.top_ps is not None:

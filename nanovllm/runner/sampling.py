@@ -70,9 +70,10 @@ class StepSampler:
             self.sample(logits[:rows], plain)
         if self.sampler.fused_race:
             # Its variants by logits dtype (top-k and top-p hand it float32) and min-p floor, which no
-            # row count specializes: one row each.
+            # row count specializes, and its greedy one: one row each.
             for top_k, min_p in ((-1, 0.05), (40, 0.0), (40, 0.05)):
                 self.sample(logits[:1], SamplingBatch([0.5], [top_k], [1.0], [min_p], [None], [None]))
+            self.sample(logits[:1], SamplingBatch([0.0], [-1], [1.0], [0.0], [None], [None]))
 
     def check(self, sampling: SamplingBatch) -> None:
         """Build the sampler's and the processors' inputs on the CPU, raising what a step would raise

@@ -11,8 +11,8 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels.sample_race import BLOCK, num_chunks, race  # noqa: E402
-from nanovllm.layers.sampler import Sampler, SamplingTensors  # noqa: E402
+from nanovllm.kernels.sample_race import BLOCK, greedy, num_chunks, race  # noqa: E402
+from nanovllm.layers.sampler import SPLIT_ARGMAX_ROWS, Sampler, SamplingTensors  # noqa: E402
 from nanovllm.runner.batch import SEED_MASK, SamplingBatch  # noqa: E402
 from nanovllm.runner.inputs import sampling_tensors  # noqa: E402
 from nanovllm.runner.sampling import step_noise_seed  # noqa: E402
@@ -36,6 +36,21 @@ def test_greedy_rows_match_torch_argmax(dtype, num_sms):
     assert num_sms == 1 or num_chunks(4, vocab, num_sms) > 1
     got = race(logits.to(DEVICE), torch.zeros(4, device=DEVICE), seeds_of(1, 2, 3, 4), num_sms=num_sms)
     assert got.tolist() == logits.float().argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_sms", [1, 8])
+def test_greedy_variant_matches_torch_argmax(dtype, num_sms):
+    """The noise-free variant (no temperatures, no seeds): the same ties and borders as the race's."""
+    vocab = 3 * BLOCK + 100
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(7)).to(dtype)
+    logits[1, 5] = logits[1, vocab - 3] = 50.0  # a tie across chunks: the first wins
+    logits[2, BLOCK - 1] = logits[2, BLOCK] = 50.0  # a tie across loop steps
+    logits[3] = float("-inf")
+    logits[3, vocab - 1] = 0.0  # the only finite token, in the last partial step
+    logits[4, 300] = logits[4, 300 + 256] = 60.0  # a tie within one lane (a sub-block apart)
+    assert greedy(logits.to(DEVICE), num_sms=num_sms).tolist() == logits.float().argmax(-1).tolist()
+    assert greedy(logits[:0].to(DEVICE)).tolist() == []
 
 
 def test_seeded_row_depends_on_its_seed_only():
@@ -114,6 +129,20 @@ def test_sampler_takes_the_fused_race_with_top_k_and_min_p(monkeypatch):
     without_seeds = SamplingTensors(temps, all_greedy=False)  # the caller gave none: the PyTorch race
     with pytest.raises(AssertionError, match="the PyTorch race ran"):
         sampler(logits, without_seeds)
+
+
+def test_sampler_takes_the_greedy_variant_for_a_few_greedy_rows(monkeypatch):
+    from nanovllm.layers import sampler as sampler_module
+
+    taken = []
+    monkeypatch.setattr(sampler_module, "row_argmax", lambda x: taken.append(x.shape[0]) or x.argmax(-1))
+    logits = torch.randn(SPLIT_ARGMAX_ROWS, 3000, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    sampler, greedy_rows = Sampler(fused_race=True), SamplingTensors(None, all_greedy=True)
+    assert sampler(logits[:3], greedy_rows).tolist() == logits[:3].argmax(-1).tolist()
+    assert taken == []  # the Triton variant ran
+    assert sampler(logits, greedy_rows).tolist() == logits.argmax(-1).tolist()
+    assert taken == [SPLIT_ARGMAX_ROWS]  # from SPLIT_ARGMAX_ROWS rows torch's argmax is one kernel
+    assert Sampler()(logits[:3], greedy_rows).tolist() == logits[:3].argmax(-1).tolist()  # no Triton: torch
 
 
 def test_step_seeds_keep_request_seeds_and_vary_the_others():

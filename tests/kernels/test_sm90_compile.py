@@ -169,6 +169,9 @@ def cases() -> dict:
         "silu-and-mul": (norm_act._silu_and_mul_kernel, dict(BLOCK=norm_act.ACT_BLOCK)),
         "race-chunk": (sample_race._race_chunk_kernel, dict(SUB_BLOCK=sample_race.SUB_BLOCK, HAS_FLOOR=True,
                                                                   FAST_LOG=True)),
+        "race-chunk-greedy": (sample_race._race_chunk_kernel,
+                              dict(SUB_BLOCK=sample_race.SUB_BLOCK, HAS_FLOOR=False, FAST_LOG=True,
+                                   ALL_GREEDY=True)),
         "decode-inputs": (decode_inputs._place_inputs_kernel, dict(BLOCK=decode_inputs.BLOCK),
                           {"static_ptr": "*i32", "staged_ptr": "*i32", "sampled_ptr": "*i64"}),
         "race-pick": (sample_race._race_pick_kernel, dict(BLOCK_C=sample_race.MAX_CHUNKS), {},
@@ -249,7 +252,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split",
               "decode-rope-pdl", "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
-              "moe-topk-softmax", "race-chunk", "race-pick", "decode-inputs")
+              "moe-topk-softmax", "race-chunk", "race-chunk-greedy", "race-pick", "decode-inputs")
 
 
 @pytest.fixture(scope="module")

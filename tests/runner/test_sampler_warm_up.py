@@ -49,18 +49,24 @@ def test_after_warm_up_no_batch_size_compiles_the_sampler_again(dynamo_on_cpu):
 
 def test_warm_up_runs_every_variant_of_the_fused_race():
     # On CUDA the race is the Triton kernel: a variant per logits dtype (top-k/top-p scale them to
-    # float32) and with or without min-p's floor, each compiled once (no row count specializes them);
-    # warm_up must meet them all.
+    # float32) and with or without min-p's floor, and the all-greedy one, each compiled once (no row
+    # count specializes them); warm_up must meet them all. Both are stubs here: on a GPU host Triton
+    # would launch for these CPU tensors.
     pytest.importorskip("triton")
     sampler = StepSampler(VOCAB, torch.device("cpu"), compiled=False)
     sampler.sampler = sampler_module.Sampler(fused_race=True)
-    calls = []
+    calls, greedy_calls = [], []
 
     def fused(logits, temps, seeds, min_ps=None):
         calls.append((logits.shape[0], logits.dtype, min_ps is not None))
         return torch.zeros(logits.shape[0], dtype=torch.int64)
-    sampler.sampler._fused = fused
+
+    def fused_greedy(logits):
+        greedy_calls.append((logits.shape[0], logits.dtype))
+        return torch.zeros(logits.shape[0], dtype=torch.int64)
+    sampler.sampler._fused, sampler.sampler._fused_greedy = fused, fused_greedy
     sampler.warm_up(torch.randn(max(WARM_ROWS), VOCAB, dtype=torch.bfloat16))
     assert {rows for rows, _, _ in calls} == set(WARM_ROWS)
     assert {variant[1:] for variant in calls} == {(dtype, floor) for dtype in (torch.bfloat16, torch.float32)
                                                   for floor in (False, True)}
+    assert greedy_calls == [(1, torch.bfloat16)]
