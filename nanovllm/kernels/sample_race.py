@@ -16,7 +16,11 @@ The kernel is bound by its arithmetic (Philox, two logarithms a column), not by 
 
 With min_ps, a sampled row first drops the tokens whose logits / T fall below its floor, max(logits) / T
 + log(min_p) (min-p), the floor formed from the top logit as its own score is, so the top token always
-stays. Logits may hold -inf (masked tokens); NaN is not expected."""
+stays. Logits may hold -inf (masked tokens); NaN is not expected.
+
+`greedy` is the same two stages without temperatures, seeds or noise (a constexpr variant of stage 1):
+a few rows' argmax in two kernels, where torch's split argmax takes five or six (BENCHMARKS.md, calls U1
+and U7: 3-4.5 us a call against ~20 at 1-8 rows)."""
 
 import torch
 import triton
