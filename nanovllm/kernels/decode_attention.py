@@ -24,36 +24,24 @@ kernel's end waits for its last-started long contexts; `seq_order` (the rows by 
 first) makes the last programs the short ones (one layer 2.4-4.6% faster in bf16, up to 12% in fp8, at
 64-512 rows: call L4, BENCHMARKS.md).
 
-This file is longer than most (~270 lines) because the kernel, its split-combining epilogue and the
-wrapper's argument checks belong together: splitting them would put one kernel's contract in two files.
+The chunk's attention and the split-combining epilogue are shared with decode_rope.py (the same kernel
+with q/k norm, rotary and the KV store in front); what a call needs besides its inputs (output,
+scratch, counters, grid, checked arguments) is decode_launch.DecodeCall, which both prepare.
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.common import (
-    FP8_DTYPE,
-    check_paged_attention_args,
-    dot_precision,
     fp8_dot_operands,
     online_softmax_step,
-    output_for,
     paged_kv_offsets,
-    sm_count,
 )
-from nanovllm.kernels.decode_fp8_tiles import attend_fp8_words, fp8_tiles
-from nanovllm.kernels.decode_launch import DecodeLaunch, choose_launch
-
-# tl.dot needs at least 16 rows, so a GQA group (often 1-8 query heads) is padded to 16 masked rows.
-# The padding costs tensor-core FLOPs, not memory traffic, and decode is bound by reading K/V.
-MIN_GROUP_ROWS = 16
-# Partials per head the combining epilogue reads per vectorized load ([heads, rows, head_dim] float32
-# in registers).
-COMBINE_ROWS = 16
+from nanovllm.kernels.decode_fp8_tiles import attend_fp8_words
+from nanovllm.kernels.decode_launch import DecodeCall
 
 
 # Triton compiles a variant per integer argument that is 1 or a multiple of 16; these vary from step to
@@ -280,79 +268,3 @@ def paged_decode_attention(
         **call.constexprs(q.dtype, k_cache.dtype),
     )
     return call.out
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeCall:
-    """What one launch of a decode kernel needs besides its inputs: its output, scratch and counters
-    (checked, or allocated), its grid and launch settings. Shared with decode_rope.py."""
-
-    out: torch.Tensor
-    partial_out: torch.Tensor  # [B * num_heads * num_splits * head_dim] float32
-    partial_lse: torch.Tensor  # [B * num_heads * num_splits] float32
-    counters: torch.Tensor
-    grid: tuple[int, int, int]  # (num_kv_heads, B, num_splits)
-    launch: DecodeLaunch
-    num_heads_per_kv: int
-    head_dim: int
-    block_size: int
-
-    @property
-    def num_splits(self) -> int:
-        return self.grid[2]
-
-    @staticmethod
-    def prepare(q, k_cache, v_cache, seqlens_k, block_tables, num_splits, out, workspace, counters
-                ) -> "DecodeCall":
-        num_heads, num_kv_heads, head_dim, block_size = check_paged_attention_args(
-            q, k_cache, v_cache, block_tables
-        )
-        batch_size = q.shape[0]
-        if seqlens_k.shape != (batch_size,) or block_tables.shape[0] != batch_size:
-            raise ValueError(
-                f"seqlens_k {tuple(seqlens_k.shape)} and block_tables {tuple(block_tables.shape)} "
-                f"must have one row per query ({batch_size})"
-            )
-        out = output_for(q, out)
-        max_context_len = block_tables.shape[1] * block_size
-        launch, auto_splits = choose_launch(max(batch_size, 1), num_kv_heads, head_dim, max_context_len,
-                                            k_cache.element_size(), q.device, sm_count(q.device))
-        if num_splits is None:
-            num_splits = auto_splits
-        elif num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1; got {num_splits}")
-
-        # Scratch: per (sequence, head, split) a [head_dim] partial output, then one log-sum-exp each.
-        num_partials = batch_size * num_heads * num_splits
-        workspace_numel = num_partials * (head_dim + 1)
-        if workspace is None:
-            workspace = torch.empty(workspace_numel, dtype=torch.float32, device=q.device)
-        elif not (
-            workspace.dtype == torch.float32
-            and workspace.is_contiguous()
-            and workspace.numel() >= workspace_numel
-        ):
-            raise ValueError(
-                f"workspace must be a contiguous float32 tensor of at least {workspace_numel} elements "
-                f"(B * num_heads * num_splits * (head_dim + 1)); got {workspace.dtype} x {workspace.numel()}"
-            )
-        if counters is None:
-            counters = torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=q.device)
-        elif not (counters.dtype == torch.int32 and counters.is_contiguous()
-                  and counters.numel() >= batch_size * num_kv_heads):
-            raise ValueError(f"counters must be a contiguous int32 tensor of at least B * num_kv_heads = "
-                             f"{batch_size * num_kv_heads} zeros; got {counters.dtype} x {counters.numel()}")
-        return DecodeCall(out, workspace[: num_partials * head_dim],
-                          workspace[num_partials * head_dim : workspace_numel], counters,
-                          (num_kv_heads, batch_size, num_splits), launch, num_heads // num_kv_heads, head_dim,
-                          block_size)
-
-    def constexprs(self, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
-        """The kernels' shared compile-time arguments and launch settings."""
-        group = self.num_heads_per_kv
-        tiles = fp8_tiles(cache_dtype == FP8_DTYPE, q_dtype == torch.float32)
-        return dict(NUM_HEADS_PER_KV=group, NUM_KV_HEADS=self.grid[0], HEAD_DIM=self.head_dim,
-                    BLOCK_SIZE=self.block_size, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
-                    BLOCK_N=self.launch.block_n, COMBINE_HEADS=triton.next_power_of_2(group),
-                    COMBINE_ROWS=COMBINE_ROWS, DOT_PRECISION=dot_precision(q_dtype),
-                    FP8_TILES=tiles, **self.launch.options(tiles == "words"))

@@ -9,7 +9,10 @@ G3 and G4 (microseconds of one layer's decode, Qwen3-0.6B heads, 256-token block
 - A small batch is latency-bound: each context is cut into many chunks of a tile or two (at least
   SMALL_BATCH_SPLITS). There three pipeline stages were twice as fast in call G4, at batch 1 with 1,024
   and 4,096 keys: a bf16 cache 17.4 and 25.6 us with 64-key tiles (28.2 and 63.0 us with the
-  large-batch settings), an fp8 cache 20.3 and 23.4 us with 128-key tiles (38.2 and 32.1 us)."""
+  large-batch settings), an fp8 cache 20.3 and 23.4 us with 128-key tiles (38.2 and 32.1 us).
+
+DecodeCall is one call's launch from its arguments: checked shapes, settings and chunk count, output,
+scratch for the partials and the combining counters; decode_attention.py and decode_rope.py share it."""
 
 import functools
 from dataclasses import dataclass
@@ -17,7 +20,15 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from nanovllm.kernels.common import max_shared_memory
+from nanovllm.kernels.common import (
+    FP8_DTYPE,
+    check_paged_attention_args,
+    dot_precision,
+    max_shared_memory,
+    output_for,
+    sm_count,
+)
+from nanovllm.kernels.decode_fp8_tiles import fp8_tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,3 +104,87 @@ def choose_launch(batch_size: int, num_kv_heads: int, head_dim: int, max_context
         launch = small
         num_splits = decode_num_splits(batch_size, num_kv_heads, max_context_len, launch.block_n, num_sms)
     return launch, num_splits
+
+
+# tl.dot needs at least 16 rows, so a GQA group (often 1-8 query heads) is padded to 16 masked rows.
+# The padding costs tensor-core FLOPs, not memory traffic, and decode is bound by reading K/V.
+MIN_GROUP_ROWS = 16
+# Partials per head the combining epilogue reads per vectorized load ([heads, rows, head_dim] float32
+# in registers).
+COMBINE_ROWS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCall:
+    """What one launch of a decode kernel needs besides its inputs: its output, scratch and counters
+    (checked, or allocated), its grid and launch settings. Shared with decode_rope.py."""
+
+    out: torch.Tensor
+    partial_out: torch.Tensor  # [B * num_heads * num_splits * head_dim] float32
+    partial_lse: torch.Tensor  # [B * num_heads * num_splits] float32
+    counters: torch.Tensor
+    grid: tuple[int, int, int]  # (num_kv_heads, B, num_splits)
+    launch: DecodeLaunch
+    num_heads_per_kv: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def num_splits(self) -> int:
+        return self.grid[2]
+
+    @staticmethod
+    def prepare(q, k_cache, v_cache, seqlens_k, block_tables, num_splits, out, workspace, counters
+                ) -> "DecodeCall":
+        num_heads, num_kv_heads, head_dim, block_size = check_paged_attention_args(
+            q, k_cache, v_cache, block_tables
+        )
+        batch_size = q.shape[0]
+        if seqlens_k.shape != (batch_size,) or block_tables.shape[0] != batch_size:
+            raise ValueError(
+                f"seqlens_k {tuple(seqlens_k.shape)} and block_tables {tuple(block_tables.shape)} "
+                f"must have one row per query ({batch_size})"
+            )
+        out = output_for(q, out)
+        max_context_len = block_tables.shape[1] * block_size
+        launch, auto_splits = choose_launch(max(batch_size, 1), num_kv_heads, head_dim, max_context_len,
+                                            k_cache.element_size(), q.device, sm_count(q.device))
+        if num_splits is None:
+            num_splits = auto_splits
+        elif num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1; got {num_splits}")
+
+        # Scratch: per (sequence, head, split) a [head_dim] partial output, then one log-sum-exp each.
+        num_partials = batch_size * num_heads * num_splits
+        workspace_numel = num_partials * (head_dim + 1)
+        if workspace is None:
+            workspace = torch.empty(workspace_numel, dtype=torch.float32, device=q.device)
+        elif not (
+            workspace.dtype == torch.float32
+            and workspace.is_contiguous()
+            and workspace.numel() >= workspace_numel
+        ):
+            raise ValueError(
+                f"workspace must be a contiguous float32 tensor of at least {workspace_numel} elements "
+                f"(B * num_heads * num_splits * (head_dim + 1)); got {workspace.dtype} x {workspace.numel()}"
+            )
+        if counters is None:
+            counters = torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=q.device)
+        elif not (counters.dtype == torch.int32 and counters.is_contiguous()
+                  and counters.numel() >= batch_size * num_kv_heads):
+            raise ValueError(f"counters must be a contiguous int32 tensor of at least B * num_kv_heads = "
+                             f"{batch_size * num_kv_heads} zeros; got {counters.dtype} x {counters.numel()}")
+        return DecodeCall(out, workspace[: num_partials * head_dim],
+                          workspace[num_partials * head_dim : workspace_numel], counters,
+                          (num_kv_heads, batch_size, num_splits), launch, num_heads // num_kv_heads, head_dim,
+                          block_size)
+
+    def constexprs(self, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
+        """The kernels' shared compile-time arguments and launch settings."""
+        group = self.num_heads_per_kv
+        tiles = fp8_tiles(cache_dtype == FP8_DTYPE, q_dtype == torch.float32)
+        return dict(NUM_HEADS_PER_KV=group, NUM_KV_HEADS=self.grid[0], HEAD_DIM=self.head_dim,
+                    BLOCK_SIZE=self.block_size, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+                    BLOCK_N=self.launch.block_n, COMBINE_HEADS=triton.next_power_of_2(group),
+                    COMBINE_ROWS=COMBINE_ROWS, DOT_PRECISION=dot_precision(q_dtype),
+                    FP8_TILES=tiles, **self.launch.options(tiles == "words"))

@@ -21,7 +21,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanovllm.kernels.common import FP8_MAX, fp8_dot_operands
-from nanovllm.kernels.decode_attention import DecodeCall, attend_chunk, chunk_bounds
+from nanovllm.kernels.decode_attention import attend_chunk, chunk_bounds
+from nanovllm.kernels.decode_launch import DecodeCall
 from nanovllm.kernels.rope_store import check_rope_args, normed_rotated_rows
 
 

@@ -15,7 +15,7 @@ from nanovllm.attention.rotary import RotaryEmbedding
 pytest.importorskip("triton")
 
 from nanovllm.attention import triton_backend  # noqa: E402
-from nanovllm.kernels import decode_attention  # noqa: E402
+from nanovllm.kernels import decode_launch  # noqa: E402
 from nanovllm.kernels.common import sm_count  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -37,7 +37,7 @@ def reachable_launches(fused: bool, element_size: int) -> set:
     max_rows = min(MAX_NUM_SEQS, triton_backend.FUSED_ROPE_MAX_ROWS) if fused else MAX_NUM_SEQS
     device = torch.device(DEVICE)
     num_sms = sm_count(device)
-    return {decode_attention.choose_launch(rows, HKV, D, width * BS, element_size, device, num_sms)[0]
+    return {decode_launch.choose_launch(rows, HKV, D, width * BS, element_size, device, num_sms)[0]
             for rows in range(1, max_rows + 1) for width in range(1, MAX_BLOCKS + 1)}
 
 
@@ -47,14 +47,14 @@ def test_warm_up_builds_every_decode_launch_and_leaves_the_cache(monkeypatch, ca
     before = layer.k_cache.view(torch.uint8).clone(), layer.v_cache.view(torch.uint8).clone()
     backend = triton_backend.TritonBackend(MAX_NUM_SEQS, HKV, torch.device(DEVICE))
     warmed, kernel = set(), [None]
-    real_choose = decode_attention.choose_launch
+    real_choose = decode_launch.choose_launch
 
     def choose(*args, **kwargs):
         launch, splits = real_choose(*args, **kwargs)
         warmed.add((kernel[0], launch))
         return launch, splits
 
-    monkeypatch.setattr(decode_attention, "choose_launch", choose)
+    monkeypatch.setattr(decode_launch, "choose_launch", choose)
     def calling(fused, real):  # notes which kernel the launches chosen next belong to
         def call(*args, **kwargs):
             kernel[0] = fused
