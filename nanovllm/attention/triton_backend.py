@@ -15,7 +15,7 @@ from nanovllm.attention.gpu_backend import GPUBackend, qk_norms
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.kernels.common import supports_pdl
 from nanovllm.kernels.decode_attention import paged_decode_attention
-from nanovllm.kernels.decode_rope import paged_decode_rope_attention
+from nanovllm.kernels.decode_rope import LATE_TRIGGER_MIN_ROWS, paged_decode_rope_attention
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
 
 # Decode batches of up to this many rows run the norm, rotary and KV store inside the attention kernel:
@@ -108,10 +108,15 @@ class TritonBackend(GPUBackend):
         # rows and the block table's width. CUDA graphs build those of graphed decode steps, but a mixed
         # step's decoding rows run eagerly: the shared-prefix workload's timed run built the small-batch
         # variant (0.8 s, the whole batch waiting; call N1). Fewer rows and wider tables only ever mean
-        # more chunks, so the two extremes build every variant. Each reads block 0 and writes no cache slot.
+        # more chunks, so the two extremes build every variant; the fused kernel's also come with its PDL
+        # trigger early (one row) or late (more), so it takes both launches at one row and at several.
+        # Each reads block 0 and writes no cache slot.
         device = layer.k_cache.device
         fused_rows = min(max_num_seqs, FUSED_ROPE_MAX_ROWS)
-        for rows, width, fused in ((1, max_blocks, True), (fused_rows, 1, True), (max_num_seqs, 1, False)):
+        few_rows = min(fused_rows, LATE_TRIGGER_MIN_ROWS)
+        shapes = ((1, max_blocks, True), (1, 1, True), (few_rows, max_blocks, True), (fused_rows, 1, True),
+                  (max_num_seqs, 1, False))
+        for rows, width, fused in dict.fromkeys(shapes):
             q = torch.zeros(rows, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
             seqlens_k = torch.ones(rows, dtype=torch.int32, device=device)
             tables = torch.zeros(rows, width, dtype=torch.int32, device=device)

@@ -34,6 +34,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from nanovllm.kernels.common import (
     fp8_dot_operands,
@@ -102,7 +103,7 @@ def _decode_split_kernel(
                  v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
                  out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale, NUM_HEADS_PER_KV,
                  NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, COMBINE_HEADS, COMBINE_ROWS,
-                 DOT_PRECISION, FP8_TILES)
+                 DOT_PRECISION, FP8_TILES, False)
 
 
 @triton.jit
@@ -121,10 +122,11 @@ def attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_en
                  NUM_HEADS_PER_KV: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                  COMBINE_HEADS: tl.constexpr, COMBINE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 FP8_TILES: tl.constexpr):
+                 FP8_TILES: tl.constexpr, LAUNCH_AFTER_LOOP: tl.constexpr):
     """One program's chunk [split_start, split_end) of one (sequence, KV head): its partial for the GQA
     group's queries q [BLOCK_G, HEAD_DIM] (scores times qk_scale), then, in the last chunk to finish,
-    the combine. Shared by the decode kernels (this one, and decode_rope's)."""
+    the combine. Shared by the decode kernels (this one, and decode_rope's, which under PDL may let its
+    dependent launch once the K/V loop is done: LAUNCH_AFTER_LOOP)."""
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < NUM_HEADS_PER_KV
     heads = kv_head * NUM_HEADS_PER_KV + offs_g
@@ -153,6 +155,8 @@ def attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_en
             m_i, l_i, acc = online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
                                                 DOT_PRECISION)
 
+    if LAUNCH_AFTER_LOOP:
+        gdc_launch_dependents()
     # A non-empty chunk has l_i >= 1 (its max term is 2^0); an empty one has l_i == 0 and becomes
     # the neutral partial (out 0, lse -inf) that stage 2 weights by 2^-inf = 0.
     has_keys = l_i > 0

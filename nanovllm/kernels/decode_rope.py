@@ -25,6 +25,14 @@ from nanovllm.kernels.decode_attention import attend_chunk, chunk_bounds
 from nanovllm.kernels.decode_launch import DecodeCall
 from nanovllm.kernels.rope_store import check_rope_args, normed_rotated_rows
 
+# Under PDL, where the programs let the next kernel (the o_proj GEMV, itself a programmatic dependent)
+# launch: at one row right after their wait, from LATE_TRIGGER_MIN_ROWS rows on after their K/V loop.
+# The GEMV's programs load weight tiles as soon as they are resident; from two rows on, started that
+# early they compete with this kernel's K/V loads, which are on the critical path: a decode step 2.2-2.4%
+# faster at 2 and 4 rows, 0.7-0.8% at 8-32, with the later trigger; at one row 1.2% slower (BENCHMARKS.md,
+# calls V5 and V6).
+LATE_TRIGGER_MIN_ROWS = 2
+
 
 @triton.jit(do_not_specialize=["block_tables_stride", "num_splits"])
 def _decode_rope_split_kernel(
@@ -74,6 +82,7 @@ def _decode_rope_split_kernel(
     HAS_NORM: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: store scaled and clamped
     PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait for q, k, v
+    LATE_TRIGGER: tl.constexpr = False,  # under PDL: the next kernel launches after the K/V loop
 ):
     kv_head = tl.program_id(0)  # the grid is DecodeCall's: KV heads fastest
     seq = tl.program_id(1)
@@ -86,7 +95,8 @@ def _decode_rope_split_kernel(
     if PDL:
         # Above: host-built inputs only. q, k, v are the previous kernel's output.
         gdc_wait()
-        gdc_launch_dependents()
+        if not LATE_TRIGGER:
+            gdc_launch_dependents()
 
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < NUM_HEADS_PER_KV
@@ -122,7 +132,7 @@ def _decode_rope_split_kernel(
                  v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
                  out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale, NUM_HEADS_PER_KV,
                  NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, COMBINE_HEADS, COMBINE_ROWS,
-                 DOT_PRECISION, FP8_TILES)
+                 DOT_PRECISION, FP8_TILES, PDL and LATE_TRIGGER)
 
 
 def paged_decode_rope_attention(
@@ -172,6 +182,6 @@ def paged_decode_rope_attention(
         call.out.stride(0), call.out.stride(1), block_tables.stride(0), call.num_splits,
         softmax_scale * k_scale * math.log2(math.e), v_scale,
         HAS_NORM=has_norm, QUANT=k_cache.dtype != q.dtype, **call.constexprs(q.dtype, k_cache.dtype),
-        PDL=pdl, launch_pdl=pdl,
+        PDL=pdl, LATE_TRIGGER=pdl and q.shape[0] >= LATE_TRIGGER_MIN_ROWS, launch_pdl=pdl,
     )
     return call.out

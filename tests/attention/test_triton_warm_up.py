@@ -15,7 +15,7 @@ from nanovllm.attention.rotary import RotaryEmbedding
 pytest.importorskip("triton")
 
 from nanovllm.attention import triton_backend  # noqa: E402
-from nanovllm.kernels import decode_launch  # noqa: E402
+from nanovllm.kernels import decode_launch, decode_rope  # noqa: E402
 from nanovllm.kernels.common import sm_count  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -32,12 +32,19 @@ def make_layer(cache_dtype):
                                  qk_norm=norm, k_cache=cache[0], v_cache=cache[1], k_scale=1.0, v_scale=1.0)
 
 
-def reachable_launches(fused: bool, element_size: int) -> set:
-    """The launches choose_launch gives the decode kernel (fused: the fused-rope one) at any shape."""
+def variant(fused: bool, launch, rows: int) -> tuple:
+    """What selects a compiled variant of a decode kernel: its launch, and for the fused kernel whether it
+    lets its PDL dependent launch after its K/V loop (decode_rope.LATE_TRIGGER_MIN_ROWS rows or more)."""
+    return launch, fused and rows >= decode_rope.LATE_TRIGGER_MIN_ROWS
+
+
+def reachable_variants(fused: bool, element_size: int) -> set:
+    """The variants the decode kernel (fused: the fused-rope one) takes at any shape."""
     max_rows = min(MAX_NUM_SEQS, triton_backend.FUSED_ROPE_MAX_ROWS) if fused else MAX_NUM_SEQS
     device = torch.device(DEVICE)
     num_sms = sm_count(device)
-    return {decode_launch.choose_launch(rows, HKV, D, width * BS, element_size, device, num_sms)[0]
+    return {variant(fused, decode_launch.choose_launch(rows, HKV, D, width * BS, element_size, device,
+                                                       num_sms)[0], rows)
             for rows in range(1, max_rows + 1) for width in range(1, MAX_BLOCKS + 1)}
 
 
@@ -49,9 +56,9 @@ def test_warm_up_builds_every_decode_launch_and_leaves_the_cache(monkeypatch, ca
     warmed, kernel = set(), [None]
     real_choose = decode_launch.choose_launch
 
-    def choose(*args, **kwargs):
-        launch, splits = real_choose(*args, **kwargs)
-        warmed.add((kernel[0], launch))
+    def choose(rows, *args, **kwargs):
+        launch, splits = real_choose(rows, *args, **kwargs)
+        warmed.add((kernel[0], variant(kernel[0], launch, rows)))
         return launch, splits
 
     monkeypatch.setattr(decode_launch, "choose_launch", choose)
@@ -67,9 +74,10 @@ def test_warm_up_builds_every_decode_launch_and_leaves_the_cache(monkeypatch, ca
     backend.warm_up(layer, torch.float16, MAX_NUM_SEQS, MAX_BLOCKS)
 
     for fused in (False, True):
-        reachable = reachable_launches(fused, layer.k_cache.element_size())
-        assert len(reachable) == 2, "the case should reach both the large- and the small-batch launch"
-        assert reachable <= {launch for f, launch in warmed if f == fused}
+        reachable = reachable_variants(fused, layer.k_cache.element_size())
+        assert len({launch for launch, _ in reachable}) == 2, \
+            "the case should reach both the large- and the small-batch launch"
+        assert reachable <= {v for f, v in warmed if f == fused}
     assert torch.equal(layer.k_cache.view(torch.uint8), before[0])
     assert torch.equal(layer.v_cache.view(torch.uint8), before[1])
 

@@ -18,6 +18,7 @@ DEVICE = triton_test_device()
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 32, 16
 # Row 1's context (300 keys) spans many chunks: its new key lands in a later one than the first.
 SEQLENS = [5, 300, 0]  # the last row is batch padding
+PER_ROW = ("q", "k", "v", "positions", "slot_mapping", "seqlens_k", "block_tables")
 
 
 def case(dtype, cache_dtype, seed=0):
@@ -90,14 +91,19 @@ def test_norms_come_in_pairs():
         fused(t, *(c.to(DEVICE) for c in caches), norms[0], None, (1.0, 1.0))
 
 
-def test_pdl_launch_gives_the_same_bits():
+@pytest.mark.parametrize("rows", [1, len(SEQLENS)], ids=["early-trigger", "late-trigger"])
+def test_pdl_launch_gives_the_same_bits(rows):
     """As a programmatic dependent of the kernel that writes its q/k/v (an sm_90+ GPU), eagerly and replayed
-    from a CUDA graph: the same output and cache bits as a plain launch."""
+    from a CUDA graph: the same output and cache bits as a plain launch, with the dependent let go right
+    after the wait (one row) or after the K/V loop (decode_rope.LATE_TRIGGER_MIN_ROWS rows or more)."""
+    from nanovllm.kernels import decode_rope
     from nanovllm.kernels.common import supports_pdl
 
     if DEVICE != "cuda" or not supports_pdl(torch.device(DEVICE)):
         pytest.skip("programmatic dependent launch needs an sm_90+ GPU")
+    assert (rows >= decode_rope.LATE_TRIGGER_MIN_ROWS) == (rows > 1)
     t, caches, (q_norm, k_norm) = case(torch.bfloat16, torch.bfloat16)
+    t = {name: x[:rows] if name in PER_ROW else x for name, x in t.items()}
     source = torch.cat([t["q"].flatten(1), t["k"].flatten(1), t["v"].flatten(1)], dim=1)
     qkv = torch.empty_like(source)
     nq, nk = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
