@@ -255,7 +255,8 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "rope-store-qk-norm", "rope-store", "rope-store-fp8",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "skinny-gemm-pdl",
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split",
-              "decode-rope-pdl", "split-k-reduce", "add-rms-norm", "rms-norm", "silu-and-mul",
+              "decode-rope-pdl", "decode-rope-pdl-late-trigger", "split-k-reduce", "add-rms-norm", "rms-norm",
+              "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
               "moe-topk-softmax", "race-chunk", "race-chunk-greedy", "race-pick", "decode-inputs")
 
