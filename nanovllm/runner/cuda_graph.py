@@ -7,7 +7,12 @@ A step's inputs are written into a slot of the runner's uploads (runner/transfer
 graphs' static device buffer, and copied on a stream of their own; one kernel before the replay
 (kernels/decode_inputs.py) moves them into the static buffer and, with overlap scheduling, puts the
 previous step's sampled ids in place from the prev_rows field. So a decode step costs the compute
-stream one small kernel and one graph launch."""
+stream one small kernel and one graph launch.
+
+The graphs of up to `head_rows` rows hold the LM head too. A decode step's host work runs beside the
+device's previous step (overlap scheduling), and at one row it took ~650 us of a ~810 us step, the LM
+head's launch (the one-row GEMV, a Triton kernel) 125 of it: a step whose host work ran late left the
+device idle (single streams 0.82-0.95 ms/token on different machines, BENCHMARKS.md W3-W7)."""
 
 import logging
 from dataclasses import dataclass
@@ -28,6 +33,9 @@ logger = logging.getLogger("nanovllm")
 # graph every 16 rows keeps the padding waste under 16 rows while capture stays quick.
 SMALL_BATCH_SIZES = (1, 2, 4, 8)
 BATCH_SIZE_STEP = 16
+# The graphs of up to this many rows compute the logits too (a single rank's): their launch is where the
+# host's time per step matters, and their logits stay small (8 rows of Qwen3's vocabulary: 2.4 MB).
+HEAD_GRAPH_MAX_ROWS = 8
 # Per-row fields of the static buffer: input_ids, positions, slot_mapping, seqlens_k, decode_order,
 # prev_rows (the row of the previous step's sampled ids that is the row's input, or -1).
 NUM_ROW_FIELDS = 6
@@ -65,8 +73,10 @@ class DecodeGraphs:
         device: torch.device,
         use_cuda_graph: bool = True,
         batch_sizes: list[int] | None = None,
+        head_rows: int = 0,
     ) -> None:
-        """use_cuda_graph=False runs the same padded static-buffer path eagerly (tests on CPU)."""
+        """use_cuda_graph=False runs the same padded static-buffer path eagerly (tests on CPU).
+        head_rows: the graphs of up to this many rows also compute the logits (model.compute_logits)."""
         self.model = model
         self.batch_sizes = batch_sizes or graph_batch_sizes(max_batch_size)
         assert self.batch_sizes[-1] == max_batch_size, "the ladder must end at the largest batch"
@@ -81,6 +91,9 @@ class DecodeGraphs:
         # A permutation from the start (capture runs the kernels too): rows sharing an index would race.
         self.decode_order.copy_(torch.arange(b, dtype=torch.int32))
         self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=device)
+        self.head_rows = head_rows
+        # Batch size -> the logits its graph writes (memory of the graph's pool, rewritten by each replay).
+        self.logits: dict[int, torch.Tensor] = {}
         self.no_tokens = torch.zeros(1, dtype=torch.int64, device=device)  # "sampled" of a step without any
         self.use_cuda_graph = use_cuda_graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -99,6 +112,8 @@ class DecodeGraphs:
     def _run_model(self, batch_size: int) -> None:
         meta = self._meta(batch_size)
         self.hidden[:batch_size] = self.model(self.input_ids[:batch_size], self.positions[:batch_size], meta)
+        if batch_size <= self.head_rows:
+            self.logits[batch_size] = self.model.compute_logits(self.hidden[:batch_size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -127,6 +142,7 @@ class DecodeGraphs:
         if self.graphs:
             torch.cuda.synchronize()  # no replay may still be running on the GPU
             self.graphs.clear()
+            self.logits.clear()
             self.pool = None
 
     def can_run(self, batch_size: int) -> bool:
@@ -160,9 +176,12 @@ class DecodeGraphs:
         host[5 * b + np.asarray(batch.prev_token_indices, dtype=np.int64)] = batch.prev_token_rows
         return StagedStep(n, padded, inputs, bool(batch.prev_token_rows))
 
-    def replay(self, step: StagedStep, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
-        """Run a staged step (after its uploads' flush); returns the hidden states [num_seqs, hidden].
-        prev_sampled: the previous step's sampled ids on the device, which the prev_rows field indexes."""
+    def replay(self, step: StagedStep, prev_sampled: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run a staged step (after its uploads' flush); returns the hidden states [num_seqs, hidden] and,
+        from a graph of up to head_rows rows, the logits [num_seqs, vocab] (else None). Both are read
+        before the next replay rewrites them. prev_sampled: the previous step's sampled ids on the device,
+        which the prev_rows field indexes."""
         if step.takes_previous:
             assert prev_sampled is not None, "the batch takes tokens from a previous step but got none"
         self._place(step.inputs, step.num_seqs, prev_sampled if step.takes_previous else self.no_tokens)
@@ -170,7 +189,8 @@ class DecodeGraphs:
             self.graphs[step.padded].replay()
         else:
             self._run_model(step.padded)
-        return self.hidden[: step.num_seqs]
+        logits = self.logits.get(step.padded)
+        return self.hidden[: step.num_seqs], None if logits is None else logits[: step.num_seqs]
 
     def _place(self, inputs: torch.Tensor, num_seqs: int, sampled: torch.Tensor) -> None:
         prev_offset = 5 * self.max_batch_size

@@ -19,7 +19,7 @@ from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.models import get_model_class
 from nanovllm.runner import kv_cache, warm_up
 from nanovllm.runner.batch import SamplingBatch, StepBatch, StepOutput
-from nanovllm.runner.cuda_graph import DecodeGraphs, staging_bytes
+from nanovllm.runner.cuda_graph import HEAD_GRAPH_MAX_ROWS, DecodeGraphs, staging_bytes
 from nanovllm.runner.inputs import model_inputs, padded_num_tokens, to_device
 from nanovllm.runner.piecewise import PiecewiseGraphs, memory_token_limit
 from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row, worst_case_sampling
@@ -134,8 +134,10 @@ class ModelRunner:
             return
         config = self.config
         max_batch, max_blocks = self._decode_graph_size()
+        # Under tensor parallelism the LM head gathers across ranks: it stays out of the graphs.
+        head_rows = HEAD_GRAPH_MAX_ROWS if config.tensor_parallel_size == 1 else 0
         self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, config.hf_config.hidden_size,
-                                          self.dtype, self.device)
+                                          self.dtype, self.device, head_rows=head_rows)
         self.decode_graphs.capture()
 
     # ---- KV cache ----
@@ -211,10 +213,11 @@ class ModelRunner:
         return to_device(batch.prev_token_indices, torch.int64, self.device), prev_sampled[rows]
 
     def _forward(self, batch: StepBatch, prev_sampled: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, SamplingTensors | None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, SamplingTensors | None]:
         """The hidden states of the sampling rows' last tokens [len(batch.sample_rows), hidden], those of
-        every token of the step [num_tokens, hidden] (None from a CUDA graph), and the sampler's
-        tensors for the batch's sampling rows (None where this rank does not sample)."""
+        every token of the step [num_tokens, hidden] (None from a CUDA graph), their logits where a
+        decode graph computed them (else None), and the sampler's tensors for the batch's sampling rows
+        (None where this rank does not sample)."""
         if self.cpu_threads is not None:
             self.cpu_threads.apply()
         uploads = self.uploads
@@ -226,8 +229,9 @@ class ModelRunner:
         if batch.sampling is not None and batch.sample_rows:
             params = self.sampler.tensors(batch.sampling, uploads.put)
         uploads.flush()
-        if staged is not None:
-            return self.decode_graphs.replay(staged, prev_sampled), None, params  # decode: every row samples
+        if staged is not None:  # decode: every row samples
+            hidden, logits = self.decode_graphs.replay(staged, prev_sampled)
+            return hidden, None, logits, params
         prev_tokens = self._previous_tokens(batch, prev_sampled)
         # Prefill and mixed steps run padded to a size the piecewise graphs were captured at, or when
         # too large for them, eagerly, padded so that cuBLAS meets only shapes it has seen (inputs.py).
@@ -243,18 +247,21 @@ class ModelRunner:
             hidden = self.piecewise.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return hidden[inputs.logits_indices], hidden, params
+        return hidden[inputs.logits_indices], hidden, None, params
 
-    def _sampling_logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
+    def _sampling_logits(self, hidden: torch.Tensor, logits: torch.Tensor | None, batch: StepBatch
+                         ) -> torch.Tensor | None:
+        """The sampling rows' logits: `logits` where the step's graph computed them."""
         if not batch.sample_rows:
             return hidden.new_empty(0, self.vocab_size) if self.rank == 0 else None
-        return self.model.compute_logits(hidden)
+        return logits if logits is not None else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def logits(self, batch: StepBatch) -> torch.Tensor | None:
         """Run the step's forward pass; returns the logits of the sampling rows [rows, vocab] on rank 0,
         None on the other ranks (every rank must call it: the LM head gathers across them)."""
-        return self._sampling_logits(self._forward(batch)[0], batch)
+        hidden, _, logits, _ = self._forward(batch)
+        return self._sampling_logits(hidden, logits, batch)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> StepOutput | None:
@@ -268,13 +275,13 @@ class ModelRunner:
         """Start one step without waiting for it: forward, sampling and the copy of the sampled ids to
         the host are queued on the device; `wait()` on the result reads them (None on the other ranks).
         prev_sampled: the previous step's sampled ids, for the batch's prev_token_* inputs."""
-        hidden, all_hidden, params = self._forward(batch, prev_sampled)
+        hidden, all_hidden, logits, params = self._forward(batch, prev_sampled)
         prompt_lps = None
         if batch.prompt_logprob_spans:  # every rank: the LM head gathers across ranks
             assert all_hidden is not None, "prompt logprobs come from prefill steps, which use no graph"
             prompt_lps = prompt_logprobs_by_row(self.model.compute_logits, all_hidden,
                                                 batch.prompt_logprob_spans)
-        logits = self._sampling_logits(hidden, batch)
+        logits = self._sampling_logits(hidden, logits, batch)
         if logits is None:
             return None
         if batch.sample_rows:

@@ -75,15 +75,17 @@ def test_padded_static_buffer_decode_matches(qwen3_dir, reference, backend, capl
     llm = LLM(qwen3_dir, attention_backend=backend, **OPTIONS)
     runner = llm.engine.model_runner
     # Captured sizes [1, 4]: batches of 2 and 3 rows run padded to 4 (3 prompts, then one that
-    # arrives with them: the 4-row batch fits exactly).
+    # arrives with them: the 4-row batch fits exactly). The one-row graph holds the LM head, the other not.
     runner.decode_graphs = DecodeGraphs(runner.model, 4, 128 // 4, runner.config.hf_config.hidden_size,
-                                        runner.dtype, runner.device, use_cuda_graph=False, batch_sizes=[1, 4])
+                                        runner.dtype, runner.device, use_cuda_graph=False, batch_sizes=[1, 4],
+                                        head_rows=1)
     graphs, padded_batches = runner.decode_graphs, []
     plain_stage = graphs.stage
     graphs.stage = lambda batch, *rest: padded_batches.append(batch.num_seqs) or plain_stage(batch, *rest)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 6, 9)]
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)  # 3 rows, then 2, then 1
     assert {3, 2, 1} <= set(padded_batches)
+    assert set(graphs.logits) == {1}  # the one-row steps sampled from the graph's own logits
     expected = [ref[:n] for ref, n in zip(reference, (12, 6, 9), strict=False)]
     assert [o["token_ids"] for o in outputs] == expected
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a step failed and was retried"

@@ -225,7 +225,8 @@ def test_decode_graph_buffers_take_the_previous_tokens(qwen3_dir, engines):
     llm = LLM(qwen3_dir, async_scheduling=True, **OPTIONS)
     runner = llm.engine.model_runner
     runner.decode_graphs = DecodeGraphs(runner.model, 4, 256 // 4, runner.config.hf_config.hidden_size,
-                                        runner.dtype, runner.device, use_cuda_graph=False, batch_sizes=[1, 4])
+                                        runner.dtype, runner.device, use_cuda_graph=False, batch_sizes=[1, 4],
+                                        head_rows=1)
     fed, plain_replay = [], runner.decode_graphs.replay
 
     def replay(step, prev_sampled):

@@ -64,3 +64,31 @@ def test_decode_graph_buffers_hold_a_permutation_with_padding_rows_last():
     assert model.orders[-1] == [1, 2, 0, 3]  # padded to 4 rows: the padding row starts last
     run(graphs, decode_batch([12]))
     assert model.orders[-1] == [0]
+
+
+class HeadModel(RecordingModel):
+    """RecordingModel with an LM head over a 5-token vocabulary: each row's logits are its hidden sum
+    plus the token id."""
+
+    def forward(self, input_ids, positions, meta):
+        super().forward(input_ids, positions, meta)
+        return positions.float().unsqueeze(1).expand(-1, 8).clone()
+
+    def compute_logits(self, hidden):
+        return hidden.sum(-1, keepdim=True) + torch.arange(5.0)
+
+
+def test_small_decode_graphs_return_their_logits_and_larger_ones_none():
+    graphs = DecodeGraphs(HeadModel(), 4, 2, 8, torch.float32, CPU, use_cuda_graph=False,
+                          batch_sizes=[1, 2, 4], head_rows=2)
+    uploads = Uploads(CPU, 0)
+    for seqlens, has_logits in (([12], True), ([3, 9], True), ([3, 9, 6], False)):
+        uploads.begin()
+        staged = graphs.stage(decode_batch(seqlens), uploads)
+        uploads.flush()
+        hidden, logits = graphs.replay(staged)
+        assert hidden.shape == (len(seqlens), 8)
+        if has_logits:  # the head over the step's rows only, not the padding
+            torch.testing.assert_close(logits, graphs.model.compute_logits(hidden))
+        else:
+            assert logits is None
