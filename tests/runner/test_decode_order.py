@@ -79,16 +79,18 @@ class HeadModel(RecordingModel):
 
 
 def test_small_decode_graphs_return_their_logits_and_larger_ones_none():
-    graphs = DecodeGraphs(HeadModel(), 4, 2, 8, torch.float32, CPU, use_cuda_graph=False,
-                          batch_sizes=[1, 2, 4], head_rows=2)
+    graphs = DecodeGraphs(HeadModel(), 8, 2, 8, torch.float32, CPU, use_cuda_graph=False,
+                          batch_sizes=[1, 4, 8], head_rows=4)
     uploads = Uploads(CPU, 0)
-    for seqlens, has_logits in (([12], True), ([3, 9], True), ([3, 9, 6], False)):
+    # One row; three padded to the 4-row graph (with the head); five padded to the 8-row one (without).
+    for seqlens, has_logits in (([12], True), ([3, 9, 6], True), ([3, 9, 6, 4, 7], False)):
         uploads.begin()
         staged = graphs.stage(decode_batch(seqlens), uploads)
         uploads.flush()
         hidden, logits = graphs.replay(staged)
         assert hidden.shape == (len(seqlens), 8)
-        if has_logits:  # the head over the step's rows only, not the padding
+        if has_logits:  # the head's rows for the step's sequences, not the padding
+            assert logits.shape == (len(seqlens), 5)
             torch.testing.assert_close(logits, graphs.model.compute_logits(hidden))
         else:
             assert logits is None
