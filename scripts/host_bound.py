@@ -6,10 +6,11 @@ and the device idles instead. This script times each wait and prints, per run: m
 wait was under 20 us (host-bound). BENCHMARKS.md W3 and W7 measured the same way.
 
     python scripts/host_bound.py [--streams 1] [--prompt-len 512] [--max-tokens 1024] [--runs 3]
-                                 [--model configs/Qwen3-0.6B] [--max-model-len 4096]
+                                 [--model configs/Qwen3-0.6B --load-format dummy] [--max-model-len 4096]
 
 The workload is peer_variants.py's single stream (random prompts, temperature 0.6, ignore_eos), with
---streams prompts at once; random Qwen3-0.6B weights unless --model names a checkpoint."""
+--streams prompts at once; random Qwen3-0.6B weights unless --model names a checkpoint and
+--load-format auto."""
 
 import argparse
 import os
@@ -42,15 +43,15 @@ def time_waits(waits: list[float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=CONFIG)
+    parser.add_argument("--load-format", default="dummy", help="dummy: random weights from config.json (as "
+                        "bench.py's --load-format); auto: the checkpoint's")
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    dummy = os.path.isfile(os.path.join(args.model, "config.json")) and not any(
-        name.endswith(".safetensors") for name in os.listdir(args.model))
-    llm = LLM(args.model, max_model_len=args.max_model_len, load_format="dummy" if dummy else "auto",
+    llm = LLM(args.model, max_model_len=args.max_model_len, load_format=args.load_format,
               skip_tokenizer_init=True)  # the prompts are token ids
     waits: list[float] = []
     time_waits(waits)

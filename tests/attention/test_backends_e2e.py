@@ -82,10 +82,25 @@ def test_padded_static_buffer_decode_matches(qwen3_dir, reference, backend, capl
     graphs, padded_batches = runner.decode_graphs, []
     plain_stage = graphs.stage
     graphs.stage = lambda batch, *rest: padded_batches.append(batch.num_seqs) or plain_stage(batch, *rest)
+    # The logits each replay returned (None from the 4-row graph) and those the sampler was given.
+    replayed, sampled_from = [], []
+    plain_replay, plain_sample = graphs.replay, runner.sampler.sample
+
+    def replay(*args):
+        hidden, logits = plain_replay(*args)
+        replayed.append(logits)
+        return hidden, logits
+
+    graphs.replay = replay
+    runner.sampler.sample = lambda logits, *rest: sampled_from.append(logits) or plain_sample(logits, *rest)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 6, 9)]
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)  # 3 rows, then 2, then 1
     assert {3, 2, 1} <= set(padded_batches)
-    assert set(graphs.logits) == {1}  # the one-row steps sampled from the graph's own logits
+    assert set(graphs.logits) == {1} and any(r is not None for r in replayed)
+    # Every one-row step sampled from the very logits its graph wrote; the larger ones from the runner's.
+    for logits in replayed:
+        if logits is not None:
+            assert any(s is logits for s in sampled_from)
     expected = [ref[:n] for ref, n in zip(reference, (12, 6, 9), strict=False)]
     assert [o["token_ids"] for o in outputs] == expected
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a step failed and was retried"
