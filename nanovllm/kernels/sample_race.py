@@ -127,13 +127,17 @@ def _race_lanes(logits_row, temps_ptr, seeds_ptr, row_max_ptr, log_min_p_ptr, ro
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
-def _race_pick_kernel(best_val_ptr, best_idx_ptr, tokens_ptr, num_chunks, BLOCK_C: tl.constexpr):
+def _race_pick_kernel(best_val_ptr, best_idx_ptr, tokens_ptr, out_rows_ptr, num_chunks, BLOCK_C: tl.constexpr,
+                      SCATTER: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     mask = offs < num_chunks
     vals = tl.load(best_val_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
     winner = tl.argmax(vals, 0, tie_break_left=True)
-    tl.store(tokens_ptr + row, tl.load(best_idx_ptr + row * num_chunks + winner).to(tl.int64))
+    dest = row
+    if SCATTER:  # the row's token goes where out_rows says (a decode graph's output slot)
+        dest = tl.load(out_rows_ptr + row)
+    tl.store(tokens_ptr + dest, tl.load(best_idx_ptr + row * num_chunks + winner).to(tl.int64))
 
 
 def num_chunks(rows: int, vocab: int, num_sms: int) -> int:
@@ -143,12 +147,16 @@ def num_chunks(rows: int, vocab: int, num_sms: int) -> int:
 
 
 def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-         min_ps: torch.Tensor | None = None, *, num_sms: int | None = None) -> torch.Tensor:
+         min_ps: torch.Tensor | None = None, *, num_sms: int | None = None,
+         out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Sampled token ids [rows] (int64) of logits [rows, vocab] (any float dtype, contiguous rows):
     argmax(logits / T + Gumbel noise of seeds[r]) per row, argmax(logits) where T == 0.
     temperatures: [rows] float32, >= 0; seeds: [rows] int64, one Philox seed per row; min_ps: [rows]
     float32 or None, a sampled row draws no token less likely than min_p times its top one (0: none).
-    num_sms: what the grid is sized for (default: the device's SM count; tests force chunkings)."""
+    num_sms: what the grid is sized for (default: the device's SM count; tests force chunkings).
+    out, out_rows: row r's token goes to out[out_rows[r]] (out: one dimension of int64, out_rows: [rows]
+    int32 indices into it, read on the device), and out is returned: a decode graph's static output,
+    whose slot changes from step to step without another capture."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [rows, vocab] with contiguous rows; got {tuple(logits.shape)}")
     rows, vocab = logits.shape
@@ -156,7 +164,13 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
             or (min_ps is not None and min_ps.shape != (rows,))):
         raise ValueError(f"temperatures {tuple(temperatures.shape)}, seeds {tuple(seeds.shape)} and min_ps "
                          f"must have one entry per row ({rows})")
-    return _launch(logits, temperatures, seeds, min_ps, num_sms)
+    if (out is None) != (out_rows is None):
+        raise ValueError("out and out_rows go together")
+    if out is not None and (out.dim() != 1 or out.dtype != torch.int64 or out_rows.shape != (rows,)
+                            or out_rows.dtype != torch.int32):
+        raise ValueError(f"out must be one dimension of int64 ids (got {out.dtype} {tuple(out.shape)}) and "
+                         f"out_rows [{rows}] int32 (got {out_rows.dtype} {tuple(out_rows.shape)})")
+    return _launch(logits, temperatures, seeds, min_ps, num_sms, out, out_rows)
 
 
 def greedy(logits: torch.Tensor, *, num_sms: int | None = None) -> torch.Tensor:
@@ -169,10 +183,12 @@ def greedy(logits: torch.Tensor, *, num_sms: int | None = None) -> torch.Tensor:
 
 
 def _launch(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds: torch.Tensor | None,
-            min_ps: torch.Tensor | None, num_sms: int | None) -> torch.Tensor:
+            min_ps: torch.Tensor | None, num_sms: int | None, out: torch.Tensor | None = None,
+            out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The race's two kernels; no temperatures: every row greedy (its variant draws no noise)."""
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
     chunks = num_chunks(rows, vocab, num_sms or sm_count(logits.device))
@@ -194,5 +210,6 @@ def _launch(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds: torc
                                        # the interpreter (CPU tensors) has no hardware log
                                        FAST_LOG=logits.is_cuda, ALL_GREEDY=all_greedy, num_warps=NUM_WARPS)
     # BLOCK_C fixed at MAX_CHUNKS: one compiled variant for every row count.
-    _race_pick_kernel[(rows,)](best_val, best_idx, out, chunks, BLOCK_C=MAX_CHUNKS, num_warps=1)
+    _race_pick_kernel[(rows,)](best_val, best_idx, out, best_idx if out_rows is None else out_rows, chunks,
+                               BLOCK_C=MAX_CHUNKS, SCATTER=out_rows is not None, num_warps=1)
     return out

@@ -120,10 +120,13 @@ def sampling_tensors(sampling: SamplingBatch, vocab_size: int, device: torch.dev
         tensors.min_ps = put(sampling.min_ps, torch.float32)
     tensors.seeded_rows = [(row, seed) for row, seed in enumerate(sampling.seeds) if seed is not None] or None
     if noise_seed is not None:
-        seeds = [(noise_seed + row) & SEED_MASK if seed is None else seed
-                 for row, seed in enumerate(sampling.seeds)]
-        tensors.seeds = put(seeds, torch.int64)
+        tensors.seeds = put(race_seeds(sampling.seeds, noise_seed), torch.int64)
     return tensors
+
+
+def race_seeds(seeds: list[int | None], noise_seed: int) -> list[int]:
+    """A Philox seed per row for the fused race: the row's own, else noise_seed + its row."""
+    return [(noise_seed + row) & SEED_MASK if seed is None else seed for row, seed in enumerate(seeds)]
 
 
 def logits_processor_tensors(rows: list[ProcessorRow | None] | None, vocab_size: int,

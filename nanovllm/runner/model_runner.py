@@ -6,6 +6,7 @@ prefill and mixed steps up to a few thousand tokens piecewise ones around attent
 import gc
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,6 +36,18 @@ logger = logging.getLogger("nanovllm")
 # room for the reservations' alignment (transfers.ALIGN) besides.
 SAMPLING_BYTES_PER_ROW = 4 + 8 + 4 + 4 + 8
 UPLOAD_SLACK = 1024
+
+
+@dataclass(slots=True)
+class Forward:
+    """A step's forward pass as the sampler meets it."""
+
+    hidden: torch.Tensor  # the sampling rows' last tokens' hidden states [len(batch.sample_rows), hidden]
+    all_hidden: torch.Tensor | None  # every token's [num_tokens, hidden] (None from a CUDA graph)
+    logits: torch.Tensor | None  # the sampling rows' logits where a decode graph computed them
+    params: SamplingTensors | None  # the sampler's tensors (None where this rank or the graph samples)
+    sampled: torch.Tensor | None = None  # the tokens a decode graph sampled itself
+    sampled_host: torch.Tensor | None = None  # pinned memory for their copy to the host
 
 
 def runner_device(config: Config, rank: int) -> torch.device:
@@ -137,7 +150,8 @@ class ModelRunner:
         # Under tensor parallelism the LM head gathers across ranks: it stays out of the graphs.
         head_rows = HEAD_GRAPH_MAX_ROWS if config.tensor_parallel_size == 1 else 0
         self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, config.hf_config.hidden_size,
-                                          self.dtype, self.device, head_rows=head_rows)
+                                          self.dtype, self.device, head_rows=head_rows,
+                                          race=self.sampler.graph_race())
         self.decode_graphs.capture()
 
     # ---- KV cache ----
@@ -212,26 +226,24 @@ class ModelRunner:
         rows = to_device(batch.prev_token_rows, torch.int64, self.device)
         return to_device(batch.prev_token_indices, torch.int64, self.device), prev_sampled[rows]
 
-    def _forward(self, batch: StepBatch, prev_sampled: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, SamplingTensors | None]:
-        """The hidden states of the sampling rows' last tokens [len(batch.sample_rows), hidden], those of
-        every token of the step [num_tokens, hidden] (None from a CUDA graph), their logits where a
-        decode graph computed them (else None), and the sampler's tensors for the batch's sampling rows
-        (None where this rank does not sample)."""
+    def _forward(self, batch: StepBatch, prev_sampled: torch.Tensor | None = None) -> Forward:
         if self.cpu_threads is not None:
             self.cpu_threads.apply()
-        uploads = self.uploads
+        uploads, graphs = self.uploads, self.decode_graphs
         uploads.begin()
         staged = None
-        if not batch.is_prefill and self.decode_graphs and self.decode_graphs.can_run(batch.num_seqs):
-            staged = self.decode_graphs.stage(batch, uploads)
+        if not batch.is_prefill and graphs and graphs.can_run(batch.num_seqs):
+            race_rows = None
+            if batch.sampling is not None and graphs.samples(batch.num_seqs):
+                race_rows = self.sampler.race_rows(batch.sampling)
+            staged = graphs.stage(batch, uploads, race_rows)
         params = None
-        if batch.sampling is not None and batch.sample_rows:
+        if batch.sampling is not None and batch.sample_rows and (staged is None or staged.out_start is None):
             params = self.sampler.tensors(batch.sampling, uploads.put)
         uploads.flush()
         if staged is not None:  # decode: every row samples
-            hidden, logits = self.decode_graphs.replay(staged, prev_sampled)
-            return hidden, None, logits, params
+            out = graphs.replay(staged, prev_sampled)
+            return Forward(out.hidden, None, out.logits, params, out.sampled, out.sampled_host)
         prev_tokens = self._previous_tokens(batch, prev_sampled)
         # Prefill and mixed steps run padded to a size the piecewise graphs were captured at, or when
         # too large for them, eagerly, padded so that cuBLAS meets only shapes it has seen (inputs.py).
@@ -247,7 +259,7 @@ class ModelRunner:
             hidden = self.piecewise.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return hidden[inputs.logits_indices], hidden, None, params
+        return Forward(hidden[inputs.logits_indices], hidden, None, params)
 
     def _sampling_logits(self, hidden: torch.Tensor, logits: torch.Tensor | None, batch: StepBatch
                          ) -> torch.Tensor | None:
@@ -260,8 +272,8 @@ class ModelRunner:
     def logits(self, batch: StepBatch) -> torch.Tensor | None:
         """Run the step's forward pass; returns the logits of the sampling rows [rows, vocab] on rank 0,
         None on the other ranks (every rank must call it: the LM head gathers across them)."""
-        hidden, _, logits, _ = self._forward(batch)
-        return self._sampling_logits(hidden, logits, batch)
+        forward = self._forward(batch)
+        return self._sampling_logits(forward.hidden, forward.logits, batch)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> StepOutput | None:
@@ -275,17 +287,19 @@ class ModelRunner:
         """Start one step without waiting for it: forward, sampling and the copy of the sampled ids to
         the host are queued on the device; `wait()` on the result reads them (None on the other ranks).
         prev_sampled: the previous step's sampled ids, for the batch's prev_token_* inputs."""
-        hidden, all_hidden, logits, params = self._forward(batch, prev_sampled)
+        forward = self._forward(batch, prev_sampled)
+        if forward.sampled is not None:  # a decode graph's own race (no logprobs asked)
+            return PendingOutput(forward.sampled, None, None, self.download_stream, forward.sampled_host)
         prompt_lps = None
         if batch.prompt_logprob_spans:  # every rank: the LM head gathers across ranks
-            assert all_hidden is not None, "prompt logprobs come from prefill steps, which use no graph"
-            prompt_lps = prompt_logprobs_by_row(self.model.compute_logits, all_hidden,
+            assert forward.all_hidden is not None, "prompt logprobs come from prefill steps: no graph"
+            prompt_lps = prompt_logprobs_by_row(self.model.compute_logits, forward.all_hidden,
                                                 batch.prompt_logprob_spans)
-        logits = self._sampling_logits(hidden, logits, batch)
+        logits = self._sampling_logits(forward.hidden, forward.logits, batch)
         if logits is None:
             return None
         if batch.sample_rows:
-            tokens, logprobs = self.sampler.sample(logits, batch.sampling, params)
+            tokens, logprobs = self.sampler.sample(logits, batch.sampling, forward.params)
         else:
             tokens, logprobs = torch.empty(0, dtype=torch.int64, device=self.device), None
         return PendingOutput(tokens, logprobs, prompt_lps, self.download_stream)

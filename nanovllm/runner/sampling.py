@@ -10,7 +10,7 @@ from nanovllm.layers.logprobs import SampledLogprobs, prompt_logprobs, sampled_l
 from nanovllm.layers.sampler import SPLIT_ARGMAX_ROWS, Sampler, SamplingTensors
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.runner.batch import SEED_MASK, ProcessorRow, PromptLogprobSpan, SamplingBatch, StepOutput
-from nanovllm.runner.inputs import Put, logits_processor_tensors, sampling_tensors
+from nanovllm.runner.inputs import Put, logits_processor_tensors, race_seeds, sampling_tensors
 from nanovllm.runner.step_output import PendingOutput
 from nanovllm.sampling_params import MAX_LOGPROBS
 
@@ -40,6 +40,26 @@ class StepSampler:
         copy for the step) or, without one, a copy of its own."""
         noise_seed = step_noise_seed() if self.sampler.fused_race else None
         return sampling_tensors(sampling, self.vocab_size, self.device, noise_seed, put)
+
+    def graph_race(self) -> Callable[..., torch.Tensor] | None:
+        """The race a decode graph may capture (kernels/sample_race.race): the fused one, where it is used."""
+        if not self.sampler.fused_race:
+            return None
+        from nanovllm.kernels.sample_race import race  # Triton: imported only where it runs
+        return race
+
+    def race_rows(self, sampling: SamplingBatch) -> tuple[list[float], list[int]] | None:
+        """(temperatures, Philox seeds) of the rows for a decode graph's own race, where the rows ask for
+        nothing else (no top-k, top-p, min-p, logprobs or processors) and the race is the fused one: the
+        tokens `sample` would give. None otherwise, drawing nothing from torch's generator then."""
+        if not self.sampler.fused_race or sampling.processors is not None:
+            return None
+        vocab = self.vocab_size
+        if (any(k is not None for k in sampling.num_logprobs) or any(0 < k < vocab for k in sampling.top_ks)
+                or any(p < 1.0 for p in sampling.top_ps) or any(p > 0.0 for p in sampling.min_ps)):
+            return None
+        # Drawn for every step, greedy ones too, as `tensors` does: the same seeds either way.
+        return sampling.temperatures, race_seeds(sampling.seeds, step_noise_seed())
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch, params: SamplingTensors | None = None
                ) -> tuple[torch.Tensor, SampledLogprobs | None]:

@@ -87,9 +87,9 @@ def test_padded_static_buffer_decode_matches(qwen3_dir, reference, backend, capl
     plain_replay, plain_sample = graphs.replay, runner.sampler.sample
 
     def replay(*args):
-        hidden, logits = plain_replay(*args)
-        replayed.append(logits)
-        return hidden, logits
+        out = plain_replay(*args)
+        replayed.append(out.logits)
+        return out
 
     graphs.replay = replay
     runner.sampler.sample = lambda logits, *rest: sampled_from.append(logits) or plain_sample(logits, *rest)

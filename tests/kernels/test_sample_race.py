@@ -86,6 +86,23 @@ def test_bad_shapes_raise_value_error():
         race(logits, torch.ones(3, device=DEVICE), seeds_of(1, 2), num_sms=1)
     with pytest.raises(ValueError, match="contiguous rows"):
         race(logits.t(), torch.ones(10, device=DEVICE), seeds_of(*range(10)), num_sms=1)
+    out = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="go together"):
+        race(logits, torch.ones(2, device=DEVICE), seeds_of(1, 2), out=out)
+    with pytest.raises(ValueError, match="out_rows"):
+        race(logits, torch.ones(2, device=DEVICE), seeds_of(1, 2), out=out,
+             out_rows=torch.tensor([0, 1], device=DEVICE))  # int64 indices
+
+
+def test_out_rows_put_each_rows_token_where_they_say():
+    """A decode graph's static output: row r's token lands at out[out_rows[r]], nothing else is written."""
+    logits = torch.randn(3, 2000, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    temps, seeds = torch.tensor([0.0, 0.8, 1.2], device=DEVICE), seeds_of(4, 5, 6)
+    out = torch.full((8,), -1, dtype=torch.int64, device=DEVICE)
+    rows = torch.tensor([6, 3, 4], dtype=torch.int32, device=DEVICE)
+    assert race(logits, temps, seeds, out=out, out_rows=rows, num_sms=8) is out
+    want = race(logits, temps, seeds, num_sms=8).tolist()
+    assert out.tolist() == [-1, -1, -1, want[1], want[2], -1, want[0], -1]
 
 
 def test_min_p_drops_tokens_below_its_floor_and_keeps_the_distribution_of_the_rest():

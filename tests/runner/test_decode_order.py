@@ -87,7 +87,9 @@ def test_small_decode_graphs_return_their_logits_and_larger_ones_none():
         uploads.begin()
         staged = graphs.stage(decode_batch(seqlens), uploads)
         uploads.flush()
-        hidden, logits = graphs.replay(staged)
+        out = graphs.replay(staged)
+        hidden, logits = out.hidden, out.logits
+        assert out.sampled is None  # built without a race: the runner samples
         assert hidden.shape == (len(seqlens), 8)
         if has_logits:  # the head's rows for the step's sequences, not the padding
             assert logits.shape == (len(seqlens), 5)
