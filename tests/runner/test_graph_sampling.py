@@ -18,16 +18,15 @@ pytest.importorskip("triton")
 
 from nanovllm.kernels.sample_race import race  # noqa: E402
 
-CPU = torch.device("cpu")
 VOCAB = 300
 
 
 class HeadModel(torch.nn.Module):
     """A model whose hidden state is its position, and whose logits are a fixed random projection of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         super().__init__()
-        self.head = torch.randn(VOCAB, generator=torch.Generator().manual_seed(3))
+        self.head = torch.randn(VOCAB, generator=torch.Generator().manual_seed(3)).to(device)
 
     def forward(self, input_ids, positions, meta):
         return positions.float().unsqueeze(1).expand(-1, 8).clone()
@@ -44,7 +43,7 @@ def decode_batch(seqlens: list[int]) -> StepBatch:
 
 
 def step(graphs: DecodeGraphs, seqlens: list[int], race_rows=None):
-    uploads = Uploads(CPU, 0)
+    uploads = Uploads(graphs.static.device, 0)
     uploads.begin()
     staged = graphs.stage(decode_batch(seqlens), uploads, race_rows)
     uploads.flush()
@@ -52,19 +51,20 @@ def step(graphs: DecodeGraphs, seqlens: list[int], race_rows=None):
 
 
 def test_small_graphs_sample_with_the_race_into_alternating_slots():
-    triton_test_device()
-    graphs = DecodeGraphs(HeadModel(), 8, 2, 8, torch.float32, CPU, use_cuda_graph=False,
+    device = torch.device(triton_test_device())  # the race's tensors: interpreted on the CPU, or CUDA
+    graphs = DecodeGraphs(HeadModel(device), 8, 2, 8, torch.float32, device, use_cuda_graph=False,
                           batch_sizes=[1, 4, 8], head_rows=4, race=race)
+    as_tensor = lambda values: torch.tensor(values, device=device)  # noqa: E731
     temps, seeds = [0.0, 0.7, 1.3], [11, 22, (1 << 62) + 5]
     first = step(graphs, [12, 30, 7], (temps, seeds))  # padded to the 4-row graph
-    want = race(first.logits, torch.tensor(temps), torch.tensor(seeds))
+    want = race(first.logits, as_tensor(temps), as_tensor(seeds))
     assert first.sampled.tolist() == want.tolist()
     assert first.sampled.tolist()[0] == first.logits[0].argmax().item()  # the greedy row
     assert first.sampled.data_ptr() == graphs.sampled.data_ptr()  # slot 0
     kept = first.sampled.clone()
     second = step(graphs, [40], ([0.9], [5]))
     assert second.sampled.data_ptr() == graphs.sampled[graphs.max_batch_size:].data_ptr()  # slot 1
-    assert second.sampled.tolist() == race(second.logits, torch.tensor([0.9]), torch.tensor([5])).tolist()
+    assert second.sampled.tolist() == race(second.logits, as_tensor([0.9]), as_tensor([5])).tolist()
     assert torch.equal(first.sampled, kept)  # the step before's tokens stay where they were
     # Without the rows' parameters the graph's tokens are not used (the runner samples the logits)...
     assert step(graphs, [3, 4], None).sampled is None
@@ -74,8 +74,8 @@ def test_small_graphs_sample_with_the_race_into_alternating_slots():
 
 
 def sampling_engine(path: str, graphs: bool, async_scheduling: bool) -> LLM:
-    """A float32 CPU engine whose sampler is the fused race (the one CUDA uses), decoding through the
-    static buffers with the graphs' sampler (graphs=True) or eagerly (False)."""
+    """A float32 engine whose sampler is the fused race (the one CUDA uses, here on the CPU too), decoding
+    through the static buffers with the graphs' sampler (graphs=True) or eagerly (False)."""
     llm = LLM(path, attention_backend="torch", kvcache_block_size=4, max_model_len=128, max_num_seqs=8,
               dtype="float32", enforce_eager=True, num_kvcache_blocks=256, async_scheduling=async_scheduling)
     runner = llm.engine.model_runner
@@ -101,11 +101,10 @@ def test_graph_sampled_tokens_equal_the_runners(qwen3_dir, async_scheduling):
     for graphs in (False, True):
         llm = sampling_engine(qwen3_dir, graphs, async_scheduling)
         if graphs:
-            decode_graphs, plain_replay = llm.engine.model_runner.decode_graphs, None
-            plain_replay = decode_graphs.replay
+            decode_graphs = llm.engine.model_runner.decode_graphs
 
-            def replay(*args):
-                out = plain_replay(*args)
+            def replay(*args, plain=decode_graphs.replay):
+                out = plain(*args)
                 sampled_steps.append(out.sampled is not None)
                 return out
 
