@@ -16,10 +16,12 @@ from nanovllm.layers.parallel import all_reduce, get_tp_rank, get_tp_size
 # A one-token matmul (single-stream decode) is a weight-streaming GEMV, where cuBLAS reaches a third
 # to two thirds of the memory bandwidth; nanovllm.kernels.skinny_gemm streams it 1.1-3.7x faster on an
 # H200. From 2 to SKINNY_MAX_TOKENS tokens (decode at a few sequences) nanovllm.kernels.skinny_rows
-# streams the weight once on tensor cores. Both fold the RMSNorm before a layer into it, the GEMV also
-# the SiLU-mul.
-# Config(skinny_gemm=False) turns them off.
+# streams the weight once on tensor cores, except that up to GEMV_MAX_ROWS tokens the plain and the
+# SiLU-mul-folded matmuls (o_proj, down_proj) take nanovllm.kernels.gemv_rows, the GEMV for a few rows,
+# faster there (its docstring). The one-row GEMV and the rows kernel fold the RMSNorm before a layer
+# into them, the GEMVs the SiLU-mul. Config(skinny_gemm=False) turns them off.
 SKINNY_MAX_TOKENS = 16
+GEMV_MAX_ROWS = 2
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 # Where the kernels run (tests add the CPU, where Triton's interpreter runs them).
 SKINNY_DEVICE_TYPES = ("cuda",)
@@ -46,6 +48,9 @@ class SkinnyKernels:
         if x.shape[0] <= 1:
             from nanovllm.kernels.skinny_gemm import skinny_linear
             return skinny_linear(x, weight, bias, pdl=self.pdl)
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            from nanovllm.kernels.gemv_rows import gemv_rows_linear
+            return gemv_rows_linear(x, weight, bias, pdl=self.pdl)
         from nanovllm.kernels.skinny_rows import rows_linear
         return rows_linear(x, weight, bias, pdl=self.pdl)
 
@@ -58,10 +63,17 @@ class SkinnyKernels:
         from nanovllm.kernels.skinny_rows import rows_norm_linear
         return rows_norm_linear(x, norm_weight, eps, weight, bias, residual, self.pdl)
 
+    def folds_silu(self, x: torch.Tensor) -> bool:
+        """Whether the SiLU-mul before a linear layer folds into its kernel: up to GEMV_MAX_ROWS rows (in
+        the rows kernel it measured slower than its own kernel, skinny_rows)."""
+        return self.fuses(x) and x.shape[0] <= GEMV_MAX_ROWS
+
     def silu_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """One row only: from two, SiLU-mul folded into the rows kernel measured slower (skinny_rows)."""
-        from nanovllm.kernels.skinny_gemm import skinny_silu_linear
-        return skinny_silu_linear(x, weight, pdl=self.pdl)
+        if x.shape[0] == 1:
+            from nanovllm.kernels.skinny_gemm import skinny_silu_linear
+            return skinny_silu_linear(x, weight, pdl=self.pdl)
+        from nanovllm.kernels.gemv_rows import gemv_rows_silu_linear
+        return gemv_rows_silu_linear(x, weight, pdl=self.pdl)
 
 
 def skinny_linear_or_none(max_tokens: int | None = None) -> SkinnyKernels | None:
@@ -227,8 +239,8 @@ class RowParallelLinear(LinearBase):
         return linear(x, self.weight, skinny=self.skinny)
 
     def silu_mul_forward(self, gate_up: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
-        """self(act_fn(gate_up)) for the SiLU-gated MLP's [gate | up]: one kernel for one row."""
-        if self.skinny is None or not self.skinny.fuses(gate_up) or gate_up.shape[0] != 1:
+        """self(act_fn(gate_up)) for the SiLU-gated MLP's [gate | up]: one kernel for up to GEMV_MAX_ROWS."""
+        if self.skinny is None or not self.skinny.folds_silu(gate_up):
             return self(act_fn(gate_up))
         y = all_reduce(self.skinny.silu_linear(gate_up, self.weight))
         return y if self.bias is None else y + self.bias

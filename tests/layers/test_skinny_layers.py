@@ -1,8 +1,9 @@
 """The linear layers' few-token kernels (layers/linear.py, SkinnyKernels): at 1 to SKINNY_MAX_TOKENS rows
 ColumnParallelLinear.normed folds the RMSNorm into the kernel (the one-row GEMV or the rows kernel) and
-gives what the norm then the layer give, plain matmuls take them too, and RowParallelLinear folds the
-SiLU-mul at one row only; more rows take cuBLAS and the norm kernel. On the CPU the kernels run in
-Triton's interpreter (float16: its tl.dot multiplies bfloat16's raw bits); on CUDA with TRITON_INTERPRET=0."""
+gives what the norm then the layer give; plain matmuls take them too, up to GEMV_MAX_ROWS the GEMV for a
+few rows, which RowParallelLinear's SiLU-mul also folds into; more rows take cuBLAS and the norm kernel.
+On the CPU the kernels run in Triton's interpreter (float16: its tl.dot multiplies bfloat16's raw bits);
+on CUDA with TRITON_INTERPRET=0."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels import skinny_gemm, skinny_rows  # noqa: E402
+from nanovllm.kernels import gemv_rows, skinny_gemm, skinny_rows  # noqa: E402
 from nanovllm.layers import linear  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.embed_head import ParallelLMHead  # noqa: E402
@@ -37,7 +38,8 @@ def kernel_calls(monkeypatch) -> list[str]:
 
     for module, name in ((skinny_gemm, "skinny_linear"), (skinny_gemm, "skinny_norm_linear"),
                          (skinny_gemm, "skinny_silu_linear"), (skinny_rows, "rows_linear"),
-                         (skinny_rows, "rows_norm_linear")):
+                         (skinny_rows, "rows_norm_linear"), (gemv_rows, "gemv_rows_linear"),
+                         (gemv_rows, "gemv_rows_silu_linear")):
         monkeypatch.setattr(module, name, spying(module, name))
     return calls
 
@@ -71,10 +73,25 @@ def test_one_row_folds_the_norm_and_the_activation_into_the_gemv(kernel_calls):
     assert kernel_calls == ["skinny_norm_linear", "skinny_silu_linear"]
 
 
-@pytest.mark.parametrize("rows", [2, 3, 16])
-def test_few_rows_fold_the_norm_into_the_rows_kernel(kernel_calls, rows: int):
+def test_two_rows_take_the_few_row_gemv_for_plain_and_silu_folded_matmuls(kernel_calls):
+    run_layers(*make_layers(), 2)
+    # up: the RMSNorm folded into the rows kernel; down: the SiLU-mul folded into the few-row GEMV
+    assert kernel_calls == ["rows_norm_linear", "gemv_rows_silu_linear"]
+    kernel_calls.clear()
+    x = torch.randn(2, 128, device=DEVICE, dtype=torch.float16)
+    up = make_layers()[0]
+    torch.testing.assert_close(up(x), torch.nn.functional.linear(x, up.weight), atol=2e-2, rtol=2e-2)
+    assert kernel_calls == ["gemv_rows_linear"]
+
+
+@pytest.mark.parametrize("rows", [linear.GEMV_MAX_ROWS + 1, 16])
+def test_more_rows_fold_the_norm_into_the_rows_kernel(kernel_calls, rows: int, monkeypatch):
     run_layers(*make_layers(), rows)
     # down: the SiLU-mul kernel, then the rows kernel's plain matmul
+    assert kernel_calls == ["rows_norm_linear", "rows_linear"]
+    kernel_calls.clear()
+    monkeypatch.setattr(linear, "GEMV_MAX_ROWS", 1)  # the few-row GEMV off: 2 rows take the rows kernel
+    run_layers(*make_layers(), 2)
     assert kernel_calls == ["rows_norm_linear", "rows_linear"]
 
 
