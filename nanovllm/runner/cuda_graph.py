@@ -72,14 +72,13 @@ class StagedStep:
 
 @dataclass(slots=True)
 class GraphOutput:
-    """What a replay leaves for the runner; every tensor is read before the next replay rewrites it, but
-    the sampled ids (see the module's docstring)."""
+    """What a replay leaves for the runner. The next replay rewrites every tensor here except the sampled
+    ids (see the module's docstring): read them before then."""
 
     hidden: torch.Tensor  # [num_seqs, hidden]
     logits: torch.Tensor | None  # [num_seqs, vocab] from a graph with the LM head
     sampled: torch.Tensor | None  # [num_seqs] int64, when the step took the graph's tokens
     sampled_host: torch.Tensor | None  # pinned [num_seqs] int64 for their copy (None on the CPU)
-
 
 
 def staging_bytes(max_batch_size: int, max_blocks_per_seq: int) -> int:

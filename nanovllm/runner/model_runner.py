@@ -227,6 +227,8 @@ class ModelRunner:
         return to_device(batch.prev_token_indices, torch.int64, self.device), prev_sampled[rows]
 
     def _forward(self, batch: StepBatch, prev_sampled: torch.Tensor | None = None) -> Forward:
+        """Queue the step's forward pass (and, in a small decode graph, the sampling of rows that ask for
+        no more than a temperature and a seed); prev_sampled: the previous step's sampled ids."""
         if self.cpu_threads is not None:
             self.cpu_threads.apply()
         uploads, graphs = self.uploads, self.decode_graphs
