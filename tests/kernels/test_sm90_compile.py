@@ -24,6 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
     decode_attention = decode_launch = decode_rope = fused_moe = moe_routing = norm_act = None
     decode_inputs = prefill_attention = rope_store = sample_race = skinny_gemm = skinny_rows = split_k = None
+    gemv_rows = None
 else:
     import nanovllm.kernels
     from nanovllm.kernels import (
@@ -32,6 +33,7 @@ else:
         decode_launch,
         decode_rope,
         fused_moe,
+        gemv_rows,
         moe_routing,
         norm_act,
         prefill_attention,
@@ -68,6 +70,7 @@ POINTER_TYPES = {
     "best_val_ptr": "*fp32",
     "best_idx_ptr": "*i32",
     "tokens_ptr": "*i64",
+    "out_rows_ptr": "*i32",
     "row_max_ptr": "*fp32",
     "log_min_p_ptr": "*fp32",
 }
@@ -179,8 +182,23 @@ def cases() -> dict:
                                    ALL_GREEDY=True)),
         "decode-inputs": (decode_inputs._place_inputs_kernel, dict(BLOCK=decode_inputs.BLOCK),
                           {"static_ptr": "*i32", "staged_ptr": "*i32", "sampled_ptr": "*i64"}),
-        "race-pick": (sample_race._race_pick_kernel, dict(BLOCK_C=sample_race.MAX_CHUNKS), {},
+        "race-pick": (sample_race._race_pick_kernel, dict(BLOCK_C=sample_race.MAX_CHUNKS, SCATTER=False), {},
                       dict(num_warps=1)),
+        # A decode graph's race: each row's token where out_rows says.
+        "race-pick-scatter": (sample_race._race_pick_kernel,
+                              dict(BLOCK_C=sample_race.MAX_CHUNKS, SCATTER=True), {}, dict(num_warps=1)),
+        # The few-row GEMV as the layers take it at two rows: o_proj (PDL, preloaded tiles), down_proj with
+        # its SiLU-mul; and a split with a bias at four rows.
+        "gemv-rows-pdl": (gemv_rows._gemv_rows_kernel,
+                          dict(ROWS=2, BLOCK_N=4, BLOCK_K=512, HAS_BIAS=False, WRITE_PARTIAL=False,
+                               NUM_STAGES=6, PROLOGUE=gemv_rows.PLAIN.value, PDL=True, PRELOAD=2), {},
+                          dict(launch_pdl=True)),
+        "gemv-rows-silu-mul": (gemv_rows._gemv_rows_kernel,
+                               dict(ROWS=2, BLOCK_N=4, BLOCK_K=512, HAS_BIAS=False, WRITE_PARTIAL=False,
+                                    NUM_STAGES=6, PROLOGUE=gemv_rows.SILU_MUL.value, PDL=False, PRELOAD=0)),
+        "gemv-rows-split": (gemv_rows._gemv_rows_kernel,
+                            dict(ROWS=4, BLOCK_N=16, BLOCK_K=64, HAS_BIAS=True, WRITE_PARTIAL=True,
+                                 NUM_STAGES=4, PROLOGUE=gemv_rows.PLAIN.value, PDL=False, PRELOAD=1)),
         "moe-topk-softmax": (moe_routing._topk_softmax_kernel,
                              dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=32, RENORMALIZE=True)),
         "moe-count": (fused_moe._count_kernel, dict(E_PAD=128, BLOCK_S=32)),
@@ -258,7 +276,8 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "decode-rope-pdl", "decode-rope-pdl-late-trigger", "split-k-reduce", "add-rms-norm", "rms-norm",
               "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
-              "moe-topk-softmax", "race-chunk", "race-chunk-greedy", "race-pick", "decode-inputs")
+              "moe-topk-softmax", "race-chunk", "race-chunk-greedy", "race-pick", "race-pick-scatter",
+              "decode-inputs", "gemv-rows-pdl", "gemv-rows-silu-mul", "gemv-rows-split")
 
 
 @pytest.fixture(scope="module")
