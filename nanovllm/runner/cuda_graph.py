@@ -200,7 +200,10 @@ class DecodeGraphs:
 
     def samples(self, batch_size: int) -> bool:
         """Whether the graph a batch of this size runs in samples (given the rows' parameters, stage)."""
-        return self.race is not None and self.padded_size(batch_size) <= self.head_rows
+        return self._samples_at(self.padded_size(batch_size))
+
+    def _samples_at(self, padded: int) -> bool:
+        return self.race is not None and padded <= self.head_rows
 
     def stage(self, batch: StepBatch, uploads: Uploads,
               race_rows: tuple[list[float], list[int]] | None = None) -> StagedStep:
@@ -231,7 +234,7 @@ class DecodeGraphs:
         # A decode row holds one token: a pending token's index in input_ids is its row.
         host[5 * b + np.asarray(batch.prev_token_indices, dtype=np.int64)] = batch.prev_token_rows
         out_start = None
-        if padded <= self.head_rows and self.race is not None:  # this graph samples, used or not
+        if self._samples_at(padded):  # this graph samples, its tokens used or not
             out_start = self.out_slot * b
             self.out_slot = (self.out_slot + 1) % NUM_OUT_SLOTS
             host[6 * b : 6 * b + padded] = np.arange(out_start, out_start + padded)

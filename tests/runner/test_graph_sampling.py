@@ -66,11 +66,14 @@ def test_small_graphs_sample_with_the_race_into_alternating_slots():
     assert second.sampled.data_ptr() == graphs.sampled[graphs.max_batch_size:].data_ptr()  # slot 1
     assert second.sampled.tolist() == race(second.logits, as_tensor([0.9]), as_tensor([5])).tolist()
     assert torch.equal(first.sampled, kept)  # the step before's tokens stay where they were
-    # Without the rows' parameters the graph's tokens are not used (the runner samples the logits)...
+    # Without the rows' parameters the graph's tokens are not used (the runner samples the logits), but
+    # the graph still wrote slot 0: the slot turns all the same...
     assert step(graphs, [3, 4], None).sampled is None
-    # ... nor past head_rows, where the graph has no LM head.
+    # ... and past head_rows, where the graph has no LM head, nothing is sampled and the slot stays.
     assert step(graphs, [3, 4, 5, 6, 7], (temps + [0.5, 0.5], seeds + [1, 2])).sampled is None
-    assert NUM_OUT_SLOTS == 2
+    third = step(graphs, [9], ([0.9], [6]))
+    assert NUM_OUT_SLOTS == 2  # so slot 1 again, not slot 0, whose graph ran two steps before
+    assert third.sampled.data_ptr() == graphs.sampled[graphs.max_batch_size:].data_ptr()
 
 
 def sampling_engine(path: str, graphs: bool, async_scheduling: bool) -> LLM:
