@@ -13,8 +13,9 @@ import torch
 from nanovllm.attention.backend import PagedLayer
 from nanovllm.attention.gpu_backend import GPUBackend, qk_norms
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.kernels.common import supports_pdl
+from nanovllm.kernels.common import sm_count, supports_pdl
 from nanovllm.kernels.decode_attention import paged_decode_attention
+from nanovllm.kernels.decode_launch import variant_shapes
 from nanovllm.kernels.decode_rope import LATE_TRIGGER_MIN_ROWS, paged_decode_rope_attention
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
 
@@ -28,6 +29,17 @@ FUSED_ROPE_MAX_ROWS = 32
 # was 1.4-1.9x the Triton kernel at 512-8k-token chunks (call M5) and made 32 prompts of 6-8k tokens
 # 13% faster end to end, but 512 requests of 64-256 new tokens over a cached 2k prefix 13% slower (M6).
 FA3_MIN_MEAN_CHUNK = 512
+
+
+def decode_variant(rows: int, launch, num_splits: int) -> tuple:
+    """What selects a compiled variant of the split-KV decode kernel."""
+    return launch, num_splits == 1
+
+
+def fused_decode_variant(rows: int, launch, num_splits: int) -> tuple:
+    """What selects a compiled variant of the fused decode kernel: also where it lets its PDL dependent
+    launch (after its wait at one row, after its K/V loop from LATE_TRIGGER_MIN_ROWS rows on)."""
+    return launch, num_splits == 1, rows >= LATE_TRIGGER_MIN_ROWS
 
 
 class TritonBackend(GPUBackend):
@@ -104,24 +116,27 @@ class TritonBackend(GPUBackend):
 
     @torch.inference_mode()
     def warm_up(self, layer: PagedLayer, dtype: torch.dtype, max_num_seqs: int, max_blocks: int) -> None:
-        # The decode kernels take decode_launch.choose_launch's large-batch or small-batch settings by the
-        # rows and the block table's width. CUDA graphs build those of graphed decode steps, but a mixed
-        # step's decoding rows run eagerly: the shared-prefix workload's timed run built the small-batch
-        # variant (0.8 s, the whole batch waiting; call N1). Fewer rows and wider tables only ever mean
-        # more chunks, so the two extremes build every variant; the fused kernel's also come with its PDL
-        # trigger early (one row) or late (more), so it takes both launches at one row and at several.
-        # Each reads block 0 and writes no cache slot.
+        # The decode kernels compile a variant per launch setting (decode_launch.choose_launch's, by the
+        # rows and the block table's width) and per split count of one or more; the fused kernel's also
+        # come with its PDL trigger early (one row) or late (more). CUDA graphs build those of graphed
+        # decode steps, but a mixed step's decoding rows run eagerly: the shared-prefix workload's timed
+        # run built one mid-run (0.8 s, the whole batch waiting; call N1). So one call of each variant
+        # here, at a shape decode_launch.variant_shapes picks; each reads block 0 and stores nothing.
         device = layer.k_cache.device
+        shape_args = (layer.num_kv_heads, layer.head_dim, layer.k_cache.shape[1], max_blocks,
+                      layer.k_cache.element_size(), device, sm_count(device))
         fused_rows = min(max_num_seqs, FUSED_ROPE_MAX_ROWS)
-        few_rows = min(fused_rows, LATE_TRIGGER_MIN_ROWS)
-        shapes = ((1, max_blocks, True), (1, 1, True), (few_rows, max_blocks, True), (fused_rows, 1, True),
-                  (max_num_seqs, 1, False))
-        for rows, width, fused in dict.fromkeys(shapes):
-            q = torch.zeros(rows, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
-            seqlens_k = torch.ones(rows, dtype=torch.int32, device=device)
-            tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
-            self._decode(layer, q, seqlens_k, tables, torch.arange(rows, dtype=torch.int32, device=device))
-            if fused:
+        plain = variant_shapes(max_num_seqs, *shape_args, decode_variant)
+        fused = variant_shapes(fused_rows, *shape_args, fused_decode_variant, (LATE_TRIGGER_MIN_ROWS,))
+        for shapes, is_fused in ((plain, False), (fused, True)):
+            for rows, width in shapes:
+                q = torch.zeros(rows, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
+                seqlens_k = torch.ones(rows, dtype=torch.int32, device=device)
+                tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
+                if not is_fused:
+                    order = torch.arange(rows, dtype=torch.int32, device=device)
+                    self._decode(layer, q, seqlens_k, tables, order)
+                    continue
                 kv = torch.zeros(rows, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
                 q_norm, k_norm = qk_norms(layer)
                 paged_decode_rope_attention(

@@ -10,7 +10,9 @@ into num_splits chunks:
         log-sum-exp (base 2);
     stage 2: out = sum_s 2^(lse_s - max lse) * out_s / sum_s 2^(lse_s - max lse) over the chunks that
         hold keys, for the whole GQA group at once, done by the last program of each (sequence, KV head)
-        to finish (an atomic counter says which: one kernel in all).
+        to finish (an atomic counter says which: one kernel in all). With one chunk a sequence (every
+        large batch) there is nothing to combine: each program stores its output itself (ONE_SPLIT, a
+        variant of its own), 3-11% faster a call at 128-512 rows (BENCHMARKS.md, call Z3).
 
 num_splits and the launch settings depend only on static shapes (batch size, KV heads, block_tables
 width, cache dtype, SM count; decode_launch.py); each
@@ -78,6 +80,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8_TILES: tl.constexpr,  # decode_fp8_tiles.fp8_tiles's
     ORDERED: tl.constexpr,
+    ONE_SPLIT: tl.constexpr = False,  # num_splits == 1: each program writes its rows' output itself
 ):
     # KV heads vary fastest in the grid: a sequence's heads run side by side, reading neighbouring bytes
     # of each cached token. With seq_order, the sequences start longest first (see the module docstring).
@@ -103,7 +106,7 @@ def _decode_split_kernel(
                  v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
                  out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale, NUM_HEADS_PER_KV,
                  NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, COMBINE_HEADS, COMBINE_ROWS,
-                 DOT_PRECISION, FP8_TILES, False)
+                 DOT_PRECISION, FP8_TILES, False, ONE_SPLIT)
 
 
 @triton.jit
@@ -122,11 +125,12 @@ def attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_en
                  NUM_HEADS_PER_KV: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                  COMBINE_HEADS: tl.constexpr, COMBINE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 FP8_TILES: tl.constexpr, LAUNCH_AFTER_LOOP: tl.constexpr):
+                 FP8_TILES: tl.constexpr, LAUNCH_AFTER_LOOP: tl.constexpr, ONE_SPLIT: tl.constexpr):
     """One program's chunk [split_start, split_end) of one (sequence, KV head): its partial for the GQA
     group's queries q [BLOCK_G, HEAD_DIM] (scores times qk_scale), then, in the last chunk to finish,
-    the combine. Shared by the decode kernels (this one, and decode_rope's, which under PDL may let its
-    dependent launch once the K/V loop is done: LAUNCH_AFTER_LOOP)."""
+    the combine; with ONE_SPLIT (the chunk is the whole context) the output itself. Shared by the decode
+    kernels (this one, and decode_rope's, which under PDL may let its dependent launch once the K/V loop
+    is done: LAUNCH_AFTER_LOOP)."""
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < NUM_HEADS_PER_KV
     heads = kv_head * NUM_HEADS_PER_KV + offs_g
@@ -162,26 +166,34 @@ def attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_en
     has_keys = l_i > 0
     safe_l = tl.where(has_keys, l_i, 1.0)
     out = acc / safe_l[:, None] * v_scale
-    lse = tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf"))
-    partial_rows = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + heads) * num_splits + split
-    tl.store(partial_lse_ptr + partial_rows, lse, mask=g_mask)
-    tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
-    # The last of this (sequence, KV head)'s chunks to finish combines all of them: no second kernel.
-    # The barrier puts every thread's partial before the counter's release; the last program's
-    # acquire then sees them all, and it reads them past L1 (.cg), which is not coherent across SMs.
-    tl.debug_barrier()
-    counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
-    if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-        tl.atomic_xchg(counter, 0)  # ready for the next call (kernel boundaries order the calls)
-        # Only the chunks that hold keys are combined: the split count is sized for the longest
-        # possible context, so a short one leaves most chunks empty.
-        num_used = tl.cdiv(kv_len, tl.maximum(split_len, BLOCK_N))
-        first_head = seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + kv_head * NUM_HEADS_PER_KV
-        first_row = first_head * num_splits
-        _combine_splits(partial_out_ptr, partial_lse_ptr,
-                        out_ptr + seq.to(tl.int64) * out_stride_b + kv_head * NUM_HEADS_PER_KV * out_stride_h,
-                        out_stride_h, first_row, num_splits, num_used, NUM_HEADS_PER_KV, COMBINE_HEADS,
-                        HEAD_DIM, COMBINE_ROWS)
+    if ONE_SPLIT:
+        # What the combine of this one partial gives (its weight is 2^0 = 1, the sum 1), without the
+        # partial's store, the counter's fenced atomic and the read back, which held each program's
+        # slot on the SM past its K/V loop (at large batches the fp8 kernel is bound by its resident
+        # programs' issue, not by bytes: ncu, BENCHMARKS.md call Z2).
+        tl.store(out_ptr + seq.to(tl.int64) * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf"))
+        partial_rows = (seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + heads) * num_splits + split
+        tl.store(partial_lse_ptr + partial_rows, lse, mask=g_mask)
+        tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=g_mask[:, None])
+        # The last of this (sequence, KV head)'s chunks to finish combines all of them: no second kernel.
+        # The barrier puts every thread's partial before the counter's release; the last program's
+        # acquire then sees them all, and it reads them past L1 (.cg), which is not coherent across SMs.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            tl.atomic_xchg(counter, 0)  # ready for the next call (kernel boundaries order the calls)
+            # Only the chunks that hold keys are combined: the split count is sized for the longest
+            # possible context, so a short one leaves most chunks empty.
+            num_used = tl.cdiv(kv_len, tl.maximum(split_len, BLOCK_N))
+            first_head = seq.to(tl.int64) * (NUM_KV_HEADS * NUM_HEADS_PER_KV) + kv_head * NUM_HEADS_PER_KV
+            first_row = first_head * num_splits
+            out_row = out_ptr + seq.to(tl.int64) * out_stride_b + kv_head * NUM_HEADS_PER_KV * out_stride_h
+            _combine_splits(partial_out_ptr, partial_lse_ptr, out_row, out_stride_h, first_row, num_splits,
+                            num_used, NUM_HEADS_PER_KV, COMBINE_HEADS, HEAD_DIM, COMBINE_ROWS)
 
 
 @triton.jit

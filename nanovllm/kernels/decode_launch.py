@@ -15,6 +15,7 @@ DecodeCall is one call's launch from its arguments: checked shapes, settings and
 scratch for the partials and the combining counters; decode_attention.py and decode_rope.py share it."""
 
 import functools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,36 @@ def choose_launch(batch_size: int, num_kv_heads: int, head_dim: int, max_context
     return launch, num_splits
 
 
+def variant_shapes(max_rows: int, num_kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
+                   element_size: int, device: torch.device, num_sms: int,
+                   variant: Callable[[int, DecodeLaunch, int], Hashable],
+                   row_thresholds: tuple[int, ...] = ()) -> list[tuple[int, int]]:
+    """One (rows, block-table width) for each compiled variant of a decode kernel that calls of up to
+    max_rows rows and max_blocks blocks can take, `variant(rows, launch, num_splits)` naming a call's; it
+    may read rows only through those and whether rows >= each of `row_thresholds`. For a warm-up that
+    builds every variant before the first real step. choose_launch sees rows only through the chunks
+    they want and the width only through the chunks it allows, so a shape for each pair of those covers
+    every call, and there are few (a few dozen each)."""
+    unbounded = 1 << 30
+    rows_for, width_for = {}, {}
+    for rows in range(1, max_rows + 1):
+        wanted = decode_num_splits(rows, num_kv_heads, unbounded, 1, num_sms)
+        rows_for.setdefault((wanted, tuple(rows >= t for t in row_thresholds)), rows)
+    small = SMALL_BATCH.get(element_size)
+    block_ns = sorted({_large_batch_launch(head_dim, element_size, device).block_n,
+                       *([small.block_n] if small else [])})
+    for width in range(1, max_blocks + 1):
+        allowed = tuple(decode_num_splits(1, 1, width * block_size, n, unbounded) for n in block_ns)
+        width_for.setdefault(allowed, width)
+    shapes = {}
+    for rows in rows_for.values():
+        for width in width_for.values():
+            launch, splits = choose_launch(rows, num_kv_heads, head_dim, width * block_size, element_size,
+                                           device, num_sms)
+            shapes.setdefault(variant(rows, launch, splits), (rows, width))
+    return list(shapes.values())
+
+
 # tl.dot needs at least 16 rows, so a GQA group (often 1-8 query heads) is padded to 16 masked rows.
 # The padding costs tensor-core FLOPs, not memory traffic, and decode is bound by reading K/V.
 MIN_GROUP_ROWS = 16
@@ -187,4 +218,4 @@ class DecodeCall:
                     BLOCK_SIZE=self.block_size, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
                     BLOCK_N=self.launch.block_n, COMBINE_HEADS=triton.next_power_of_2(group),
                     COMBINE_ROWS=COMBINE_ROWS, DOT_PRECISION=dot_precision(q_dtype),
-                    FP8_TILES=tiles, **self.launch.options(tiles == "words"))
+                    FP8_TILES=tiles, ONE_SPLIT=self.num_splits == 1, **self.launch.options(tiles == "words"))

@@ -83,6 +83,7 @@ def _decode_rope_split_kernel(
     QUANT: tl.constexpr,  # the cache is fp8: store scaled and clamped
     PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait for q, k, v
     LATE_TRIGGER: tl.constexpr = False,  # under PDL: the next kernel launches after the K/V loop
+    ONE_SPLIT: tl.constexpr = False,  # num_splits == 1: each program writes its rows' output itself
 ):
     kv_head = tl.program_id(0)  # the grid is DecodeCall's: KV heads fastest
     seq = tl.program_id(1)
@@ -132,7 +133,7 @@ def _decode_rope_split_kernel(
                  v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
                  out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale, NUM_HEADS_PER_KV,
                  NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, COMBINE_HEADS, COMBINE_ROWS,
-                 DOT_PRECISION, FP8_TILES, PDL and LATE_TRIGGER)
+                 DOT_PRECISION, FP8_TILES, PDL and LATE_TRIGGER, ONE_SPLIT)
 
 
 def paged_decode_rope_attention(

@@ -32,10 +32,11 @@ def make_layer(cache_dtype):
                                  qk_norm=norm, k_cache=cache[0], v_cache=cache[1], k_scale=1.0, v_scale=1.0)
 
 
-def variant(fused: bool, launch, rows: int) -> tuple:
-    """What selects a compiled variant of a decode kernel: its launch, and for the fused kernel whether it
-    lets its PDL dependent launch after its K/V loop (decode_rope.LATE_TRIGGER_MIN_ROWS rows or more)."""
-    return launch, fused and rows >= decode_rope.LATE_TRIGGER_MIN_ROWS
+def variant(fused: bool, launch, splits: int, rows: int) -> tuple:
+    """What selects a compiled variant of a decode kernel: its launch, whether it has one chunk a context
+    (no combine), and for the fused kernel whether it lets its PDL dependent launch after its K/V loop
+    (decode_rope.LATE_TRIGGER_MIN_ROWS rows or more)."""
+    return launch, splits == 1, fused and rows >= decode_rope.LATE_TRIGGER_MIN_ROWS
 
 
 def reachable_variants(fused: bool, element_size: int) -> set:
@@ -43,8 +44,8 @@ def reachable_variants(fused: bool, element_size: int) -> set:
     max_rows = min(MAX_NUM_SEQS, triton_backend.FUSED_ROPE_MAX_ROWS) if fused else MAX_NUM_SEQS
     device = torch.device(DEVICE)
     num_sms = sm_count(device)
-    return {variant(fused, decode_launch.choose_launch(rows, HKV, D, width * BS, element_size, device,
-                                                       num_sms)[0], rows)
+    return {variant(fused, *decode_launch.choose_launch(rows, HKV, D, width * BS, element_size, device,
+                                                        num_sms), rows)
             for rows in range(1, max_rows + 1) for width in range(1, MAX_BLOCKS + 1)}
 
 
@@ -58,14 +59,18 @@ def test_warm_up_builds_every_decode_launch_and_leaves_the_cache(monkeypatch, ca
 
     def choose(rows, *args, **kwargs):
         launch, splits = real_choose(rows, *args, **kwargs)
-        warmed.add((kernel[0], variant(kernel[0], launch, rows)))
+        if kernel[0] is not None:  # a launch, not the warm-up's own survey of the shapes
+            warmed.add((kernel[0], variant(kernel[0], launch, splits, rows)))
         return launch, splits
 
     monkeypatch.setattr(decode_launch, "choose_launch", choose)
     def calling(fused, real):  # notes which kernel the launches chosen next belong to
         def call(*args, **kwargs):
             kernel[0] = fused
-            return real(*args, **kwargs)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                kernel[0] = None
         return call
 
     for name, fused in (("paged_decode_attention", False), ("paged_decode_rope_attention", True)):
@@ -75,8 +80,10 @@ def test_warm_up_builds_every_decode_launch_and_leaves_the_cache(monkeypatch, ca
 
     for fused in (False, True):
         reachable = reachable_variants(fused, layer.k_cache.element_size())
-        assert len({launch for launch, _ in reachable}) == 2, \
+        assert len({launch for launch, _, _ in reachable}) == 2, \
             "the case should reach both the large- and the small-batch launch"
+        assert {one_split for _, one_split, _ in reachable} == {False, True}, \
+            "the case should reach one chunk a context and several"
         assert reachable <= {v for f, v in warmed if f == fused}
     assert torch.equal(layer.k_cache.view(torch.uint8), before[0])
     assert torch.equal(layer.v_cache.view(torch.uint8), before[1])

@@ -164,6 +164,43 @@ def test_paged_decode_attention_writes_into_given_out_and_workspace() -> None:
                                counters=torch.zeros(1, dtype=torch.int32, device=DEVICE))
 
 
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_split_stores_what_combining_its_one_partial_gives(fp8: bool, monkeypatch) -> None:
+    """With one chunk a context (every large batch) each program stores its rows' output itself: bit for
+    bit the combine's result (its one partial weighs 2^0 = 1), with the workspace left unwritten and
+    the counters zero; an fp8 cache through its "words" tiles too. Row 1 is graph padding."""
+    num_heads, num_kv_heads, kv_lens = 4, 2, [300, 0, 37, 129]
+    k_cache, v_cache, block_tables = make_paged_cache(
+        [max(n, 1) for n in kv_lens], 16, num_kv_heads, HEAD_DIM, torch.float32, 17, device=DEVICE
+    )
+    block_tables[1] = 0
+    gen = torch.Generator().manual_seed(18)
+    q = torch.randn(len(kv_lens), num_heads, HEAD_DIM, generator=gen).to(DEVICE)
+    if fp8:
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        q = (q / 8).to(torch.float16)
+    seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    workspace_numel = len(kv_lens) * num_heads * (HEAD_DIM + 1)
+
+    def attend() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        workspace = torch.full((workspace_numel,), float("nan"), device=DEVICE)
+        counters = torch.zeros(len(kv_lens) * num_kv_heads, dtype=torch.int32, device=DEVICE)
+        out = paged_decode_attention(q, k_cache, v_cache, seqlens_k, block_tables, HEAD_DIM**-0.5,
+                                     num_splits=1, workspace=workspace, counters=counters, v_scale=2.0)
+        return out.cpu(), workspace.cpu(), counters.cpu()
+
+    direct, workspace, counters = attend()
+    assert workspace.isnan().all() and not counters.any()
+    constexprs = decode_launch.DecodeCall.constexprs
+    monkeypatch.setattr(decode_launch.DecodeCall, "constexprs",
+                        lambda call, *dtypes: dict(constexprs(call, *dtypes), ONE_SPLIT=False))
+    combined, workspace, counters = attend()
+    assert not workspace.isnan().all() and not counters.any()  # the combine path did run
+    assert torch.equal(direct, combined)
+    assert direct[1].abs().max() == 0  # the padding row
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_prefill_and_decode_stay_close_to_float32_reference(dtype: torch.dtype) -> None:
     if dtype == torch.bfloat16 and DEVICE == "cpu":
@@ -188,6 +225,28 @@ def test_half_precision_prefill_and_decode_stay_close_to_float32_reference(dtype
     torch.testing.assert_close(prefill.cpu().float(), expected, atol=tol, rtol=tol)
     torch.testing.assert_close(decode.cpu().float(), expected[[2, 3]], atol=tol, rtol=tol)
 
+
+@pytest.mark.parametrize("element_size", [2, 1], ids=["bf16", "fp8"])
+def test_variant_shapes_cover_every_variant_any_call_can_take(element_size: int) -> None:
+    """The warm-up's shapes against every (rows, width) of Qwen3-0.6B's decode (8 KV heads, 256-token
+    blocks, up to 512 rows and 4,096 tokens): each variant a call can take (its launch, one chunk or
+    more) has a shape, and the fused kernel's PDL trigger (from 2 rows) counts apart where asked."""
+    device = torch.device(DEVICE)
+    shape_args = (8, 128, 256, 16, element_size, device, 132)
+
+    def variant(rows: int, width: int) -> tuple:
+        launch, splits = choose_launch(rows, 8, 128, width * 256, element_size, device, 132)
+        return launch, splits == 1, rows >= 2
+
+    plain = decode_launch.variant_shapes(512, *shape_args, lambda rows, launch, splits: (launch, splits == 1))
+    every = {variant(rows, width)[:2] for rows in range(1, 513) for width in range(1, 17)}
+    assert {variant(rows, width)[:2] for rows, width in plain} == every
+    assert len(every) == 3  # small-batch launch; large-batch with several chunks, and with one
+    fused = decode_launch.variant_shapes(32, *shape_args,
+                                         lambda rows, launch, splits: (launch, splits == 1, rows >= 2),
+                                         row_thresholds=(2,))
+    every = {variant(rows, width) for rows in range(1, 33) for width in range(1, 17)}
+    assert {variant(rows, width) for rows, width in fused} == every
 
 def test_decode_num_splits_fills_the_gpu_from_static_shapes_only() -> None:
     # Batch 1, long context: as many splits as allowed.
