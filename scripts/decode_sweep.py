@@ -25,8 +25,12 @@ CASES = [(1, 1024), (1, 4096), (64, 2048), (256, 512), (256, 1024), (512, 1024)]
 # Five stages: the first count at which Triton 3.6 keeps two K/V buffers (the block-table load the tile
 # addresses depend on takes a stage of its own; sm_90 SASS, ninth session), so a tile's load overlaps the
 # previous tile's math; with 2-4 only other programs on the SM hide it.
-SETTINGS = dict(BLOCK_N=(32, 64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3, 4, 5), PROGRAMS_PER_SM=(4, 16))
-QUICK = dict(BLOCK_N=(64, 128), NUM_WARPS=(4, 8), NUM_STAGES=(2, 3, 5), PROGRAMS_PER_SM=(4,))
+# One and two warps a program: not yet timed. With fewer warps sharing a tile's softmax, fewer of its
+# row reductions cross warps through shared memory and wait at barriers (a sixth of the fp8 kernel's
+# stalls at 256 rows: ncu, call Z2).
+SETTINGS = dict(BLOCK_N=(32, 64, 128), NUM_WARPS=(1, 2, 4, 8), NUM_STAGES=(2, 3, 4, 5),
+                PROGRAMS_PER_SM=(4, 16))
+QUICK = dict(BLOCK_N=(64, 128), NUM_WARPS=(2, 4, 8), NUM_STAGES=(2, 3, 5), PROGRAMS_PER_SM=(4,))
 programs_per_sm = dl.PROGRAMS_PER_SM  # the engine's, restored after each forced launch
 
 
