@@ -3,7 +3,8 @@ length, warps, pipeline stages and programs per SM, for a bf16 and an fp8 cache,
 of the benchmarks (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, 256-token blocks). Prints
 each case's engine choice (nanovllm.kernels.decode_launch) and the best settings found, with their
 time and KV-read bandwidth as a fraction of a plain device copy's, so that choice is made by
-measurement. GPU only.
+measurement. Each case is timed as the engine runs it: contexts spread over [C/2, C], longest first,
+calls replayed from a CUDA graph. GPU only.
 
     python scripts/decode_sweep.py [--quick]"""
 
@@ -12,6 +13,7 @@ import functools
 import itertools
 import json
 import math
+import statistics
 
 import torch
 import triton.testing
@@ -25,13 +27,14 @@ CASES = [(1, 1024), (1, 4096), (64, 2048), (256, 512), (256, 1024), (512, 1024)]
 # Five stages: the first count at which Triton 3.6 keeps two K/V buffers (the block-table load the tile
 # addresses depend on takes a stage of its own; sm_90 SASS, ninth session), so a tile's load overlaps the
 # previous tile's math; with 2-4 only other programs on the SM hide it.
-# One and two warps a program: not yet timed. With fewer warps sharing a tile's softmax, fewer of its
-# row reductions cross warps through shared memory and wait at barriers (a sixth of the fp8 kernel's
-# stalls at 256 rows: ncu, call Z2).
+# One and two warps a program (fewer of a tile's row reductions cross warps through shared memory, a
+# sixth of the fp8 kernel's stalls at 256 rows: ncu, call Z2) lost at 16-64 rows and won 2-6% alone at
+# 96-256 rows, nothing in bench.py (calls AA3, AA1).
 SETTINGS = dict(BLOCK_N=(32, 64, 128), NUM_WARPS=(1, 2, 4, 8), NUM_STAGES=(2, 3, 4, 5),
                 PROGRAMS_PER_SM=(4, 16))
 QUICK = dict(BLOCK_N=(64, 128), NUM_WARPS=(2, 4, 8), NUM_STAGES=(2, 3, 5), PROGRAMS_PER_SM=(4,))
 programs_per_sm = dl.PROGRAMS_PER_SM  # the engine's, restored after each forced launch
+choose_launch = dl.choose_launch  # the engine's, restored after each forced setting
 
 
 def copy_bandwidth() -> float:
@@ -43,6 +46,9 @@ def copy_bandwidth() -> float:
 
 
 def make_case(batch: int, context: int, kv_dtype: torch.dtype):
+    """A decode call as the engine makes one: contexts drawn from [context / 2, context] (a batch's
+    sequences are at different points of their outputs), scattered blocks, sequences in the engine's
+    decode order (longest first)."""
     blocks_per_seq = math.ceil(context / BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -51,16 +57,40 @@ def make_case(batch: int, context: int, kv_dtype: torch.dtype):
     # Scattered blocks, as a long-running cache holds them.
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    seqlens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
-    return q, k_cache, v_cache, seqlens, tables, kv_bytes
+    seqlens = torch.randint(max(1, context // 2), context + 1, (batch,), device="cuda", dtype=torch.int32)
+    order = torch.argsort(seqlens, descending=True, stable=True).to(torch.int32)
+    kv_bytes = 2 * int(seqlens.sum()) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+    return q, k_cache, v_cache, seqlens, tables, order, kv_bytes
 
 
-def forced(setting: dict):
-    """A stand-in for decode_launch.choose_launch that always launches `setting`."""
+def graph_us(run, calls: int = 10, replays: int = 30) -> float:
+    """Microseconds a call: the median replay of a CUDA graph of `calls` calls, as decode steps replay
+    the kernel between others (triton.testing.do_bench, which flushes the L2 and launches from Python
+    between calls, ranked launches otherwise: call AA2, BENCHMARKS.md)."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def forced(setting: dict, calls: list):
+    """A stand-in for decode_launch.choose_launch that always launches `setting` (and appends to
+    `calls`, so the sweep can tell that the kernel asked it)."""
     launch = dl.DecodeLaunch(setting["BLOCK_N"], setting["NUM_WARPS"], setting["NUM_STAGES"])
 
     def choose(batch_size, num_kv_heads, head_dim, max_context_len, element_size, device, num_sms):
+        calls.append(setting)
         dl.PROGRAMS_PER_SM = setting["PROGRAMS_PER_SM"]
         try:
             splits = dl.decode_num_splits(batch_size, num_kv_heads, max_context_len, launch.block_n, num_sms)
@@ -88,32 +118,36 @@ def main() -> None:
     workspace = torch.empty(64 * 2**20, dtype=torch.float32, device="cuda")
     counters = torch.zeros(512 * NUM_KV_HEADS, dtype=torch.int32, device="cuda")
     for kv_dtype, (batch, context) in itertools.product((torch.bfloat16, torch.float8_e4m3fn), CASES):
-        q, k_cache, v_cache, seqlens, tables, kv_bytes = make_case(batch, context, kv_dtype)
+        q, k_cache, v_cache, seqlens, tables, order, kv_bytes = make_case(batch, context, kv_dtype)
         run = functools.partial(dk.paged_decode_attention, q, k_cache, v_cache, seqlens, tables,
-                                HEAD_DIM**-0.5, workspace=workspace, counters=counters)
+                                HEAD_DIM**-0.5, workspace=workspace, counters=counters, seq_order=order)
         default = default_setting(batch, context, k_cache.element_size())
         settings = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
         results = []
         for setting in settings + ([] if default in settings else [default]):
-            dk.choose_launch = forced(setting)
+            # DecodeCall.prepare looks choose_launch up in decode_launch at each call: patched there.
+            calls = []
+            dl.choose_launch = forced(setting, calls)
             try:
-                ms = triton.testing.do_bench(run)
+                us = graph_us(run)  # the launch is chosen, and the kernel built, at capture
             except Exception as e:  # e.g. a tile and stage count that overflow shared memory
                 print(f"skipped {setting}: {type(e).__name__}", flush=True)
                 continue
             finally:
-                dk.choose_launch = dl.choose_launch
-            results.append((ms, setting))
+                dl.choose_launch = choose_launch
+            if not calls:
+                raise RuntimeError("the decode kernel never asked for its launch: the sweep would time the "
+                                   "engine's setting under every name")
+            results.append((us, setting))
         results.sort(key=lambda r: r[0])
-        default_ms = next(ms for ms, s in results if s == default)
-        best_ms, best = results[0]
-        copy_ms = kv_bytes / copy_bps * 1e3  # a copy that reads as many bytes
+        default_us = next(us for us, s in results if s == default)
+        best_us, best = results[0]
+        copy_us = kv_bytes / copy_bps * 1e6  # a copy that reads as many bytes
         print(json.dumps(dict(
             kv=str(kv_dtype).removeprefix("torch."), batch=batch, context=context, default=default,
-            default_us=round(default_ms * 1e3, 1), default_of_copy=round(copy_ms / default_ms, 3),
-            best_us=round(best_ms * 1e3, 1), best_of_copy=round(copy_ms / best_ms, 3),
-            best=best, next=[dict(us=round(ms * 1e3, 1), **s) for ms, s in results[1:4]])), flush=True)
-
+            default_us=round(default_us, 1), default_of_copy=round(copy_us / default_us, 3),
+            best_us=round(best_us, 1), best_of_copy=round(copy_us / best_us, 3),
+            best=best, next=[dict(us=round(us, 1), **s) for us, s in results[1:4]])), flush=True)
 
 if __name__ == "__main__":
     main()
