@@ -2,6 +2,9 @@
 the tile form and register cap of an fp8 cache, and the shapes a warm-up builds every variant at. Host
 code only: no kernel runs here."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -88,3 +91,22 @@ def test_register_cap_only_for_fp8_words_at_the_wide_launch(monkeypatch) -> None
     assert "maxnreg" not in decode_launch.SMALL_BATCH[1].options(fp8_words=True)  # latency-bound: no cap
     monkeypatch.setattr(decode_launch, "FP8_WORDS_MAXNREG", None)
     assert "maxnreg" not in decode_launch.WIDE.options(fp8_words=True)
+
+
+def test_decode_sweep_forces_the_launch_a_decode_call_takes(monkeypatch) -> None:
+    """scripts/decode_sweep.py times a setting by standing in for decode_launch.choose_launch, so a decode
+    call must take its launch from there: when the choice moved (a57bf84), a stand-in put elsewhere
+    timed the engine's own setting under every name (BENCHMARKS.md, call AA2)."""
+    path = Path(__file__).parents[2] / "scripts" / "decode_sweep.py"
+    spec = importlib.util.spec_from_file_location("decode_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    asked = []
+    setting = dict(BLOCK_N=32, NUM_WARPS=2, NUM_STAGES=3, PROGRAMS_PER_SM=decode_launch.PROGRAMS_PER_SM)
+    monkeypatch.setattr(decode_launch, "choose_launch", sweep.forced(setting, asked))
+    q = torch.zeros(2, 16, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 256, 8, 128, dtype=torch.bfloat16)
+    call = decode_launch.DecodeCall.prepare(q, cache, cache, torch.ones(2, dtype=torch.int32),
+                                            torch.zeros(2, 2, dtype=torch.int32), None, None, None, None)
+    assert asked == [setting]
+    assert call.launch == decode_launch.DecodeLaunch(32, 2, 3)
