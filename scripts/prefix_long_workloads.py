@@ -59,6 +59,11 @@ def make_llm(**options) -> LLM:
 
 
 def main() -> None:
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        print(__doc__)
+        return
+    if bad := [arg for arg in sys.argv[1:] if "=" not in arg]:
+        sys.exit(f"extra LLM options are KEY=VALUE arguments; got {bad}")
     llm = make_llm(**dict(arg.split("=", 1) for arg in sys.argv[1:]))
     prompts, params = shared_prefix_workload()
     seconds = timed(llm, prompts, params)

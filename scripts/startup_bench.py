@@ -22,7 +22,7 @@ from nanovllm import LLM  # noqa: E402
 
 IMPORT_S = time.perf_counter() - start
 
-from nanovllm.engine import model_runner  # noqa: E402
+from nanovllm.runner import model_runner  # noqa: E402
 from nanovllm.utils import gguf_loader  # noqa: E402
 from nanovllm.utils.embedded_model import embedded_model_path  # noqa: E402
 
