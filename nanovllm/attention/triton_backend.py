@@ -23,7 +23,8 @@ from nanovllm.kernels.prefill_attention import paged_prefill_attention
 # a small step is a chain of launch-bound kernels, one fewer a layer. A larger batch keeps the separate
 # rope_store kernel: there every chunk of the split-KV kernel would repeat its group's rotation.
 # Measured (BENCHMARKS.md, call L2, 512-token contexts): 3-4% faster a step at 1-8 rows, even at 16,
-# ~3% faster at 32, 1% slower at 64.
+# ~3% faster at 32, 1% slower at 64. From 66 rows (one chunk, no repeat) it is as fast alone and slower
+# in bench.py (call AA6): the split-KV kernel's longest-first order is worth rope_store's launch.
 FUSED_ROPE_MAX_ROWS = 32
 # triton-fa3 runs a step's prefill chunks through FA3 when they average at least this many tokens. FA3
 # was 1.4-1.9x the Triton kernel at 512-8k-token chunks (call M5) and made 32 prompts of 6-8k tokens
