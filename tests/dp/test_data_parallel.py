@@ -158,7 +158,8 @@ def raised(fn) -> BaseException | None:
 
 
 CTRL_C_SCRIPT = """
-import json, sys
+import faulthandler, json, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for our stacks if we hang
 sys.path.insert(0, {root!r})
 from nanovllm import LLM, SamplingParams
 if __name__ == "__main__":
@@ -181,7 +182,14 @@ def test_ctrl_c_in_a_terminal_stops_every_replica(qwen3_dir, tmp_path):
         pids = json.loads(process.stdout.readline())
         time.sleep(1)  # generating
         os.killpg(process.pid, signal.SIGINT)
-        _, stderr = process.communicate(timeout=30)
+        try:
+            _, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # seen once in CI (2026-12-02): say where the caller is stuck
+            process.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"the caller did not leave within 30 s of Ctrl-C; its threads:\n"
+                        f"{process.communicate()[1][-6000:]}")
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
