@@ -13,7 +13,6 @@ import functools
 import itertools
 import json
 import math
-import statistics
 
 import torch
 import triton.testing
@@ -28,8 +27,8 @@ CASES = [(1, 1024), (1, 4096), (64, 2048), (256, 512), (256, 1024), (512, 1024)]
 # addresses depend on takes a stage of its own; sm_90 SASS, ninth session), so a tile's load overlaps the
 # previous tile's math; with 2-4 only other programs on the SM hide it.
 # One and two warps a program (fewer of a tile's row reductions cross warps through shared memory, a
-# sixth of the fp8 kernel's stalls at 256 rows: ncu, call Z2) lost at 16-64 rows and won 2-6% alone at
-# 96-256 rows, nothing in bench.py (calls AA3, AA1).
+# sixth of the fp8 kernel's stalls at 256 rows: ncu, call Z2) lost at 16-64 rows, won up to 6% alone
+# at 96-256 rows of an fp8 cache and nothing in bench.py (calls AA3, AA1).
 SETTINGS = dict(BLOCK_N=(32, 64, 128), NUM_WARPS=(1, 2, 4, 8), NUM_STAGES=(2, 3, 4, 5),
                 PROGRAMS_PER_SM=(4, 16))
 QUICK = dict(BLOCK_N=(64, 128), NUM_WARPS=(2, 4, 8), NUM_STAGES=(2, 3, 5), PROGRAMS_PER_SM=(4,))
@@ -61,27 +60,6 @@ def make_case(batch: int, context: int, kv_dtype: torch.dtype):
     order = torch.argsort(seqlens, descending=True, stable=True).to(torch.int32)
     kv_bytes = 2 * int(seqlens.sum()) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
     return q, k_cache, v_cache, seqlens, tables, order, kv_bytes
-
-
-def graph_us(run, calls: int = 10, replays: int = 30) -> float:
-    """Microseconds a call: the median replay of a CUDA graph of `calls` calls, as decode steps replay
-    the kernel between others (triton.testing.do_bench, which flushes the L2 and launches from Python
-    between calls, ranked launches otherwise: call AA2, BENCHMARKS.md)."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            run()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def forced(setting: dict, calls: list):
@@ -129,7 +107,9 @@ def main() -> None:
             calls = []
             dl.choose_launch = forced(setting, calls)
             try:
-                us = graph_us(run)  # the launch is chosen, and the kernel built, at capture
+                # Replayed from a CUDA graph as decode steps run it: do_bench, which flushes the L2 and
+                # launches from Python between calls, ranked launches otherwise (call AA2, BENCHMARKS.md).
+                us = triton.testing.do_bench_cudagraph(run, return_mode="median") * 1e3
             except Exception as e:  # e.g. a tile and stage count that overflow shared memory
                 print(f"skipped {setting}: {type(e).__name__}", flush=True)
                 continue
@@ -148,6 +128,7 @@ def main() -> None:
             default_us=round(default_us, 1), default_of_copy=round(copy_us / default_us, 3),
             best_us=round(best_us, 1), best_of_copy=round(copy_us / best_us, 3),
             best=best, next=[dict(us=round(us, 1), **s) for us, s in results[1:4]])), flush=True)
+
 
 if __name__ == "__main__":
     main()
