@@ -50,7 +50,9 @@ def kernel_table(prof, steps: int) -> tuple[list[dict], float, float]:
 def host_phases(llm: LLM, steps: int) -> None:
     """Host milliseconds per step in each phase of the synchronous step (schedule, build_batch, the
     forward's input building and launches, sampling launches, the wait for the sampled ids, postprocess),
-    for mixed and decode steps apart: whether a slow step waits on the GPU or on the host."""
+    for mixed and decode steps apart: whether a slow step waits on the GPU or on the host. With overlap
+    scheduling (on by default on a GPU) the step has no run, wait or postprocess phase:
+    NANOVLLM_ASYNC_SCHEDULING=0 times the synchronous one."""
     # The step loops call build_batch by the name each imported: wrapped there (in llm_engine, where it
     # once was called, only the logits path reaches it).
     import nanovllm.engine.overlap as overlap_module
@@ -89,15 +91,18 @@ def host_phases(llm: LLM, steps: int) -> None:
         kind = "mixed" if num_tokens > 0 else "decode"
         counts[kind] += 1
         totals[kind].update(acc)
-    unseen = {"schedule", "postprocess", "build_batch", "forward_launch", "sample_launch", "run"}.difference(
-        *totals.values())
-    if unseen:  # a wrapper the steps never reached times nothing, and its phase would read as free
+    # What every step passes (the sampler's launch not where a decode graph samples itself); a wrapper
+    # never reached would make its phase read as free.
+    expected = {"schedule", "build_batch", "forward_launch"}
+    expected |= {"postprocess", "run"} if engine.overlap is None else set()
+    if unseen := expected.difference(*totals.values()):
         raise RuntimeError(f"phases never timed: {sorted(unseen)} (the step calls them by another name now)")
     for kind, total in totals.items():
         if counts[kind]:
             per_step = {k: round(v * 1e3 / counts[kind], 3) for k, v in total.items()}
-            per_step["wait"] = round(per_step.get("run", 0) - per_step.get("forward_launch", 0)
-                                     - per_step.get("sample_launch", 0), 3)
+            if "run" in per_step:
+                per_step["wait"] = round(per_step["run"] - per_step.get("forward_launch", 0)
+                                         - per_step.get("sample_launch", 0), 3)
             print(json.dumps(dict(host_ms_per_step=kind, steps=counts[kind], **per_step)), flush=True)
 
 
