@@ -159,6 +159,9 @@ def raised(fn) -> BaseException | None:
 
 CTRL_C_SCRIPT = """
 import faulthandler, json, signal, sys
+# Ctrl-C raises KeyboardInterrupt, as in a terminal: Python leaves SIGINT ignored when it starts that way,
+# as everything a non-interactive shell puts in the background does (a test run started with `&`).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for our stacks if we hang
 sys.path.insert(0, {root!r})
 from nanovllm import LLM, SamplingParams
@@ -184,7 +187,7 @@ def test_ctrl_c_in_a_terminal_stops_every_replica(qwen3_dir, tmp_path):
         os.killpg(process.pid, signal.SIGINT)
         try:
             _, stderr = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:  # seen once in CI (2026-12-02): say where the caller is stuck
+        except subprocess.TimeoutExpired:  # say where the caller is stuck
             process.send_signal(signal.SIGUSR1)
             time.sleep(2)
             os.killpg(process.pid, signal.SIGKILL)
