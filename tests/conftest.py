@@ -124,6 +124,11 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (README's test command: `-n auto`, a worker a core) each worker takes its share of
+# the cores for torch's intra-op threads, so that the workers do not oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def triton_test_device() -> str:
     """Where a kernel test module runs its tensors: the CPU under Triton's interpreter (the default

@@ -46,7 +46,8 @@ def test_a_stopped_worker_is_detected_naming_its_rank(qwen3_dir, short_heartbeat
         assert isinstance(error, RuntimeError), error
         assert f"rank 1 (pid {worker.pid}) stopped responding" in str(error)
         assert "is stopped (SIGSTOP?)" in str(error)
-        assert TEST_TIMEOUT_S <= seconds < TEST_TIMEOUT_S + SLACK_S
+        # The last beat can precede generate's start by up to one interval: detection is timed from it.
+        assert TEST_TIMEOUT_S - tp_state.HEARTBEAT_INTERVAL_S <= seconds < TEST_TIMEOUT_S + SLACK_S
         assert_shut_down(llm.engine.workers)  # the stopped worker was killed and reaped
         with pytest.raises(RuntimeError, match="shut down"):
             llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
