@@ -2,14 +2,17 @@
 per kernel name its calls per step and microseconds per step, the step's kernel count and total GPU
 time, and its wall time per step. Random Qwen3-0.6B weights, CUDA graphs as in a real run.
 
-    python scripts/kernel_profile.py --batch 1 --batch 256 [--context 512] [--steps 32] [LLM options]
+    python scripts/kernel_profile.py --batch 1 --batch 256 [--context 512] [--steps 32] [--option=value ...]
     python scripts/kernel_profile.py --mixed [--steps 32]      # mid-run steps of the 1024-request run
 
 Each batch size adds `batch` prompts of `context` random tokens, steps the engine past their prefill,
 and profiles the next `steps` decode steps (twice: the first pass compiles and captures what it needs).
 --mixed runs step_profile.py's 1024-request workload through engine.step() and profiles `steps` steps
-from step MIXED_WARM_STEPS on, when running requests finish and new ones join (mixed steps); before the
-profile, as many steps again are timed by phase on the host (host_phases), mixed and decode apart."""
+from step MIXED_WARM_STEPS on, when running requests finish and waiting ones join (mixed steps); before
+the profile, as many steps again are timed by phase on the host (host_phases), mixed and decode apart.
+Requests wait only where they outnumber max_num_seqs or the KV cache: on a GPU of 70 GiB or more
+max_num_seqs defaults to 1024, all of them run from the start, and these steps are all decode steps
+(BENCHMARKS.md, call BB3); `--mixed --max-num-seqs=512` profiles admissions mid-run."""
 
 import argparse
 import collections
@@ -27,7 +30,7 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "Qwen3-0.6B")
 TOP_KERNELS = 15
-# By this step of the 1024-request run the first requests finish and mixed steps admit new ones.
+# By this step of the 1024-request run the first requests finish, and mixed steps admit waiting ones.
 MIXED_WARM_STEPS = 300
 # The host range each profiled engine step runs in (busy_by_kind files kernels by it).
 STEP_RANGE = "engine_step"
@@ -168,6 +171,8 @@ def main() -> None:
     args, extra = parser.parse_known_args()
     if args.mixed == bool(args.batch):
         parser.error("give --mixed or one or more --batch sizes")
+    if bad := [kv for kv in extra if not kv.startswith("--") or "=" not in kv]:
+        parser.error(f"LLM options are given as --name=value; got {bad}")
     options = dict(kv.split("=", 1) for kv in extra)
     options = {k.lstrip("-").replace("-", "_"): (int(v) if v.isdigit() else v) for k, v in options.items()}
     llm = LLM(CONFIG, load_format="dummy", skip_tokenizer_init=True, **options)
