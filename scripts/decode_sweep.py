@@ -28,7 +28,8 @@ CASES = [(1, 1024), (1, 4096), (64, 2048), (256, 512), (256, 1024), (512, 1024)]
 # previous tile's math; with 2-4 only other programs on the SM hide it.
 # One and two warps a program (fewer of a tile's row reductions cross warps through shared memory, a
 # sixth of the fp8 kernel's stalls at 256 rows: ncu, call Z2) lost at 16-64 rows, won up to 6% alone
-# at 96-256 rows of an fp8 cache and nothing in bench.py (calls AA3, AA1).
+# at 96-256 rows of an fp8 cache and nothing in bench.py (calls AA3, AA1); two warps for the fp8
+# large-batch launch, 4-6% faster a call at 256-512 rows here (BB2), were even in bench.py (BB4, BB5).
 SETTINGS = dict(BLOCK_N=(32, 64, 128), NUM_WARPS=(1, 2, 4, 8), NUM_STAGES=(2, 3, 4, 5),
                 PROGRAMS_PER_SM=(4, 16))
 QUICK = dict(BLOCK_N=(64, 128), NUM_WARPS=(2, 4, 8), NUM_STAGES=(2, 3, 5), PROGRAMS_PER_SM=(4,))
