@@ -114,16 +114,19 @@ class LLM:
         run in the same batches. If this is left by an exception or Ctrl-C, they are aborted."""
         engine = self.engine
         outputs: dict[int, RequestOutput] = {}
+        pending = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
         try:
-            while len(outputs) < len(request_ids):
+            while pending:
                 with engine.lock:  # one step at a time; other threads' calls step in between
-                    for request_id in request_ids:
-                        if request_id not in outputs and (output := engine.take_output(request_id)):
-                            outputs[request_id] = output
-                            bar.update(1)
-                    if len(outputs) == len(request_ids):
+                    # Only what finished: asking each pending request (~0.75 us each on the CI machine)
+                    # took 190 us a step at 256, and ~8% of a 4,000-request generate under cProfile.
+                    for request_id, output in engine.take_outputs(pending):
+                        outputs[request_id] = output
+                        pending.discard(request_id)
+                        bar.update(1)
+                    if not pending:
                         break
                     start = time.perf_counter()
                     result = engine.advance()
@@ -138,7 +141,7 @@ class LLM:
                                      "Decode": f"{decode_rate:.0f}tok/s"},
                                     refresh=time.perf_counter() - bar.last_print_t > BAR_REFRESH_S)
         except BaseException:
-            engine.abandon([request_id for request_id in request_ids if request_id not in outputs])
+            engine.abandon([request_id for request_id in request_ids if request_id in pending])
             raise
         finally:
             bar.close()

@@ -19,6 +19,7 @@ happens when a step fails under tensor parallelism (a dead worker, Ctrl-C), afte
 raises RuntimeError."""
 
 import threading
+from collections.abc import Container
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -127,6 +128,12 @@ class LLMEngine:
         """The output of a finished `start_request` request (once), or None while it runs."""
         with self.lock:
             return self.requests.take(request_id)
+
+    def take_outputs(self, request_ids: Container[int]) -> list[tuple[int, RequestOutput]]:
+        """(id, output) of the finished `start_request` requests among request_ids (a set), each once;
+        costs what finished, not len(request_ids)."""
+        with self.lock:
+            return self.requests.take_done(request_ids)
 
     def abort_request(self, request_id: int) -> bool:
         """Stop a request (all n completions) and free its KV blocks at once, whatever its state

@@ -7,6 +7,8 @@ output with `take`). Several callers may drive one engine, each from its own thr
 runs a step, every finished output lands here until its owner asks for it. Pure Python; the engine's
 lock guards it."""
 
+from collections.abc import Container
+
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import RequestOutput
 
@@ -46,6 +48,13 @@ class RequestTracker:
         if output is not None:
             self.tracked.discard(request_id)
         return output
+
+    def take_done(self, request_ids: Container[int]) -> list[tuple[int, RequestOutput]]:
+        """(id, output) of the finished tracked requests among request_ids, each taken once. Its cost is
+        the outputs finished and not yet taken, not the size of request_ids: a caller that asks after
+        every step for the few of its many requests that finished pays for those few."""
+        ready = [request_id for request_id in self.done if request_id in request_ids]
+        return [(request_id, self.take(request_id)) for request_id in ready]
 
     def forget(self, request_id: int) -> None:
         """The caller of a tracked request left (an exception, Ctrl-C): drop what it would collect."""
