@@ -16,8 +16,9 @@ class CountingSet(set):
         return super().__contains__(item)
 
 
-def queued(tracker: RequestTracker, count: int, tracked: bool = True) -> list[int]:
-    return [tracker.add([Sequence([1, 2, 3], SamplingParams(), 4)], tracked) for _ in range(count)]
+def queued(tracker: RequestTracker, count: int) -> list[int]:
+    """The ids of `count` new tracked requests (a generate call's)."""
+    return [tracker.add([Sequence([1, 2, 3], SamplingParams(), 4)], tracked=True) for _ in range(count)]
 
 
 def test_take_done_gives_each_caller_its_own_finished_outputs_once():
