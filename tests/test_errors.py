@@ -63,6 +63,8 @@ def test_sampling_params_out_of_range(kwargs, match):
     ([1, 2, 10**6], GREEDY, ValueError, "outside the vocabulary"),
     ([1, 2, -1], GREEDY, ValueError, "outside the vocabulary"),
     (3.5, GREEDY, TypeError, "string or a list of token ids"),
+    ([1, True], GREEDY, TypeError, "string or a list of token ids"),
+    ([1, 2.0], GREEDY, TypeError, "string or a list of token ids"),
     ([1, 2], "greedy", TypeError, "SamplingParams"),
     ([1] * 60, GREEDY, ValueError, "exceeds max_model_len 64"),
     ([1] * 30, SamplingParams(max_tokens=30), ValueError, "KV blocks but the whole cache has 12"),
