@@ -50,9 +50,21 @@ def longest_first(seqlens_k: np.ndarray) -> np.ndarray:
     return np.argsort(-seqlens_k, kind="stable")
 
 
+# numpy's dtype for each torch dtype the inputs use.
+NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+# From this many values a list goes through numpy: torch.tensor converts a 16k-id list in ~2.7 ms on the
+# CI machine, numpy in ~0.5 (a 16k-token prefill step has four such lists); short ones are faster direct.
+NUMPY_FROM = 512
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     pin = device.type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+    if len(values) >= NUMPY_FROM and dtype in NUMPY_DTYPES:
+        host = torch.from_numpy(np.asarray(values, dtype=NUMPY_DTYPES[dtype]))
+        host = host.pin_memory() if pin else host
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=pin)
+    return host.to(device, non_blocking=pin)
 
 
 def _block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

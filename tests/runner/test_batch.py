@@ -10,7 +10,7 @@ import torch
 from nanovllm.distributed.worker import CHANNEL_SLACK_BYTES, channel_size
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.batch import build_batch, slots
-from nanovllm.runner.inputs import model_inputs
+from nanovllm.runner.inputs import NUMPY_FROM, model_inputs, to_device
 from nanovllm.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -57,6 +57,22 @@ def test_a_mixed_batch_counts_its_leading_decoding_rows():
     meta = model_inputs(build_batch(seqs, is_prefill=True), torch.device("cpu")).meta
     assert meta.num_decode_rows == 2 and meta.max_seqlen_q == 6
     assert model_inputs(build_batch(seqs[:2], is_prefill=True), torch.device("cpu")).meta.num_decode_rows == 2
+
+
+def test_long_prefill_inputs_equal_their_lists():
+    # Past NUMPY_FROM values a list goes through numpy: the tensors must hold the same values and dtypes.
+    n = NUMPY_FROM + 37
+    seq = scheduled(n, computed=0, scheduled_tokens=n, block_table=list(range(-(-n // BLOCK))))
+    batch = build_batch([seq], is_prefill=True)
+    inputs = model_inputs(batch, torch.device("cpu"), num_padded=n + 27)
+    assert inputs.input_ids.dtype == inputs.positions.dtype == inputs.meta.slot_mapping.dtype == torch.int64
+    assert inputs.input_ids.tolist() == batch.input_ids + [0] * 27
+    assert inputs.positions.tolist() == batch.positions + [0] * 27
+    assert inputs.meta.slot_mapping.tolist() == batch.slot_mapping + [-1] * 27
+    for values, dtype in (([2**40, -1] * NUMPY_FROM, torch.int64), ([7, -3] * NUMPY_FROM, torch.int32),
+                          ([0.5, 2.0] * NUMPY_FROM, torch.float32), ([1, 2], torch.int32)):
+        out = to_device(values, dtype, torch.device("cpu"))
+        assert out.dtype == dtype and out.tolist() == values
 
 
 def test_slots_cross_block_boundaries():
