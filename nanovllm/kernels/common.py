@@ -33,7 +33,8 @@ def paged_kv_offsets(
 ):
     """Element offsets [BLOCK_N, HEAD_DIM] into a K or V cache of positions tile_start + arange(BLOCK_N)
     of one sequence (its block-table row) and one KV head. tile_start must be a multiple of BLOCK_N;
-    n_mask marks the positions that exist (the others are not looked up and must be masked by the caller)."""
+    n_mask marks the positions that exist (the others are not looked up and must be masked by the caller);
+    None: all of them do."""
     offs_n = tile_start + tl.arange(0, BLOCK_N)
     if BLOCK_SIZE % BLOCK_N == 0:
         # The whole tile sits in one block: one block-table lookup, and the slots are consecutive.
@@ -41,7 +42,10 @@ def paged_kv_offsets(
         slots = block_id * BLOCK_SIZE + (tile_start % BLOCK_SIZE) + tl.arange(0, BLOCK_N)
     else:
         # The tile straddles blocks (or blocks are smaller than a tile): look up each token's block.
-        block_ids = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        if n_mask is None:
+            block_ids = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
+        else:
+            block_ids = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         slots = block_ids * BLOCK_SIZE + offs_n % BLOCK_SIZE
     offs_d = tl.arange(0, HEAD_DIM)
     # int64 slots: num_blocks * block_size * num_kv_heads * head_dim can pass 2**31 elements per layer.
@@ -104,12 +108,13 @@ def check_paged_attention_args(
 
 @triton.jit
 def online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
-    """One K/V tile of flash attention in base 2: scores q @ k^T (masked where not `visible`), then the
-    running max m_i, softmax sum l_i and output acc updated for it. The caller guarantees that some key
-    of the first tile is visible to every row, so m_i is finite afterwards and exp2 never sees
-    -inf - -inf."""
+    """One K/V tile of flash attention in base 2: scores q @ k^T (masked where not `visible`; None: every
+    key is visible), then the running max m_i, softmax sum l_i and output acc updated for it. The caller
+    guarantees that some key of the first tile is visible to every row, so m_i is finite afterwards and
+    exp2 never sees -inf - -inf."""
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    qk = tl.where(visible, qk, float("-inf"))
+    if visible is not None:
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
