@@ -18,8 +18,8 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> list[int]:
             raise ValueError("string prompts need a tokenizer, but skip_tokenizer_init=True; "
                              "pass token ids instead")
         token_ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, SequenceLike) and _all_ints(token_ids := list(prompt)):
-        pass
+    elif isinstance(prompt, SequenceLike) and _all_ints(prompt):
+        token_ids = list(prompt)
     else:
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if not token_ids:
@@ -32,7 +32,7 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> list[int]:
     return token_ids
 
 
-def _all_ints(values: list) -> bool:
+def _all_ints(values: SequenceLike) -> bool:
     """Whether every value is an int and none a bool (which would pass for 0 or 1)."""
     if set(map(type, values)) <= {int}:  # the common case, in one pass in C
         return True
