@@ -36,7 +36,8 @@ MAX_PROGRAMS_PER_SM = 32
 # Qwen3-0.6B's decode: 16 query heads over 8 KV heads, head_dim 128, 256-token blocks; the large-batch
 # launch (decode_launch.WIDE).
 PRODUCTION = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=128,
-                  COMBINE_HEADS=2, COMBINE_ROWS=16, DOT_PRECISION="tf32", FP8_TILES="cast", ORDERED=True)
+                  COMBINE_HEADS=2, COMBINE_ROWS=16, DOT_PRECISION="tf32", FP8_TILES="cast", ORDERED=True,
+                  KV_PER_PROG=1)
 POINTER_TYPES = {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "counters_ptr": "*i32",
                  "seqlens_k_ptr": "*i32", "block_tables_ptr": "*i32", "seq_order_ptr": "*i32"}
 FLOAT_SCALARS = {"scale_log2", "v_scale"}

@@ -12,7 +12,9 @@ into num_splits chunks:
         hold keys, for the whole GQA group at once, done by the last program of each (sequence, KV head)
         to finish (an atomic counter says which: one kernel in all). With one chunk a sequence (every
         large batch) there is nothing to combine: each program stores its output itself (ONE_SPLIT, a
-        variant of its own), 3-11% faster a call at 128-512 rows (BENCHMARKS.md, call Z3).
+        variant of its own), 3-11% faster a call at 128-512 rows (BENCHMARKS.md, call Z3). There an fp8
+        cache's programs may take two KV heads each (decode_launch.FP8_PACKED, grid (num_kv_heads / 2, B,
+        1)): one softmax for both GQA groups (decode_fp8_tiles.attend_fp8_words).
 
 num_splits and the launch settings depend only on static shapes (batch size, KV heads, block_tables
 width, cache dtype, SM count; decode_launch.py); each
@@ -81,10 +83,11 @@ def _decode_split_kernel(
     FP8_TILES: tl.constexpr,  # decode_fp8_tiles.fp8_tiles's
     ORDERED: tl.constexpr,
     ONE_SPLIT: tl.constexpr = False,  # num_splits == 1: each program writes its rows' output itself
+    KV_PER_PROG: tl.constexpr = 1,  # KV heads a program (packed: decode_fp8_tiles; ONE_SPLIT "words" only)
 ):
     # KV heads vary fastest in the grid: a sequence's heads run side by side, reading neighbouring bytes
     # of each cached token. With seq_order, the sequences start longest first (see the module docstring).
-    kv_head = tl.program_id(0)
+    group = tl.program_id(0)  # the program's KV heads: group * KV_PER_PROG + (0 .. KV_PER_PROG - 1)
     seq = tl.program_id(1)
     if ORDERED:
         seq = tl.load(seq_order_ptr + seq)
@@ -93,8 +96,8 @@ def _decode_split_kernel(
     split_len, split_start, split_end = chunk_bounds(kv_len, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
-    g_mask = offs_g < NUM_HEADS_PER_KV
-    heads = kv_head * NUM_HEADS_PER_KV + offs_g
+    g_mask = offs_g < NUM_HEADS_PER_KV * KV_PER_PROG
+    heads = group * (NUM_HEADS_PER_KV * KV_PER_PROG) + offs_g
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(
         q_ptr + seq.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :],
@@ -102,11 +105,11 @@ def _decode_split_kernel(
         other=0.0,
     )
     q, qk_scale = fp8_dot_operands(q, scale_log2, k_cache_ptr.dtype.element_ty == tl.float8e4nv)
-    attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_end, split_len, k_cache_ptr,
+    attend_chunk(q, qk_scale, seq, group, split, kv_len, split_start, split_end, split_len, k_cache_ptr,
                  v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
                  out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale, NUM_HEADS_PER_KV,
                  NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, COMBINE_HEADS, COMBINE_ROWS,
-                 DOT_PRECISION, FP8_TILES, False, ONE_SPLIT)
+                 DOT_PRECISION, FP8_TILES, False, ONE_SPLIT, KV_PER_PROG)
 
 
 @triton.jit
@@ -119,28 +122,32 @@ def chunk_bounds(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_end, split_len, k_cache_ptr,
+def attend_chunk(q, qk_scale, seq, group, split, kv_len, split_start, split_end, split_len, k_cache_ptr,
                  v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
                  out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale,
                  NUM_HEADS_PER_KV: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                  COMBINE_HEADS: tl.constexpr, COMBINE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 FP8_TILES: tl.constexpr, LAUNCH_AFTER_LOOP: tl.constexpr, ONE_SPLIT: tl.constexpr):
-    """One program's chunk [split_start, split_end) of one (sequence, KV head): its partial for the GQA
-    group's queries q [BLOCK_G, HEAD_DIM] (scores times qk_scale), then, in the last chunk to finish,
-    the combine; with ONE_SPLIT (the chunk is the whole context) the output itself. Shared by the decode
-    kernels (this one, and decode_rope's, which under PDL may let its dependent launch once the K/V loop
-    is done: LAUNCH_AFTER_LOOP)."""
+                 FP8_TILES: tl.constexpr, LAUNCH_AFTER_LOOP: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                 KV_PER_PROG: tl.constexpr):
+    """One program's chunk [split_start, split_end) of one sequence and KV head `group` (with KV_PER_PROG
+    above 1, "words" tiles and ONE_SPLIT only: KV heads group * KV_PER_PROG on, packed): its partial for
+    the queries q [BLOCK_G, HEAD_DIM] of their GQA groups (scores times qk_scale), then, in the last chunk
+    to finish, the combine; with ONE_SPLIT (the chunk is the whole context) the output itself. Shared by
+    the decode kernels (this one, and decode_rope's, which under PDL may let its dependent launch once
+    the K/V loop is done: LAUNCH_AFTER_LOOP)."""
+    tl.static_assert(KV_PER_PROG == 1 or (FP8_TILES == "words" and ONE_SPLIT))
+    kv_head = group  # with one KV head a program (every path below but the "words" loop's)
     offs_g = tl.arange(0, BLOCK_G)
-    g_mask = offs_g < NUM_HEADS_PER_KV
-    heads = kv_head * NUM_HEADS_PER_KV + offs_g
+    g_mask = offs_g < NUM_HEADS_PER_KV * KV_PER_PROG
+    heads = group * (NUM_HEADS_PER_KV * KV_PER_PROG) + offs_g
     offs_d = tl.arange(0, HEAD_DIM)
 
     block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     if FP8_TILES == "words":
-        m_i, l_i, acc = attend_fp8_words(q, qk_scale, kv_head, split_start, split_end, block_table_row,
-                                         k_cache_ptr, v_cache_ptr, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                                         BLOCK_G, BLOCK_N)
+        m_i, l_i, acc = attend_fp8_words(q, qk_scale, group * KV_PER_PROG, split_start, split_end,
+                                         block_table_row, k_cache_ptr, v_cache_ptr, NUM_HEADS_PER_KV,
+                                         NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, KV_PER_PROG)
     else:
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -255,7 +262,7 @@ def paged_decode_attention(
     chunks in `counters`, which it leaves zeroed for the next call. Pass a persistent buffer (allocating
     one costs a fill kernel), and never the same buffer to two calls that may run at once."""
     call = DecodeCall.prepare(q, k_cache, v_cache, seqlens_k, block_tables, num_splits, out, workspace,
-                              counters)
+                              counters, packs=True)
     if seq_order is not None and (seq_order.shape != seqlens_k.shape or seq_order.dtype != torch.int32):
         raise ValueError(f"seq_order must be int32 {tuple(seqlens_k.shape)} like seqlens_k; got "
                          f"{seq_order.dtype} {tuple(seq_order.shape)}")

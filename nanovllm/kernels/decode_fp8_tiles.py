@@ -70,14 +70,24 @@ def _widen_e4m3_bytes(byte):
 
 
 @triton.jit
-def attend_fp8_words(q, qk_scale, kv_head, split_start, split_end, block_table_row, k_cache_ptr, v_cache_ptr,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+def attend_fp8_words(q, qk_scale, first_kv_head, split_start, split_end, block_table_row, k_cache_ptr,
+                     v_cache_ptr, NUM_HEADS_PER_KV: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KV_PER_PROG: tl.constexpr):
     """(m_i, l_i, acc [BLOCK_G, HEAD_DIM]) of float16 q (scores times qk_scale, base 2) over positions
-    [split_start, split_end) of one sequence (its block-table row) and KV head, the fp8 caches read as
-    words (see the module docstring). An empty range reads nothing: m_i = -inf, l_i = 0, acc = 0."""
+    [split_start, split_end) of one sequence (its block-table row) and KV heads first_kv_head ..
+    first_kv_head + KV_PER_PROG - 1, the fp8 caches read as words (see the module docstring). q's rows are
+    the query heads of those KV heads in order, NUM_HEADS_PER_KV each ("packed": see below). An empty
+    range reads nothing: m_i = -inf, l_i = 0, acc = 0.
+
+    Packed KV heads: a GQA group of two fills 2 of the 16 rows a dot needs, and the online softmax works
+    on all 16. With KV_PER_PROG heads a program, each head's dots take q (then p) with the other heads'
+    rows zeroed, chained into one score tile (one accumulator): the tensor-core work per key and head is
+    unchanged, the softmax's is shared by KV_PER_PROG heads. The zeroed rows add exact zeros, so each row
+    gets the bits it gets with one head a program."""
     WORDS: tl.constexpr = HEAD_DIM // 2
     q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_G, WORDS, 2]))
+    row_head = tl.arange(0, BLOCK_G) // NUM_HEADS_PER_KV  # the program's KV head each row attends with
     k_words_ptr = k_cache_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
     v_words_ptr = v_cache_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -87,13 +97,15 @@ def attend_fp8_words(q, qk_scale, kv_head, split_start, split_end, block_table_r
     for tile_start in range(split_start, split_end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < split_end
-        # A row of HEAD_DIM bytes is WORDS words: the cache's word offsets are its byte offsets / 2.
-        word_offs = paged_kv_offsets(
-            block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, WORDS, BLOCK_N
-        )
-        k_even, k_odd = widen_fp8_pairs(tl.load(k_words_ptr + word_offs, mask=n_mask[:, None], other=0))
-        v_even, v_odd = widen_fp8_pairs(tl.load(v_words_ptr + word_offs, mask=n_mask[:, None], other=0))
-        qk = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even))) * qk_scale
+        qk = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+        for i in tl.static_range(KV_PER_PROG):
+            # A row of HEAD_DIM bytes is WORDS words: the cache's word offsets are its byte offsets / 2.
+            word_offs = paged_kv_offsets(block_table_row, tile_start, first_kv_head + i, n_mask, BLOCK_SIZE,
+                                         NUM_KV_HEADS, WORDS, BLOCK_N)
+            k_even, k_odd = widen_fp8_pairs(tl.load(k_words_ptr + word_offs, mask=n_mask[:, None], other=0))
+            qk = tl.dot(_rows_of(q_odd, row_head, i, KV_PER_PROG), tl.trans(k_odd),
+                        tl.dot(_rows_of(q_even, row_head, i, KV_PER_PROG), tl.trans(k_even), qk))
+        qk = qk * qk_scale
         # Position tile_start is always valid (the chunk is not empty), so every row sees a key.
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -101,8 +113,25 @@ def attend_fp8_words(q, qk_scale, kv_head, split_start, split_end, block_table_r
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         p = p.to(tl.float16)
-        acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
-        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
+        # The rescaled output is the dots' accumulator (as Triton makes of `acc * alpha + dot(p, v)`, the
+        # one-head form: the same sums in the same order for every row).
+        acc_even = acc_even * alpha[:, None]
+        acc_odd = acc_odd * alpha[:, None]
+        for i in tl.static_range(KV_PER_PROG):
+            word_offs = paged_kv_offsets(block_table_row, tile_start, first_kv_head + i, n_mask, BLOCK_SIZE,
+                                         NUM_KV_HEADS, WORDS, BLOCK_N)
+            v_even, v_odd = widen_fp8_pairs(tl.load(v_words_ptr + word_offs, mask=n_mask[:, None], other=0))
+            p_i = _rows_of(p, row_head, i, KV_PER_PROG)
+            acc_even = tl.dot(p_i, v_even, acc_even)
+            acc_odd = tl.dot(p_i, v_odd, acc_odd)
         m_i = m_new
     # [BLOCK_G, WORDS, 2] -> [BLOCK_G, HEAD_DIM]: dims 2j and 2j + 1 side by side, once per chunk.
     return m_i, l_i, tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_G, HEAD_DIM])
+
+
+@triton.jit
+def _rows_of(x, row_head, i, KV_PER_PROG: tl.constexpr):
+    """x with the rows of KV heads other than the program's i-th zeroed (x itself with one head)."""
+    if KV_PER_PROG == 1:
+        return x
+    return tl.where((row_head == i)[:, None], x, 0.0)

@@ -37,6 +37,7 @@ class DecodeLaunch:
     block_n: int  # key positions per tile
     num_warps: int
     num_stages: int
+    kv_per_prog: int = 1  # KV heads a program (FP8_PACKED's)
 
     def options(self, fp8_words: bool) -> dict:
         """The kernel launch's keyword options; `fp8_words`: the tiles are decode_fp8_tiles' "words"."""
@@ -63,6 +64,12 @@ FP8_WORDS_MAXNREG = 128
 # 35.3k tok/s against 34.7-34.8k in the same process (N3). A 16-bit cache gains nothing from it (N2: at
 # 0.93-0.99 of copy bandwidth already), nor its small-batch launch (single stream 0.902 ms both ways, N3).
 FP8_LARGE_BATCH = DecodeLaunch(64, 4, 5)
+# What FP8_LARGE_BATCH becomes at one chunk a context with programs to spare (_packs): two KV heads a
+# program, their query heads stacked into the 16 rows a dot takes (decode_fp8_tiles' packed heads), 3
+# stages. One layer's decode, contexts uniform in [C/2, C], us a call against FP8_LARGE_BATCH's, the same
+# bits (BENCHMARKS.md, call FF3): 256 x 1,024 100.0 / 108.9, 512 x 1,024 196.9 / 199.1; bench.py with an
+# fp8 cache 38,357 tok/s against 37,822 (+1.4%, six alternating pairs, FF3-FF4).
+FP8_PACKED = DecodeLaunch(64, 4, 3, kv_per_prog=2)
 # Shared memory left for what else the kernel keeps there (q, the dot operands' layouts).
 SHARED_MEMORY_HEADROOM = 32 * 1024
 # Enough resident programs per SM to hide memory latency in this bandwidth-bound kernel.
@@ -81,7 +88,8 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int, 
 
 
 def _fits(launch: DecodeLaunch, head_dim: int, element_size: int, device: torch.device) -> bool:
-    tiles = launch.num_stages * 2 * launch.block_n * head_dim * element_size  # K and V, every stage
+    # K and V of each of the program's KV heads, every stage
+    tiles = launch.num_stages * 2 * launch.kv_per_prog * launch.block_n * head_dim * element_size
     return tiles + SHARED_MEMORY_HEADROOM <= max_shared_memory(device)
 
 
@@ -104,7 +112,21 @@ def choose_launch(batch_size: int, num_kv_heads: int, head_dim: int, max_context
             and _fits(small, head_dim, element_size, device)):
         launch = small
         num_splits = decode_num_splits(batch_size, num_kv_heads, max_context_len, launch.block_n, num_sms)
+    elif launch == FP8_LARGE_BATCH and _packs(batch_size, num_kv_heads, head_dim, max_context_len, device,
+                                              num_sms):
+        launch = FP8_PACKED
     return launch, num_splits
+
+
+def _packs(batch_size: int, num_kv_heads: int, head_dim: int, max_context_len: int, device: torch.device,
+           num_sms: int) -> bool:
+    """Whether FP8_PACKED takes a call of these shapes: whole packs of KV heads, and programs enough for
+    one chunk a context still (FF2: at 66-72 rows, two programs an SM, 0.78-0.81x the unpacked kernel)."""
+    kv_per_prog = FP8_PACKED.kv_per_prog
+    if num_kv_heads % kv_per_prog or not _fits(FP8_PACKED, head_dim, 1, device):
+        return False
+    programs_per_seq = num_kv_heads // kv_per_prog
+    return decode_num_splits(batch_size, programs_per_seq, max_context_len, FP8_PACKED.block_n, num_sms) == 1
 
 
 def variant_shapes(max_rows: int, num_kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
@@ -115,12 +137,14 @@ def variant_shapes(max_rows: int, num_kv_heads: int, head_dim: int, block_size: 
     max_rows rows and max_blocks blocks can take, `variant(rows, launch, num_splits)` naming a call's; it
     may read rows only through those and whether rows >= each of `row_thresholds`. For a warm-up that
     builds every variant before the first real step. choose_launch sees rows only through the chunks
-    they want and the width only through the chunks it allows, so a shape for each pair of those covers
-    every call, and there are few (a few dozen each)."""
+    they want (with one KV head a program, and with FP8_PACKED's) and the width only through the chunks
+    it allows, so a shape for each pair of those covers every call, and there are few (a few dozen each)."""
     unbounded = 1 << 30
     rows_for, width_for = {}, {}
+    packed_programs = max(1, num_kv_heads // FP8_PACKED.kv_per_prog)
     for rows in range(1, max_rows + 1):
-        wanted = decode_num_splits(rows, num_kv_heads, unbounded, 1, num_sms)
+        wanted = (decode_num_splits(rows, num_kv_heads, unbounded, 1, num_sms),
+                  decode_num_splits(rows, packed_programs, unbounded, 1, num_sms))
         rows_for.setdefault((wanted, tuple(rows >= t for t in row_thresholds)), rows)
     small = SMALL_BATCH.get(element_size)
     block_ns = sorted({_large_batch_launch(head_dim, element_size, device).block_n,
@@ -154,7 +178,7 @@ class DecodeCall:
     partial_out: torch.Tensor  # [B * num_heads * num_splits * head_dim] float32
     partial_lse: torch.Tensor  # [B * num_heads * num_splits] float32
     counters: torch.Tensor
-    grid: tuple[int, int, int]  # (num_kv_heads, B, num_splits)
+    grid: tuple[int, int, int]  # (num_kv_heads / launch.kv_per_prog, B, num_splits)
     launch: DecodeLaunch
     num_heads_per_kv: int
     head_dim: int
@@ -165,8 +189,10 @@ class DecodeCall:
         return self.grid[2]
 
     @staticmethod
-    def prepare(q, k_cache, v_cache, seqlens_k, block_tables, num_splits, out, workspace, counters
-                ) -> "DecodeCall":
+    def prepare(q, k_cache, v_cache, seqlens_k, block_tables, num_splits, out, workspace, counters,
+                packs: bool = False) -> "DecodeCall":
+        """`packs`: the kernel can take several KV heads a program (FP8_PACKED): decode_attention's can,
+        decode_rope's cannot (its rotary and KV store take one KV head a program)."""
         num_heads, num_kv_heads, head_dim, block_size = check_paged_attention_args(
             q, k_cache, v_cache, block_tables
         )
@@ -184,6 +210,13 @@ class DecodeCall:
             num_splits = auto_splits
         elif num_splits < 1:
             raise ValueError(f"num_splits must be >= 1; got {num_splits}")
+        group = num_heads // num_kv_heads
+        words = fp8_tiles(k_cache.dtype == FP8_DTYPE, q.dtype == torch.float32) == "words"
+        # Packed KV heads need the "words" loop at one chunk a context, and query heads that fit the rows a
+        # dot takes anyway (MIN_GROUP_ROWS: beyond them packing saves no softmax work).
+        if launch.kv_per_prog > 1 and not (packs and words and num_splits == 1
+                                           and group * launch.kv_per_prog <= MIN_GROUP_ROWS):
+            launch = FP8_LARGE_BATCH
 
         # Scratch: per (sequence, head, split) a [head_dim] partial output, then one log-sum-exp each.
         num_partials = batch_size * num_heads * num_splits
@@ -205,17 +238,18 @@ class DecodeCall:
                   and counters.numel() >= batch_size * num_kv_heads):
             raise ValueError(f"counters must be a contiguous int32 tensor of at least B * num_kv_heads = "
                              f"{batch_size * num_kv_heads} zeros; got {counters.dtype} x {counters.numel()}")
+        grid = (num_kv_heads // launch.kv_per_prog, batch_size, num_splits)
         return DecodeCall(out, workspace[: num_partials * head_dim],
-                          workspace[num_partials * head_dim : workspace_numel], counters,
-                          (num_kv_heads, batch_size, num_splits), launch, num_heads // num_kv_heads, head_dim,
-                          block_size)
+                          workspace[num_partials * head_dim : workspace_numel], counters, grid, launch, group,
+                          head_dim, block_size)
 
     def constexprs(self, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
         """The kernels' shared compile-time arguments and launch settings."""
-        group = self.num_heads_per_kv
+        group, kv_per_prog = self.num_heads_per_kv, self.launch.kv_per_prog
         tiles = fp8_tiles(cache_dtype == FP8_DTYPE, q_dtype == torch.float32)
-        return dict(NUM_HEADS_PER_KV=group, NUM_KV_HEADS=self.grid[0], HEAD_DIM=self.head_dim,
-                    BLOCK_SIZE=self.block_size, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        return dict(NUM_HEADS_PER_KV=group, NUM_KV_HEADS=self.grid[0] * kv_per_prog, HEAD_DIM=self.head_dim,
+                    BLOCK_SIZE=self.block_size, KV_PER_PROG=kv_per_prog,
+                    BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group * kv_per_prog)),
                     BLOCK_N=self.launch.block_n, COMBINE_HEADS=triton.next_power_of_2(group),
                     COMBINE_ROWS=COMBINE_ROWS, DOT_PRECISION=dot_precision(q_dtype),
                     FP8_TILES=tiles, ONE_SPLIT=self.num_splits == 1, **self.launch.options(tiles == "words"))

@@ -84,7 +84,9 @@ def _decode_rope_split_kernel(
     PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait for q, k, v
     LATE_TRIGGER: tl.constexpr = False,  # under PDL: the next kernel launches after the K/V loop
     ONE_SPLIT: tl.constexpr = False,  # num_splits == 1: each program writes its rows' output itself
+    KV_PER_PROG: tl.constexpr = 1,  # DecodeCall's: always 1 here (prepared without packs)
 ):
+    tl.static_assert(KV_PER_PROG == 1)  # the rotary and the KV store below take one KV head a program
     kv_head = tl.program_id(0)  # the grid is DecodeCall's: KV heads fastest
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -133,7 +135,7 @@ def _decode_rope_split_kernel(
                  v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
                  out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale, NUM_HEADS_PER_KV,
                  NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, COMBINE_HEADS, COMBINE_ROWS,
-                 DOT_PRECISION, FP8_TILES, PDL and LATE_TRIGGER, ONE_SPLIT)
+                 DOT_PRECISION, FP8_TILES, PDL and LATE_TRIGGER, ONE_SPLIT, 1)
 
 
 def paged_decode_rope_attention(

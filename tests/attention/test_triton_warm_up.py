@@ -80,7 +80,8 @@ def test_warm_up_builds_every_decode_launch_and_leaves_the_cache(monkeypatch, ca
 
     for fused in (False, True):
         reachable = reachable_variants(fused, layer.k_cache.element_size())
-        assert len({launch for launch, _, _ in reachable}) == 2, \
+        # fp8: and packed KV heads, which short contexts reach at one chunk a context even at these rows
+        assert len({launch for launch, _, _ in reachable}) == (2 if cache_dtype == torch.float16 else 3), \
             "the case should reach both the large- and the small-batch launch"
         assert {one_split for _, one_split, _ in reachable} == {False, True}, \
             "the case should reach one chunk a context and several"

@@ -29,7 +29,8 @@ def test_variant_shapes_cover_every_variant_any_call_can_take(element_size: int)
     plain = decode_launch.variant_shapes(512, *shape_args, lambda rows, launch, splits: (launch, splits == 1))
     every = {variant(rows, width)[:2] for rows in range(1, 513) for width in range(1, 17)}
     assert {variant(rows, width)[:2] for rows, width in plain} == every
-    assert len(every) == 3  # small-batch launch; large-batch with several chunks, and with one
+    # small-batch launch; large-batch with several chunks, and with one; fp8: packed KV heads too
+    assert len(every) == (3 if element_size == 2 else 4)
     fused = decode_launch.variant_shapes(32, *shape_args,
                                          lambda rows, launch, splits: (launch, splits == 1, rows >= 2),
                                          row_thresholds=(2,))
@@ -54,8 +55,11 @@ def test_launch_settings_follow_batch_size_cache_dtype_and_shared_memory(monkeyp
     assert launch == decode_launch.WIDE and splits == 1
     assert choose_launch(256, 8, 128, 4096, 4, gpu, num_sms=132)[0] == decode_launch.NARROW
     assert choose_launch(256, 8, 256, 4096, 2, gpu, num_sms=132)[0] == decode_launch.HEAD_DIM_256
-    # An fp8 cache: five stages of 64-key tiles (two K/V buffers).
-    assert choose_launch(256, 8, 128, 4096, 1, gpu, num_sms=132)[0] == decode_launch.FP8_LARGE_BATCH
+    # An fp8 cache: five stages of 64-key tiles (two K/V buffers); two KV heads a program where that still
+    # leaves PROGRAMS_PER_SM programs an SM at one chunk a context.
+    assert choose_launch(128, 8, 128, 4096, 1, gpu, num_sms=132) == (decode_launch.FP8_LARGE_BATCH, 1)
+    assert choose_launch(132, 8, 128, 4096, 1, gpu, num_sms=132) == (decode_launch.FP8_PACKED, 1)
+    assert choose_launch(256, 7, 128, 4096, 1, gpu, num_sms=132)[0] == decode_launch.FP8_LARGE_BATCH
     # A small batch with many chunks per context: the latency-bound settings of its cache dtype, and
     # the chunk count of their tile.
     for element_size in (2, 1):

@@ -79,7 +79,7 @@ FLOAT_SCALARS = {"eps", "scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 ROPE_SHAPES = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128)
 DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=128,
-              COMBINE_HEADS=2, COMBINE_ROWS=16, FP8_TILES="cast")
+              COMBINE_HEADS=2, COMBINE_ROWS=16, FP8_TILES="cast", KV_PER_PROG=1)
 
 
 def cases() -> dict:
@@ -114,6 +114,12 @@ def cases() -> dict:
             decode_attention._decode_split_kernel,
             dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, FP8_TILES="words", ONE_SPLIT=True),
             FP8_CACHE, decode_launch.FP8_LARGE_BATCH.options(fp8_words=True)),
+        # decode_launch.FP8_PACKED: two KV heads a program, their GQA groups stacked (decode_fp8_tiles).
+        "decode-fp8-words-packed": (
+            decode_attention._decode_split_kernel,
+            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, FP8_TILES="words", ONE_SPLIT=True,
+                 KV_PER_PROG=2),
+            FP8_CACHE, decode_launch.FP8_PACKED.options(fp8_words=True)),
         "decode-fp8-words-small-batch": (decode_attention._decode_split_kernel,
                                          dict(DECODE, DOT_PRECISION="tf32", ORDERED=False, FP8_TILES="words"),
                                          FP8_CACHE, dict(num_warps=4, num_stages=3)),
@@ -265,6 +271,7 @@ def compile_all() -> dict[str, str]:
                 values["DOT_PRECISION"] = "ieee"  # what float32 runs use
             if dtype == "fp32" and "FP8_TILES" in values:
                 values["FP8_TILES"] = "cast"  # decode_fp8_tiles.fp8_tiles's for a float32 q
+                values["KV_PER_PROG"] = 1  # which takes one KV head a program (DecodeCall.prepare)
             names = kernel.arg_names
             source = ASTSource(fn=kernel, signature=signature(kernel, dtype, pointers),
                                constexprs={(names.index(k),): v for k, v in values.items()})
@@ -281,7 +288,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "decode-fp8-small-batch", "decode-fp8-words-small-batch", "decode-fp8-words-large-batch",
               "decode-rope", "decode-rope-fp8", "decode-rope-fp8-words", "decode-rope-fp8-words-wide",
               "decode-rope-fp8-words-large-batch", "decode-one-split",
-              "decode-fp8-words-large-batch-one-split", "decode-rope-one-split",
+              "decode-fp8-words-large-batch-one-split", "decode-fp8-words-packed", "decode-rope-one-split",
               "rope-store-qk-norm", "rope-store", "rope-store-fp8",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "skinny-gemm-pdl",
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split",
