@@ -96,8 +96,10 @@ def test_decode_call_packs_only_where_it_applies() -> None:
     assert call_for(16, 8, 256, num_splits=2).grid == (8, 256, 2)
     assert packed.constexprs(torch.bfloat16, torch.float8_e4m3fn)["KV_PER_PROG"] == 2
     assert packed.constexprs(torch.bfloat16, torch.float8_e4m3fn)["NUM_KV_HEADS"] == 8
+    # 64 query heads over 4 KV heads at 512 rows: choose_launch packs (shapes only), prepare does not.
+    assert decode_launch.choose_launch(512, 4, 128, 4096, 1, torch.device("cpu"), 132)[0] == FP8_PACKED
     for call in (call_for(16, 8, 256, num_splits=2), call_for(16, 8, 256, q_dtype=torch.float32),
-                 call_for(16, 8, 256, packs=False), call_for(15, 5, 256), call_for(64, 4, 256)):
+                 call_for(16, 8, 256, packs=False), call_for(15, 5, 256), call_for(64, 4, 512)):
         assert call.launch == FP8_LARGE_BATCH, call.grid
     assert call_for(16, 8, 256, cache_dtype=torch.bfloat16).launch.kv_per_prog == 1
     assert call_for(16, 8, 8).launch.kv_per_prog == 1  # a small batch: several chunks a context
