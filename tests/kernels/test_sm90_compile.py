@@ -243,6 +243,13 @@ def signature(kernel, dtype: str, pointers: dict[str, str]) -> dict[str, str]:
     return {name: arg_type(name, param) for name, param in zip(kernel.arg_names, kernel.params, strict=True)}
 
 
+def aligned_pointers(names: list[str], types: dict[str, str]) -> dict:
+    """What the runtime specializes every launch's pointers to (torch's allocations, and the q/k/v slices
+    of a fused projection's output, start 16-byte aligned): the builds that run on the GPU, with their
+    vector loads and cp.async pipelines. Without it the build is the rare unaligned one."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if types[name].startswith("*")}
+
+
 def launchable_kernels() -> set[str]:
     """Every Triton kernel of nanovllm.kernels, found by scanning its modules for JIT functions named
     `*_kernel` (the device helpers they call, like paged_kv_offsets, compile as part of them)."""
@@ -273,8 +280,10 @@ def compile_all() -> dict[str, str]:
                 values["FP8_TILES"] = "cast"  # decode_fp8_tiles.fp8_tiles's for a float32 q
                 values["KV_PER_PROG"] = 1  # which takes one KV head a program (DecodeCall.prepare)
             names = kernel.arg_names
-            source = ASTSource(fn=kernel, signature=signature(kernel, dtype, pointers),
-                               constexprs={(names.index(k),): v for k, v in values.items()})
+            types = signature(kernel, dtype, pointers)
+            source = ASTSource(fn=kernel, signature=types,
+                               constexprs={(names.index(k),): v for k, v in values.items()},
+                               attrs=aligned_pointers(names, types))
             try:
                 compiled = triton.compile(source, target=H200, options=options)
                 results[f"{case}/{dtype}"] = "ok" if compiled.asm.get("cubin") else "no cubin"
