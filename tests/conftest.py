@@ -124,6 +124,36 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _widen_interpreted_bf16_dots() -> None:
+    """Triton's interpreter keeps bfloat16 tensors as their raw uint16 bits, and its tl.dot (triton 3.9)
+    multiplies those integers: every bf16 dot of a kernel run on the CPU came out as nonsense, so bf16 kernel
+    tests could only compare two kernels' equal nonsense, or be skipped. Widen bf16 operands to float32 before
+    the dot: exact products and float32 sums, as the GPU's tensor cores compute them."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_widened_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_widened_dot
+
+
+_widen_interpreted_bf16_dots()
+
 # Under pytest-xdist (README's test command: `-n auto`, a worker a core) each worker takes its share of
 # the cores for torch's intra-op threads, so that the workers do not oversubscribe them.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):

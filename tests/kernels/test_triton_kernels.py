@@ -203,9 +203,6 @@ def test_one_split_stores_what_combining_its_one_partial_gives(fp8: bool, monkey
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_prefill_and_decode_stay_close_to_float32_reference(dtype: torch.dtype) -> None:
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those integers.
-        pytest.skip("Triton's interpreter computes bf16 tl.dot on the raw bits; runs on CUDA only")
     num_heads, num_kv_heads, q_lens, kv_lens = 4, 2, [3, 1], [40, 17]
     k_cache, v_cache, block_tables = make_paged_cache(
         kv_lens, 16, num_kv_heads, HEAD_DIM, dtype, 9, device=DEVICE
@@ -229,8 +226,7 @@ def test_half_precision_prefill_and_decode_stay_close_to_float32_reference(dtype
 @pytest.mark.parametrize("kv_lens", [[1100], [20 + i for i in range(48)]], ids=["small-batch", "large-batch"])
 def test_decode_matches_reference_under_each_launch_setting(kv_lens: list[int]) -> None:
     """The small-batch and large-batch settings of a 16-bit cache give the same attention (the
-    interpreter ignores warps and stages, but not the tile length or the chunk count they come with;
-    float16, since it computes bf16 dots on raw bits)."""
+    interpreter ignores warps and stages, but not the tile length or the chunk count they come with)."""
     num_heads, num_kv_heads, batch = 4, 2, len(kv_lens)
     k_cache, v_cache, block_tables = make_paged_cache(kv_lens, 16, num_kv_heads, HEAD_DIM, torch.float16, 5,
                                                       device=DEVICE)

@@ -2,8 +2,7 @@
 ColumnParallelLinear.normed folds the RMSNorm into the kernel (the one-row GEMV or the rows kernel) and
 gives what the norm then the layer give; plain matmuls take them too, up to GEMV_MAX_ROWS the GEMV for a
 few rows, which RowParallelLinear's SiLU-mul also folds into; more rows take cuBLAS and the norm kernel.
-On the CPU the kernels run in Triton's interpreter (float16: its tl.dot multiplies bfloat16's raw bits);
-on CUDA with TRITON_INTERPRET=0."""
+On the CPU the kernels run in Triton's interpreter (in float16); on CUDA with TRITON_INTERPRET=0."""
 
 import pytest
 import torch
