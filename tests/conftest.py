@@ -125,11 +125,13 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _widen_interpreted_bf16_dots() -> None:
-    """Triton's interpreter keeps bfloat16 tensors as their raw uint16 bits, and its tl.dot (triton 3.9)
-    multiplies those integers: every bf16 dot of a kernel run on the CPU came out as nonsense, so bf16 kernel
-    tests could only compare two kernels' equal nonsense, or be skipped. Widen bf16 operands to float32 before
-    the dot: exact products and float32 sums, as the GPU's tensor cores compute them."""
+def _mend_interpreted_bf16() -> None:
+    """Triton's interpreter (triton 3.9) keeps bfloat16 tensors as their raw uint16 bits, and handles them
+    unlike the GPU in two places: its tl.dot multiplied those integers (every bf16 dot of a kernel run on the
+    CPU came out as nonsense, so bf16 kernel tests could only compare two kernels' equal nonsense, or be
+    skipped), and it rounds float32 to bfloat16 toward zero where the GPU rounds to nearest even. Here bf16
+    dot operands are widened to float32 first (exact products, float32 sums, as tensor cores compute them),
+    and the cast rounds to nearest even."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     try:
@@ -138,21 +140,29 @@ def _widen_interpreted_bf16_dots() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
-    create_dot = interpreter.InterpreterBuilder.create_dot
+    create_dot, convert_float = interpreter.InterpreterBuilder.create_dot, interpreter._convert_float
 
     def widen(handle):
         if handle.dtype.scalar != tl.bfloat16:
             return handle
-        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
-        return interpreter.TensorHandle(data, tl.float32)
+        widened = convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(widened, tl.float32)
 
     def create_widened_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
+    def convert_nearest(data, input_dtype, output_dtype, rounding_mode):
+        if not (input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode is None):
+            return convert_float(data, input_dtype, output_dtype, rounding_mode)
+        bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # ties to even
+        return np.where(np.isnan(data), np.uint16(0x7FC0), rounded)
+
     interpreter.InterpreterBuilder.create_dot = create_widened_dot
+    interpreter._convert_float = convert_nearest
 
 
-_widen_interpreted_bf16_dots()
+_mend_interpreted_bf16()
 
 # Under pytest-xdist (README's test command: `-n auto`, a worker a core) each worker takes its share of
 # the cores for torch's intra-op threads, so that the workers do not oversubscribe them.
