@@ -154,7 +154,7 @@ def _mend_interpreted_bf16() -> None:
     def convert_nearest(data, input_dtype, output_dtype, rounding_mode):
         if not (input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode is None):
             return convert_float(data, input_dtype, output_dtype, rounding_mode)
-        bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        bits = np.array(data, dtype=np.float32).view(np.uint32).astype(np.uint64)  # a copy, shape kept
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # ties to even
         return np.where(np.isnan(data), np.uint16(0x7FC0), rounded)
 
