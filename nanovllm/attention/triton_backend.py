@@ -1,23 +1,29 @@
 """Attention through the project's own Triton kernels (nanovllm.kernels): a fast GPU engine from
 `pip install` alone. Prefill reads every key/value, cached prefix included, from the paged cache;
 decode is one split-KV kernel a layer (its chunks are combined by the last one to finish); a small decode
-batch folds the q/k norm, rotary and KV store into it (kernels/decode_rope.py). A mixed batch runs its
-decoding rows through the decode kernel and its prefill chunks through the prefill one.
+batch folds the q/k norm, rotary and KV store into it (kernels/decode_rope.py; at one row, where it
+applies, its CUDA form: kernels/cuda_decode_rope.py). A mixed batch runs its decoding rows through the
+decode kernel and its prefill chunks through the prefill one.
 
 "triton-fa3" (the auto choice where FlashAttention-3 is installed and the cache holds the model's half
 dtype) is the same backend with FA3's paged prefill kernel in place of the Triton one: 1.5-1.9x faster at
 1-8k-token prompts on an H200 (BENCHMARKS.md, call M5), while this decode kernel beats FA3's."""
+
+import logging
 
 import torch
 
 from nanovllm.attention.backend import PagedLayer
 from nanovllm.attention.gpu_backend import GPUBackend, qk_norms
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.kernels import cuda_decode_rope
 from nanovllm.kernels.common import sm_count, supports_pdl
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.decode_launch import variant_shapes
 from nanovllm.kernels.decode_rope import LATE_TRIGGER_MIN_ROWS, paged_decode_rope_attention
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
+
+logger = logging.getLogger("nanovllm")
 
 # Decode batches of up to this many rows run the norm, rotary and KV store inside the attention kernel:
 # a small step is a chain of launch-bound kernels, one fewer a layer. A larger batch keeps the separate
@@ -56,6 +62,9 @@ class TritonBackend(GPUBackend):
         # The fused decode kernel launches as a programmatic dependent of the q/k/v projection where the
         # GPU can (single stream: with the skinny GEMVs', 0.85 vs 0.90 ms/token, BENCHMARKS.md call P2).
         self.pdl = supports_pdl(device)
+        # One decode row (the single stream) takes the CUDA form of the fused kernel where it applies
+        # (kernels/cuda_decode_rope.py); None after a failed compile, or off sm_90+.
+        self.one_row = cuda_decode_rope.OneRowDecodeRope(device) if self.pdl else None
         self.fa3_with_kvcache = None
         if fa3_prefill:
             from flash_attn_interface import flash_attn_with_kvcache
@@ -64,12 +73,24 @@ class TritonBackend(GPUBackend):
     def forward(self, layer: PagedLayer, q, k, v, positions, meta: AttentionMetadata) -> torch.Tensor:
         if meta.is_prefill or q.shape[0] > FUSED_ROPE_MAX_ROWS:
             return super().forward(layer, q, k, v, positions, meta)
+        return self._fused_decode(layer, q, k, v, positions, meta.slot_mapping, meta.seqlens_k,
+                                  meta.block_tables)
+
+    def _fused_decode(self, layer: PagedLayer, q, k, v, positions, slot_mapping, seqlens_k, block_tables
+                      ) -> torch.Tensor:
+        """Norm, rotary, KV store and decode attention in one kernel: the CUDA one where it applies."""
         q_norm, k_norm = qk_norms(layer)
-        return paged_decode_rope_attention(q, k, v, positions, layer.rotary.cos, layer.rotary.sin,
-                                           layer.k_cache, layer.v_cache, meta.slot_mapping, meta.seqlens_k,
-                                           meta.block_tables, layer.scale, q_norm=q_norm, k_norm=k_norm,
-                                           counters=self.counters, k_scale=layer.k_scale,
-                                           v_scale=layer.v_scale, pdl=self.pdl)
+        kernel = paged_decode_rope_attention
+        if (self.one_row is not None and cuda_decode_rope.supports(q, k, v, layer.k_cache)
+                and q_norm is not None and layer.k_scale == layer.v_scale == 1.0):  # as measured: Qwen3
+            try:
+                kernel = self.one_row.prepared(q, k, positions, slot_mapping, self.pdl)
+            except (OSError, cuda_decode_rope.CompileError) as e:  # no NVRTC, or it rejected the source
+                logger.warning("the one-row CUDA decode kernel is unavailable (%s); using the Triton one", e)
+                self.one_row = None
+        return kernel(q, k, v, positions, layer.rotary.cos, layer.rotary.sin, layer.k_cache, layer.v_cache,
+                      slot_mapping, seqlens_k, block_tables, layer.scale, q_norm=q_norm, k_norm=k_norm,
+                      counters=self.counters, k_scale=layer.k_scale, v_scale=layer.v_scale, pdl=self.pdl)
 
     def attend(self, layer: PagedLayer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         if not meta.is_prefill:
@@ -139,13 +160,9 @@ class TritonBackend(GPUBackend):
                     self._decode(layer, q, seqlens_k, tables, order)
                     continue
                 kv = torch.zeros(rows, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
-                q_norm, k_norm = qk_norms(layer)
-                paged_decode_rope_attention(
-                    q, kv, kv, torch.zeros(rows, dtype=torch.int64, device=device), layer.rotary.cos,
-                    layer.rotary.sin, layer.k_cache, layer.v_cache,
-                    torch.full((rows,), -1, dtype=torch.int64, device=device), seqlens_k, tables, layer.scale,
-                    q_norm=q_norm, k_norm=k_norm, counters=self.counters, k_scale=layer.k_scale,
-                    v_scale=layer.v_scale, pdl=self.pdl)  # the variant forward launches
+                self._fused_decode(layer, q, kv, kv, torch.zeros(rows, dtype=torch.int64, device=device),
+                                   torch.full((rows,), -1, dtype=torch.int64, device=device), seqlens_k,
+                                   tables)  # the variant forward launches
 
     def _decode(self, layer: PagedLayer, q, seqlens_k, block_tables, order, out=None) -> torch.Tensor:
         return paged_decode_attention(q, layer.k_cache, layer.v_cache, seqlens_k, block_tables, layer.scale,
