@@ -108,7 +108,9 @@ def _check_driver(result: int, what: str) -> None:
 
 
 class CudaFunction:
-    """A kernel loaded from a cubin into the current device's context (torch's primary context)."""
+    """A kernel loaded from a cubin into the current device's context (torch's primary context). Its
+    module stays loaded for the process (tens of KB of device memory): CUDA graphs captured with its
+    launches may outlive any one owner, and a graph must not meet an unloaded function."""
 
     def __init__(self, cubin: bytes, name: str) -> None:
         lib = _driver()
