@@ -1,13 +1,18 @@
 """The one-row CUDA decode kernel (kernels/cuda_decode_rope.py, decode_rope_one_row.cu).
 
-On the CPU: the launcher's parameter list against the kernel's signature, which calls it takes, and an
+On the CPU: the launcher's parameter list against the kernel's signature, which calls it takes, an
 NVRTC build for sm_90 of every variant the engine launches (128 registers, no spills), as
-test_sm90_compile does for the Triton kernels. On a GPU (CUDA_VISIBLE_DEVICES=0 TRITON_INTERPRET=0):
+test_sm90_compile does for the Triton kernels, and what a launch hands the driver (a stand-in libcuda):
+every argument, the grid, the PDL attribute. On a GPU (CUDA_VISIBLE_DEVICES=0 TRITON_INTERPRET=0):
 against the Triton kernel it stands in for, the same cache stores and outputs within bf16 rounding of
 the summation order, the chunk counters left zeroed."""
 
+import ctypes
+import functools
+import math
 import os
 import re
+import types
 
 import pytest
 import torch
@@ -143,3 +148,65 @@ def test_matches_the_triton_kernel_on_gpu(rows, ctxs, dtype, int64_indices):
     assert torch.equal(cuda_args[7].view(torch.int16), v_cache.view(torch.int16))
     assert int(counters[1].abs().sum()) == 0
     assert (out.float() - ref.float()).abs().max() < 2e-2
+
+
+class FakeDriver:
+    """Stands in for libcuda: records what cuLaunchKernelEx was given (the probe once lost its PDL
+    attribute to a ctypes copy: BENCHMARKS.md II2)."""
+
+    def __init__(self):
+        self.launches = []
+
+    def cuModuleLoadData(self, module, cubin):
+        return 0
+
+    def cuModuleGetFunction(self, function, module, name):
+        return 0
+
+    def cuFuncGetAttribute(self, value, attribute, function):
+        return 0
+
+    def cuLaunchKernelEx(self, config_ref, function, params, extra):
+        config = ctypes.cast(config_ref, ctypes.POINTER(nvrtc._LaunchConfig)).contents
+        value_at = nvrtc._LaunchAttribute.value.offset  # the raw bytes: .value stops at a zero byte
+        attrs = [config.attrs[i] for i in range(config.num_attrs)]
+        attrs = [(a.id, ctypes.c_int.from_address(ctypes.addressof(a) + value_at).value) for a in attrs]
+        pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        values = []
+        for i, (_, kind) in enumerate(PARAMETERS):
+            ctype = {"ptr": ctypes.c_void_p, "i64": ctypes.c_longlong, "i32": ctypes.c_int,
+                     "f32": ctypes.c_float}[kind]
+            values.append(ctypes.cast(pointers[i], ctypes.POINTER(ctype)).contents.value)
+        self.launches.append(dict(grid=(config.grid_x, config.grid_y, config.grid_z), block=config.block_x,
+                                  attrs=attrs, values=values))
+        return 0
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_launch_passes_each_argument_and_the_pdl_attribute(monkeypatch, pdl):
+    driver = FakeDriver()
+    monkeypatch.setattr(nvrtc, "_driver", lambda: driver)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0))
+    q, k, v, cache = _tensors()
+    v_cache = cache.clone()
+    positions, slots = torch.tensor([5]), torch.tensor([5])
+    seqlens, tables = torch.tensor([6], dtype=torch.int32), torch.zeros(1, 16, dtype=torch.int32)
+    cos, sin = torch.zeros(8, 128), torch.zeros(8, 128)
+    norms = (torch.ones(128), 1e-6), (torch.ones(128), 2e-6)
+    counters = torch.zeros(8, dtype=torch.int32)
+    launch = functools.partial(cuda_decode_rope._launch, nvrtc.CudaFunction(b"", "decode_rope_cuda"))
+    out = launch(q, k, v, positions, cos, sin, cache, v_cache, slots, seqlens, tables, 0.5, q_norm=norms[0],
+                 k_norm=norms[1], counters=counters, pdl=pdl)
+    (call,) = driver.launches
+    assert call["grid"] == (8, 1, 64) and call["block"] == cuda_decode_rope.THREADS  # 4,096 keys: 64 chunks
+    assert call["attrs"] == ([(nvrtc._PROGRAMMATIC_STREAM_SERIALIZATION, 1)] if pdl else [])
+    got = dict(zip([name for name, _ in PARAMETERS], call["values"], strict=True))
+    for name, tensor in (("q", q), ("k", k), ("v", v), ("k_cache", cache), ("v_cache", v_cache), ("out", out),
+                         ("counters", counters), ("seqlens", seqlens), ("block_tables", tables),
+                         ("positions", positions), ("slots", slots), ("cos_t", cos), ("sin_t", sin),
+                         ("q_w", norms[0][0]), ("k_w", norms[1][0])):
+        assert got[name] == tensor.data_ptr(), name
+    assert (got["q_sb"], got["q_sh"], got["k_sh"], got["o_sh"]) == (q.stride(0), 128, 128, 128)
+    assert [got[n] for n in ("bt_stride", "nsplit", "nkv_arg", "bs", "has_norm")] == [16, 64, 8, 256, 1]
+    assert got["q_eps"] == pytest.approx(1e-6) and got["k_eps"] == pytest.approx(2e-6)
+    assert got["scale_log2"] == pytest.approx(0.5 * math.log2(math.e))
