@@ -70,9 +70,10 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
 
 
 class OneRowDecodeRope:
-    """One engine's compiled variants of the kernel on one device, each built at first use (NVRTC, ~1 s)
-    and kept for the engine's life (CUDA graphs hold its launches). `prepared` gives the call for one
-    variant: the same signature as paged_decode_rope_attention."""
+    """One engine's compiled variants of the kernel on one device, each built at first use (NVRTC: both
+    of an engine's in 57 ms on the H200's host, BENCHMARKS.md JJ1) and kept for the engine's life (CUDA
+    graphs hold its launches). `prepared` gives the call for one variant: the same signature as
+    paged_decode_rope_attention."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
