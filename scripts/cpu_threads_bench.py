@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = LLM(args.model, max_num_seqs=1, max_model_len=256, kvcache_block_size=16)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
         time.sleep(3 if busy else 0)  # let "auto" see them (it looks every REEVALUATE_S)

@@ -2,11 +2,11 @@
 and the tile loop's instruction counts from the SASS, without a GPU.
 
 The build must be the one the GPU runs, so run this under the device's Triton version (an H200 host
-had Triton 3.6: a 3.9 build of the same kernel differs by 30 registers), e.g. in a venv holding
-triton==3.6.0 and a CPU torch:
+had Triton 3.6: a 3.9 build of the same kernel differs by 30 registers), e.g. in a virtual environment
+(here .venv-t36) holding triton==3.6.0 and a CPU build of torch:
 
-    PYTHONPATH=. /work/venv-t36/bin/python scripts/decode_sass.py      # the builds of DEFAULT_BUILDS
-    PYTHONPATH=. /work/venv-t36/bin/python scripts/decode_sass.py "n64 FP8_TILES=words BLOCK_N=64 num_warps=8"
+    PYTHONPATH=. .venv-t36/bin/python scripts/decode_sass.py      # the builds of DEFAULT_BUILDS
+    PYTHONPATH=. .venv-t36/bin/python scripts/decode_sass.py "n64 FP8_TILES=words BLOCK_N=64 num_warps=8"
 
 Like the runtime launcher, it tells the compiler that every pointer and every stride argument that is
 specialized (not in do_not_specialize) is 16-byte divisible: without that hint the loads are not

@@ -24,12 +24,13 @@ from nanovllm.kernels.common import sm_count
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 CASES = [(1, 1024), (1, 4096), (64, 2048), (256, 512), (256, 1024), (512, 1024)]  # (batch, context)
 # Five stages: the first count at which Triton 3.6 keeps two K/V buffers (the block-table load the tile
-# addresses depend on takes a stage of its own; sm_90 SASS, ninth session), so a tile's load overlaps the
-# previous tile's math; with 2-4 only other programs on the SM hide it.
+# addresses depend on takes a stage of its own; sm_90 SASS), so a tile's load overlaps the previous
+# tile's math; with 2-4 only other programs on the SM hide it.
 # One and two warps a program (fewer of a tile's row reductions cross warps through shared memory, a
-# sixth of the fp8 kernel's stalls at 256 rows: ncu, call Z2) lost at 16-64 rows, won up to 6% alone
-# at 96-256 rows of an fp8 cache and nothing in bench.py (calls AA3, AA1); two warps for the fp8
-# large-batch launch, 4-6% faster a call at 256-512 rows here (BB2), were even in bench.py (BB4, BB5).
+# sixth of the fp8 kernel's stalls at 256 rows under ncu) lost at 16-64 rows, won up to 6% alone at
+# 96-256 rows of an fp8 cache and nothing in bench.py; two warps for the fp8 large-batch launch, 4-6%
+# faster a call at 256-512 rows here, were even in bench.py (docs/performance-notes.md, "fp8 KV cache",
+# 2026-12-02).
 SETTINGS = dict(BLOCK_N=(32, 64, 128), NUM_WARPS=(1, 2, 4, 8), NUM_STAGES=(2, 3, 4, 5),
                 PROGRAMS_PER_SM=(4, 16))
 QUICK = dict(BLOCK_N=(64, 128), NUM_WARPS=(2, 4, 8), NUM_STAGES=(2, 3, 5), PROGRAMS_PER_SM=(4,))
@@ -109,7 +110,7 @@ def main() -> None:
             dl.choose_launch = forced(setting, calls)
             try:
                 # Replayed from a CUDA graph as decode steps run it: do_bench, which flushes the L2 and
-                # launches from Python between calls, ranked launches otherwise (call AA2, BENCHMARKS.md).
+                # launches from Python between calls, ranked launches otherwise (measured 2026-12-02).
                 us = triton.testing.do_bench_cudagraph(run, return_mode="median") * 1e3
             except Exception as e:  # e.g. a tile and stage count that overflow shared memory
                 print(f"skipped {setting}: {type(e).__name__}", flush=True)

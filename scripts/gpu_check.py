@@ -25,15 +25,16 @@ from transformers import AutoConfig
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.attention import triton_backend  # noqa: E402
+from nanovllm.attention.layer import RotaryEmbedding  # noqa: E402
 from nanovllm.attention.metadata import AttentionMetadata  # noqa: E402
 from nanovllm.attention.registry import select_backend  # noqa: E402
-from nanovllm.attention.rotary import RotaryEmbedding  # noqa: E402
+from nanovllm.llm import prompt_logits
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_speed import CONFIG, GPU_BACKENDS, run_bench, run_profile, run_stream  # noqa: E402
 
 # The checks' prompts are short: let triton-fa3 take FA3 for every prefill chunk, as long prompts do.
-triton_backend.FA3_MIN_MEAN_CHUNK = 1
+triton_backend.TritonBackend.FA3_MIN_MEAN_CHUNK = 1
 # Random weights drawn wider than the usual 0.02 so that greedy decoding has clear winners.
 E2E_INIT_STD = 0.05
 results: dict = {}
@@ -210,7 +211,7 @@ def compare(label, ref_label, outs, ref, prompts, hf32, near_tie) -> None:
 
 
 def our_last_logits(llm, prompts) -> list[torch.Tensor]:
-    return [llm.engine.prompt_logits(p).float() for p in prompts]
+    return [prompt_logits(llm, p).float() for p in prompts]
 
 
 def main() -> None:

@@ -66,7 +66,7 @@ def run_stream(results: dict) -> None:
             llm.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=1024, ignore_eos=True))
             decode_times, parts = [], {}
             timed(llm.engine.scheduler, "schedule", parts)
-            timed(llm.engine.model_runner, "run", parts)
+            timed(llm.engine.executor, "run", parts)
             timed(llm.engine.scheduler, "postprocess", parts)
             while not llm.is_finished():
                 start = time.perf_counter()
@@ -94,7 +94,7 @@ def run_profile(results: dict) -> None:
     for backend in GPU_BACKENDS:
         llm = dummy_llm(backend)
         llm.generate([list(range(512))], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
-        graphs = llm.engine.model_runner.decode_graphs
+        graphs = llm.engine.executor.decode_graphs
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(10):
             graphs.graphs[1].replay()

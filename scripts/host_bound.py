@@ -3,7 +3,7 @@ n+1 while the device runs step n, then waits for step n's sampled ids: the one s
 (runner/step_output.py). When the host's own work takes longer than the device's step, that wait is ~0
 and the device idles instead. This script times each wait and prints, per run: ms per token of a stream
 (prefill included), the host's time per step (wall time less the waits), and the share of steps whose
-wait was under 20 us (host-bound). BENCHMARKS.md W3 and W7 measured the same way.
+wait was under 20 us (host-bound). docs/performance-notes.md, "Host overhead", has what it found.
 
     python scripts/host_bound.py [--streams 1] [--prompt-len 512] [--max-tokens 1024] [--runs 3]
                                  [--model configs/Qwen3-0.6B --load-format dummy] [--max-model-len 4096]
@@ -20,7 +20,7 @@ from random import randint, seed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.runner.step_output import PendingOutput  # noqa: E402
+from nanovllm.runner.transfers import PendingOutput  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "Qwen3-0.6B")
 HOST_BOUND_WAIT_S = 20e-6

@@ -7,12 +7,12 @@ time, and its wall time per step. Random Qwen3-0.6B weights, CUDA graphs as in a
 
 Each batch size adds `batch` prompts of `context` random tokens, steps the engine past their prefill,
 and profiles the next `steps` decode steps (twice: the first pass compiles and captures what it needs).
---mixed runs step_profile.py's 1024-request workload through engine.step() and profiles `steps` steps
+--mixed runs step_profile.py's 1024-request workload through llm.step() and profiles `steps` steps
 from step MIXED_WARM_STEPS on, when running requests finish and waiting ones join (mixed steps); before
 the profile, as many steps again are timed by phase on the host (host_phases), mixed and decode apart.
 Requests wait only where they outnumber max_num_seqs or the KV cache: on a GPU of 70 GiB or more
 max_num_seqs defaults to 1024, all of them run from the start, and these steps are all decode steps
-(BENCHMARKS.md, call BB3); `--mixed --max-num-seqs=512` profiles admissions mid-run."""
+(an H200, 2026-12-02); `--mixed --max-num-seqs=512` profiles admissions mid-run."""
 
 import argparse
 import collections
@@ -56,11 +56,10 @@ def host_phases(llm: LLM, steps: int) -> None:
     for mixed and decode steps apart: whether a slow step waits on the GPU or on the host. With overlap
     scheduling (on by default on a GPU) the step has no run, wait or postprocess phase:
     NANOVLLM_ASYNC_SCHEDULING=0 times the synchronous one."""
-    # The step loops call build_batch by the name each imported: wrapped there (in llm_engine, where it
-    # once was called, only the logits path reaches it).
+    # The step loops call build_batch by the name each imported: wrapped in both.
+    import nanovllm.engine.llm_engine as sync_module
     import nanovllm.engine.overlap as overlap_module
-    import nanovllm.engine.sync_loop as sync_module
-    engine, runner = llm.engine, llm.engine.model_runner
+    engine, runner = llm.engine, llm.engine.executor
     acc = collections.Counter()
 
     def timed(owner, name, label):
@@ -88,16 +87,16 @@ def host_phases(llm: LLM, steps: int) -> None:
         acc.clear()
         sync()
         t = time.perf_counter()
-        _, num_tokens = engine.step()
+        result = engine.step()
         sync()
         acc["step"] = time.perf_counter() - t
-        kind = "mixed" if num_tokens > 0 else "decode"
+        kind = "mixed" if result.num_prefill_tokens else "decode"
         counts[kind] += 1
         totals[kind].update(acc)
     # What every step passes (the sampler's launch not where a decode graph samples itself); a wrapper
     # never reached would make its phase read as free.
     expected = {"schedule", "build_batch", "forward_launch"}
-    expected |= {"postprocess", "run"} if engine.overlap is None else set()
+    expected |= {"postprocess", "run"} if engine._overlap is None else set()
     if unseen := expected.difference(*totals.values()):
         raise RuntimeError(f"phases never timed: {sorted(unseen)} (the step calls them by another name now)")
     for kind, total in totals.items():
@@ -113,10 +112,10 @@ def profile_mixed(llm: LLM, steps: int, cprofile: bool = False) -> None:
     seed(0)
     for _ in range(1024):
         prompt = [randint(0, 10000) for _ in range(randint(100, 1024))]
-        llm.engine.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True,
-                                                      max_tokens=randint(100, 1024)))
+        llm.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True,
+                                               max_tokens=randint(100, 1024)))
     for _ in range(MIXED_WARM_STEPS):
-        llm.engine.step()
+        llm.step()
     if cprofile:  # where the host time of the phases goes, by Python function
         import cProfile
         import pstats
@@ -131,7 +130,7 @@ def profile_mixed(llm: LLM, steps: int, cprofile: bool = False) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             with record_function(STEP_RANGE):
-                _, num_tokens = llm.engine.step()
+                _, num_tokens = llm.step()
             order.append("mixed" if num_tokens > 0 else "decode")
             kinds[order[-1]] += 1
         torch.cuda.synchronize()
@@ -196,7 +195,7 @@ def main() -> None:
 def profile_decode(llm: LLM, batch: int, context: int, steps: int):
     """(wall seconds, profile) of `steps` decode steps of `batch` requests with `context`-token prompts,
     after every prompt is prefilled; the requests are then aborted."""
-    engine = llm.engine
+    engine = llm  # nano-vllm's loop on the LLM: step() returns (outputs, +prefill / -decode tokens)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 64)
     ids = [engine.add_request([randint(0, 10000) for _ in range(context)], params) for _ in range(batch)]
     decode_steps = 0

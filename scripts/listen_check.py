@@ -53,7 +53,7 @@ def main() -> int:
     with LLM(args.model, tensor_parallel_size=args.tp, load_format="dummy", skip_tokenizer_init=True,
              max_model_len=256, max_num_seqs=8, enforce_eager=True) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # collectives have run
-        pids = [os.getpid(), *(p.pid for p in llm.engine.workers.processes)]
+        pids = [os.getpid(), *(p.pid for p in llm.engine.executor.workers.processes)]
         rows = listening(pids)
     bad = [row for row in rows if row[1] not in LOOPBACK]
     print(f"{'pid':>8}  {'address (/proc/net hex)':<34}{'port':>6}  loopback")

@@ -108,7 +108,7 @@ def engine_check() -> dict:
         del hf
         llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kvcache_block_size=16, max_model_len=256,
                   max_num_seqs=8, gpu_memory_utilization=0.3)
-        decode_graphs = llm.engine.model_runner.decode_graphs
+        decode_graphs = llm.engine.executor.decode_graphs
         graphs = decode_graphs is not None and bool(decode_graphs.graphs)
         greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outputs = llm.generate(prompts, greedy, use_tqdm=False)

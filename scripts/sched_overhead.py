@@ -1,7 +1,7 @@
 """The project's bookkeeping per decode step, no model: Scheduler + BlockManager (schedule and
-postprocess), then also building the step's StepBatch record; the workload of
-../shared/peer/sched_overhead_upstream.py (256 running requests, prompts 100..600 tokens, block size 256,
-400 output tokens each), so that the two print comparable figures. CPU only.
+postprocess), then also building the step's StepBatch record; 256 running requests, prompts 100..600
+tokens, block size 256, 400 output tokens each: the workload its counterpart for upstream nano-vllm runs,
+so that the two print comparable figures. CPU only.
 
     python scripts/sched_overhead.py"""
 
@@ -12,10 +12,10 @@ import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanovllm.engine.requests import StopChecker  # noqa: E402
 from nanovllm.engine.scheduler import Scheduler  # noqa: E402
 from nanovllm.engine.sequence import Sequence  # noqa: E402
-from nanovllm.engine.stop_checker import StopChecker  # noqa: E402
-from nanovllm.runner.batch import build_batch  # noqa: E402
+from nanovllm.engine.step import build_batch  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 
 NUM_REQUESTS, BLOCK_SIZE, MAX_DECODE_STEPS = 256, 256, 300

@@ -60,7 +60,7 @@ def use_stand_in_step(step_ms: float, num_releases: int, vocab_size: int) -> Non
     """Make every model step sleep step_ms, in num_releases pieces, and sample uniformly random tokens."""
     import random
 
-    from nanovllm.runner.batch import StepOutput
+    from nanovllm.engine.step import StepOutput
     from nanovllm.runner.model_runner import ModelRunner
 
     def run(self, batch):

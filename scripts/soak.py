@@ -126,7 +126,7 @@ class Soak:
 
     def abort_one(self) -> None:
         seq_id = self.rng.choice(list(self.live))
-        if self.llm.engine.scheduler.abort(seq_id) is not None:
+        if self.llm.abort_request(seq_id):
             del self.live[seq_id]
             self.aborted.add(seq_id)
             self.counts["aborted"] += 1

@@ -24,7 +24,7 @@ CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs
 
 
 def instrument(llm: LLM, steps: list[dict]) -> None:
-    engine, runner = llm.engine, llm.engine.model_runner
+    engine, runner = llm.engine, llm.engine.executor
     schedule, run, postprocess = engine.scheduler.schedule, runner.run, engine.scheduler.postprocess
     current: dict = {}
 
@@ -111,11 +111,11 @@ def main() -> None:
     wall = time.perf_counter() - start
     hf = llm.config.hf_config
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    element_size = torch.empty(0, dtype=llm.engine.model_runner.kv_dtype).element_size()
+    element_size = torch.empty(0, dtype=llm.engine.executor.kv_dtype).element_size()
     kv_bytes = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * element_size
     summary = summarize(steps, wall, kv_bytes)
     total = sum(p.max_tokens for p in params)
-    summary.update(tok_s=round(total / wall, 1), backend=llm.engine.model_runner.backend.name,
+    summary.update(tok_s=round(total / wall, 1), backend=llm.engine.executor.backend.name,
                    preemptions=llm.engine.scheduler.num_preemptions,
                    kv_blocks=llm.engine.num_kvcache_blocks, label=args.label)
     print(json.dumps(summary))

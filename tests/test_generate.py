@@ -6,6 +6,7 @@ import torch
 from conftest import MAX_TOKENS, PROMPTS, hf_greedy, make_model_dir
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.llm import prompt_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -41,7 +42,7 @@ def test_logits_match_transformers(llm, hf_qwen3, tokenizer):
     ids = tokenizer.encode(PROMPTS[1])
     with torch.no_grad():
         ref = hf_qwen3(torch.tensor([ids])).logits[0, -1]
-    torch.testing.assert_close(llm.engine.prompt_logits(ids), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(prompt_logits(llm, ids), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_prefix_cache_hits_reuse_blocks_and_keep_output(qwen3_dir, reference):

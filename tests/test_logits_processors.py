@@ -9,7 +9,7 @@ import torch
 from conftest import PROMPTS
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.request import bad_words_token_ids
+from nanovllm.engine.requests import bad_words_token_ids
 
 NUM_TOKENS = 12
 

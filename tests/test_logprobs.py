@@ -100,8 +100,8 @@ def test_prompt_logprobs_are_computed_in_bounded_chunks(qwen3_dir, hf_qwen3, mon
     monkeypatch.setattr(logprobs_module, "PROMPT_LOGPROBS_CHUNK", 3)
     llm = small_llm(qwen3_dir)
     rows = []
-    compute_logits = llm.engine.model_runner.model.compute_logits
-    monkeypatch.setattr(llm.engine.model_runner.model, "compute_logits",
+    compute_logits = llm.engine.executor.model.compute_logits
+    monkeypatch.setattr(llm.engine.executor.model, "compute_logits",
                         lambda h: rows.append(h.shape[0]) or compute_logits(h))
     for out in llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False):  # chunks span both prompts
         check_against_hf(hf_qwen3, out, 2, K)
@@ -161,7 +161,7 @@ def test_warmup_sampling_batch_runs_every_costly_option(qwen3_dir):
     """The GPU warm-up measures sampling's memory peak with this batch: it must run (CPU here)."""
     from nanovllm.runner.sampling import worst_case_sampling
     llm = small_llm(qwen3_dir)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor
     logits = runner.model.compute_logits(torch.randn(4, runner.config.hf_config.hidden_size))
     out = runner.sampler(logits, worst_case_sampling(4))
     assert all(t in (0, 1) for t in out.token_ids) and all(len(lp) >= 20 for lp in out.logprobs)

@@ -64,7 +64,7 @@ def test_values_changed_after_construction_are_refused_at_add_and_engine_keeps_s
             llm.add_request(PROMPTS[0], params)
         with pytest.raises(error):
             llm.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(**GREEDY), params], use_tqdm=False)
-    assert llm.is_finished() and not llm.engine.requests.live  # nothing half-added
+    assert llm.is_finished() and not llm.engine._requests.live  # nothing half-added
     assert llm.generate(PROMPTS[0], SamplingParams(**GREEDY), use_tqdm=False)[0]["token_ids"] == expected
 
 

@@ -1,4 +1,4 @@
-"""The scripts under scripts/ (benchmarks, GPU checks, probes) still import against the package: most
+"""The scripts under scripts/ (benchmarks and checks) still import against the package: most
 run only on a GPU, so nothing else in CPU CI would notice a name they use moving (startup_bench.py
 imported the model runner from engine/ for a whole round after the restructure moved it to runner/)."""
 
@@ -29,3 +29,12 @@ def test_every_script_imports_on_cpu() -> None:
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "", f"scripts that fail to import:\n{done.stdout}"
+
+
+def test_every_script_has_a_line_in_the_readme() -> None:
+    """scripts/ holds what users and maintainers run, and README's "Scripts" list says what each is for;
+    a one-off probe belongs in docs/performance-notes.md (its result, with the commit), not here."""
+    readme = (SCRIPTS.parent / "README.md").read_text()
+    listed = readme.split("\n## Scripts\n", 1)[1].split("\n## ", 1)[0]
+    missing = sorted(path.name for path in SCRIPTS.glob("*.py") if f"scripts/{path.name}" not in listed)
+    assert not missing, f"scripts without a line in README's Scripts list: {missing}"

@@ -25,7 +25,7 @@ def test_startup_line_says_what_runs(qwen3_dir, caplog):
     num_tokens = llm.engine.num_kvcache_blocks * 16
     assert lines[0] == (f"{os.path.basename(qwen3_dir)} (qwen3, safetensors), float32 on cpu, "
                         f"attention torch, KV cache {num_tokens:,} tokens, TP 1, CPU threads auto "
-                        f"({llm.engine.model_runner.cpu_threads.num_threads} now)")
+                        f"({llm.engine.executor.cpu_threads.num_threads} now)")
 
 
 def test_startup_line_is_silenced_by_the_logger_level(qwen3_dir, caplog):
@@ -60,7 +60,7 @@ def test_unwritten_kv_is_never_read_unmasked(qwen3_dir, reference):
     """The CPU cache starts uninitialised: fill it with NaN, and greedy output still matches
     transformers (padded decode gathers, partial last blocks, several sequences of different lengths)."""
     llm = LLM(qwen3_dir, kvcache_block_size=4, max_model_len=64, max_num_seqs=4)
-    llm.engine.model_runner.kv_cache.fill_(float("nan"))
+    llm.engine.executor.kv_cache.fill_(float("nan"))
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == reference

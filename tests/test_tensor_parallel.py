@@ -68,7 +68,7 @@ def tp2(qwen3_dir):
     llm = tp_llm(qwen3_dir, num_kvcache_blocks=14)
     yield llm
     llm.exit()
-    assert_shut_down(llm.engine.workers)
+    assert_shut_down(llm.engine.executor.workers)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_tp2_a_request_with_bad_sampling_inputs_fails_alone(tp2, reference):
     assert token_ids(tp2) == reference
     returned, _ = tp2.step()
     assert [i for i, _ in returned] == [bad] and returned[0][1]["finish_reason"] == "error"
-    assert not tp2.engine.workers.is_shut_down and tp2.is_finished()
+    assert not tp2.engine.executor.workers.is_shut_down and tp2.is_finished()
 
 
 def test_tp2_chunked_prefill_keeps_output(tp2, hf_qwen3, tokenizer):
@@ -120,7 +120,7 @@ def test_tp2_chunked_prefill_keeps_output(tp2, hf_qwen3, tokenizer):
 def test_replicated_kv_head_and_padded_vocab_and_two_engines_at_once(tp2, odd_model, reference):
     path, odd_reference = odd_model
     odd = tp_llm(path)
-    assert odd.engine.workers.channel_name != tp2.engine.workers.channel_name
+    assert odd.engine.executor.workers.channel_name != tp2.engine.executor.workers.channel_name
     assert token_ids(odd) == odd_reference
     # Both engines' steps interleave in this one process, each over its own group and channel.
     ids = {odd.add_request(PROMPTS[0], GREEDY): ("odd", 0), tp2.add_request(PROMPTS[0], GREEDY): ("tp2", 0),
@@ -133,7 +133,7 @@ def test_replicated_kv_head_and_padded_vocab_and_two_engines_at_once(tp2, odd_mo
     assert results == {("odd", 0): odd_reference[0], ("odd", 2): odd_reference[2],
                        ("tp2", 0): reference[0], ("tp2", 2): reference[2]}
     odd.exit()
-    assert_shut_down(odd.engine.workers)
+    assert_shut_down(odd.engine.executor.workers)
     with pytest.raises(RuntimeError, match="shut down"):
         odd.generate(PROMPTS[0], GREEDY, use_tqdm=False)
     assert token_ids(tp2, PROMPTS[:1]) == reference[:1]  # the other engine is untouched
@@ -141,7 +141,7 @@ def test_replicated_kv_head_and_padded_vocab_and_two_engines_at_once(tp2, odd_mo
 
 def test_garbage_collection_releases_the_workers(qwen3_dir):
     llm = tp_llm(qwen3_dir)
-    channel_name, processes = llm.engine.workers.channel_name, llm.engine.workers.processes
+    channel_name, processes = llm.engine.executor.workers.channel_name, llm.engine.executor.workers.processes
     assert os.path.exists(f"/dev/shm/{channel_name}") and all(p.is_alive() for p in processes)
     del llm
     gc.collect()
@@ -151,31 +151,31 @@ def test_garbage_collection_releases_the_workers(qwen3_dir):
 def test_a_killed_worker_raises_instead_of_hanging(qwen3_dir, reference):
     with tp_llm(qwen3_dir) as llm:
         assert token_ids(llm, PROMPTS[:1]) == reference[:1]
-        worker = llm.engine.workers.processes[0]
+        worker = llm.engine.executor.workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         _, error, seconds = within_deadline(lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False))
         assert isinstance(error, RuntimeError), error
         assert f"rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(error)
         assert seconds < 10
-        assert_shut_down(llm.engine.workers)
+        assert_shut_down(llm.engine.executor.workers)
         with pytest.raises(RuntimeError, match="shut down"):
             llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
 
 
 def test_a_worker_killed_mid_step_raises_instead_of_hanging(qwen3_dir):
     llm = tp_llm(qwen3_dir)
-    worker, run = llm.engine.workers.processes[0], llm.engine.model_runner.run
+    worker, run = llm.engine.executor.workers.processes[0], llm.engine.executor.runner.run
 
     def killed_while_rank0_computes(batch):
         os.kill(worker.pid, signal.SIGKILL)  # the worker has the step; rank 0 meets no one in the all-reduce
         worker.join()
         return run(batch)
 
-    llm.engine.model_runner.run = killed_while_rank0_computes
+    llm.engine.executor.runner.run = killed_while_rank0_computes
     _, error, seconds = within_deadline(lambda: llm.generate(PROMPTS[0], GREEDY, use_tqdm=False))
     assert isinstance(error, RuntimeError) and "was killed by SIGKILL" in str(error), error
     assert seconds < 10
-    assert_shut_down(llm.engine.workers)
+    assert_shut_down(llm.engine.executor.workers)
 
 
 def test_ctrl_c_during_a_step_shuts_the_group_down(qwen3_dir):
@@ -184,10 +184,10 @@ def test_ctrl_c_during_a_step_shuts_the_group_down(qwen3_dir):
     def interrupted(batch):
         raise KeyboardInterrupt  # after the worker got the step: it now waits in a collective
 
-    llm.engine.model_runner.run = interrupted
+    llm.engine.executor.runner.run = interrupted
     _, error, _ = within_deadline(lambda: llm.generate(PROMPTS[0], GREEDY, use_tqdm=False))
     assert isinstance(error, KeyboardInterrupt)
-    assert_shut_down(llm.engine.workers)
+    assert_shut_down(llm.engine.executor.workers)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
 

@@ -25,30 +25,30 @@ def short_heartbeat(monkeypatch):
 
 def test_a_stopped_worker_is_detected_naming_its_rank(qwen3_dir, short_heartbeat):
     llm = tp_llm(qwen3_dir)
-    worker, run = llm.engine.workers.processes[0], llm.engine.model_runner.run
+    worker, run = llm.engine.executor.workers.processes[0], llm.engine.executor.runner.run
     try:
         # A step longer than the timeout is no stall: the worker beats from its own thread while it
         # waits in the collective for rank 0.
         def slow_once(batch):
-            llm.engine.model_runner.run = run
+            llm.engine.executor.runner.run = run
             time.sleep(TEST_TIMEOUT_S + 2)
             return run(batch)
 
-        llm.engine.model_runner.run = slow_once
+        llm.engine.executor.runner.run = slow_once
         assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]["token_ids"]) > 0
 
         def stopped_while_rank0_computes(batch):
             os.kill(worker.pid, signal.SIGSTOP)  # it has the step; rank 0 waits alone in the all-reduce
             return run(batch)
 
-        llm.engine.model_runner.run = stopped_while_rank0_computes
+        llm.engine.executor.runner.run = stopped_while_rank0_computes
         _, error, seconds = within_deadline(lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False))
         assert isinstance(error, RuntimeError), error
         assert f"rank 1 (pid {worker.pid}) stopped responding" in str(error)
         assert "is stopped (SIGSTOP?)" in str(error)
         # The last beat can precede generate's start by up to one interval: detection is timed from it.
         assert TEST_TIMEOUT_S - tp_state.HEARTBEAT_INTERVAL_S <= seconds < TEST_TIMEOUT_S + SLACK_S
-        assert_shut_down(llm.engine.workers)  # the stopped worker was killed and reaped
+        assert_shut_down(llm.engine.executor.workers)  # the stopped worker was killed and reaped
         with pytest.raises(RuntimeError, match="shut down"):
             llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
     finally:

@@ -9,7 +9,6 @@ from typing import Protocol
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.attention.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +20,13 @@ class QKNorm:
     eps: float
 
 
+class RotaryTables(Protocol):
+    """The model's rotary tables (nanovllm.attention.layer.RotaryEmbedding)."""
+
+    cos: torch.Tensor  # [max_position, head_dim] float32
+    sin: torch.Tensor
+
+
 class PagedLayer(Protocol):
     """What a backend reads of the layer it serves (nanovllm.attention.layer.Attention)."""
 
@@ -28,7 +34,7 @@ class PagedLayer(Protocol):
     num_kv_heads: int
     head_dim: int
     scale: float
-    rotary: RotaryEmbedding
+    rotary: RotaryTables
     qk_norm: QKNorm | None
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], model dtype or fp8
     v_cache: torch.Tensor
@@ -45,6 +51,11 @@ class AttentionBackend:
                 positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], k and v: [T, Hkv, D], positions: [T] -> attention output [T, H, D]."""
         raise NotImplementedError
+
+    def decode_kernels(self, rows: int) -> str:
+        """The kernels a decode step of this many rows attends with, for the kernel table
+        (nanovllm.layers.kernel_plan.kernel_table)."""
+        return self.name
 
     def warm_up(self, layer: PagedLayer, dtype: torch.dtype, max_num_seqs: int, max_blocks: int) -> None:
         """Builds, over the layer's allocated cache, the kernel variants a step may pick by its shape

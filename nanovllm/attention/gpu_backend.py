@@ -18,6 +18,9 @@ class GPUBackend(AttentionBackend):
                                layer.v_cache, meta.slot_mapping, q_norm, k_norm, layer.k_scale, layer.v_scale)
         return self.attend(layer, q, k, v, meta)
 
+    def decode_kernels(self, rows: int) -> str:
+        return f"rope_store, {self.name}"
+
     def attend(self, layer: PagedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         """Attention alone: q and k are normed and rotated, and the step's K/V are in the cache."""

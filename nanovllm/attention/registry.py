@@ -30,9 +30,11 @@ def auto_backend(device: torch.device, dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None) -> str:
     """torch on CPU; on GPUs the project's Triton kernels, with FlashAttention-3's prefill where FA3 is
     installed and the cache holds the model's bfloat16/float16 (dtype given): "triton-fa3". Chosen by
-    measurement, not by name (BENCHMARKS.md): on the H200 triton's decode beat fa3's in every side-by-side
-    run (bench.py 19.3k vs 17.5k tok/s, 23.0k vs 20.0k earlier; 1024 requests 30.7 s vs 36.1 s), and FA3's
-    paged prefill kernel ran 1.5-1.9x the Triton one at 1-8k-token prompts (call M5)."""
+    measurement, not by name (docs/performance-notes.md, section "Decode attention at large batches"): on
+    the H200
+    triton's decode beat fa3's in every side-by-side run (bench.py 19.3k vs 17.5k tok/s, 23.0k vs 20.0k
+    earlier; 1024 requests 30.7 s vs 36.1 s), and FA3's paged prefill kernel ran 1.5-1.9x the Triton one
+    at 1-8k-token prompts (commit 7e8123f, 2026-11-30)."""
     if device.type != "cuda":
         return "torch"
     fa3_fits = dtype in FLASH_ATTN_DTYPES and kv_dtype in (None, dtype)

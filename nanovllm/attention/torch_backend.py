@@ -5,9 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.attention.backend import AttentionBackend, PagedLayer
+from nanovllm.attention.layer import apply_rotary, rms_norm
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.attention.rotary import apply_rotary
-from nanovllm.utils.norm import rms_norm
 
 
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -51,6 +50,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+
+    def decode_kernels(self, rows: int) -> str:
+        return "torch (rotary, KV store, scaled_dot_product_attention)"
 
     def forward(self, layer: PagedLayer, q, k, v, positions, meta: AttentionMetadata) -> torch.Tensor:
         if layer.qk_norm is not None:

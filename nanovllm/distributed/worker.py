@@ -2,7 +2,7 @@
 ModelRunner (its shard of the weights and of the KV cache). Rank 0 is the engine's own ModelRunner,
 in the caller's process; `TPWorkers` is its handle on the others.
 
-Each step, rank 0 sends the step's StepBatch record (nanovllm.runner.batch) through the engine's
+Each step, rank 0 sends the step's StepBatch record (nanovllm.engine.step) through the engine's
 StepChannel; every worker builds the same inputs from it, runs the same forward and meets rank 0 in its
 collectives. Only rank 0 samples.
 
@@ -41,8 +41,8 @@ from nanovllm.config import Config
 from nanovllm.distributed.channel import ChannelHandle, StepChannel
 from nanovllm.distributed.group import TPGroup, create_store
 from nanovllm.distributed.state import DEATH_GRACE_S, HEARTBEAT_INTERVAL_S, TPGroupState, TPWorkerError
+from nanovllm.engine.step import StepBatch, StepOutput
 from nanovllm.layers.parallel import use_tp_group
-from nanovllm.runner.batch import StepBatch, StepOutput
 from nanovllm.runner.model_runner import ModelRunner, runner_device
 from nanovllm.utils.parent_watch import exit_with_parent
 

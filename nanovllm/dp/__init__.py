@@ -1,11 +1,11 @@
-"""Data parallelism on one host: `LLM(model, data_parallel_size=N, tensor_parallel_size=T)` runs N
-full engines (replicas), each in its own process on its own T devices, and splits each `generate`
-call's requests between them.
+"""Engines in processes of their own. `LLM(model, data_parallel_size=N, tensor_parallel_size=T)` runs N
+full engines (replicas), each in its own process on its own T devices, behind one DataParallelEngine that
+speaks LLMEngine's protocol; the server (nanovllm.serve) runs its engines the same way.
 
-    engine.py       DataParallelEngine: LLMEngine's API over the replicas (nanovllm.llm.DataParallelLLM)
-    coordinator.py  the caller's side: starts the replicas, hands out requests, gathers results
-    replica_set.py  its record of the replica processes, and their release
-    replica.py      one replica process: placement on its devices, an LLMEngine, its loop
-    balance.py      how requests are split (by tokens, not counts); where replica i runs
+    engine.py          DataParallelEngine: the engine protocol over N replicas (requests go to the one
+                       with the fewest tokens outstanding)
+    engine_process.py  one engine process seen from its parent: spawn, send, close and clean up
+    engine_core.py     the engine process itself: its loop over an LLMEngine, and its messages
+    replica.py         where replica i runs (its GPUs or cores), what it reports, what is left after it
 
 Across machines nanovllm schedules nothing itself: see nanovllm.integrations.ray."""

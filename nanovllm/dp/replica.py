@@ -1,34 +1,26 @@
-"""One data-parallel replica: a process of its own holding a full LLMEngine (scheduler, KV cache,
-tensor-parallel workers) on its own devices, driven by the coordinator over a pipe.
+"""Where each data-parallel replica (an engine process, engine_core.py) runs, what it reports once
+built, and what is removed after it. Replica i runs on GPUs [i*T, (i+1)*T) of those visible to the
+caller, or on the CPU on its own share of the cores.
 
-Messages, all `(kind, *args)` tuples:
-
-    coordinator -> replica   ("generate", [(prompt token ids, SamplingParams), ...])   ("exit",)
-    replica -> coordinator   ("ready", ReplicaInfo)    once the engine is built
-                             ("progress", [(index in batch, output), ...], prefill tokens, decode tokens)
-                             ("error", traceback)      just before it exits with code 1
-
-A replica is placed before anything in it touches CUDA: CUDA reads CUDA_VISIBLE_DEVICES once, when
-it initializes, so the replica starts with it already set (see nanovllm.dp.coordinator), sets it
-again first thing, and checks that CUDA shows exactly its devices. On a CPU-only run the
-replica is pinned to its share of the cores instead. It ignores Ctrl-C (the coordinator decides and
-shuts every replica down), takes SIGTERM as a request to clean up and leave, and exits by itself
-when the coordinator's process goes away."""
+A replica is placed before anything in it touches CUDA: CUDA reads CUDA_VISIBLE_DEVICES once, when it
+initializes, so the replica is spawned with it already set (spawned_with_devices), sets it again first
+thing, and checks that CUDA shows exactly its devices. On a CPU-only run it is pinned to its cores."""
 
 import os
+import signal
 import time
-import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
 
-from nanovllm.utils.parent_watch import become_engine_child, exit_released
+from nanovllm.config import Config
+from nanovllm.utils.device import cuda_device_count
 
-# A replica sends the throughput counters at least this often while it works, so that the progress
-# bar stays live between finished requests (outputs that finish are sent after the step at once).
-PROGRESS_INTERVAL_S = 0.5
-# A traceback goes through the pipe before the replica exits: keep it well under the pipe's buffer
-# (64 KiB on Linux) so that sending it never blocks a dying replica.
-MAX_ERROR_CHARS = 8 * 1024
+CUDA_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
+# A killed replica's tensor-parallel workers get this long to follow it, looked at this often.
+KILL_TIMEOUT_S = 2.0
+POLL_S = 0.01
 
 
 @dataclass(slots=True)
@@ -56,7 +48,7 @@ class Placement:
 
 @dataclass(slots=True)
 class ReplicaInfo:
-    """What a started replica reports: its KV-cache size (the coordinator checks requests against the
+    """What a started replica reports: its KV-cache size (its parent checks requests against the
     smallest), and the processes and shared memory it owns, so that they can be cleaned up after it
     even if it is killed."""
     num_kvcache_blocks: int
@@ -64,71 +56,96 @@ class ReplicaInfo:
     shm_names: list[str] = field(default_factory=list)
 
 
-def replica_main(index: int, model: str, options: dict, placement: Placement, conn: Connection) -> None:
-    become_engine_child("data-parallel replica")
-    exit_code = 0
-    engine = None
-    try:
-        placement.apply()
-        import torch
-
-        from nanovllm.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(model, **options)
-        # Replicas built with one seed would draw the same random numbers, so that copies of a prompt
-        # sampled on two replicas would come out alike; each replica draws its own stream. (The seed
-        # itself stays shared: dummy weights are drawn from it and must be one model everywhere.)
-        torch.manual_seed(engine.config.seed + index)
-        conn.send(("ready", replica_info(engine)))
-        while True:
-            message = conn.recv()
-            if message[0] == "exit" or not _run_batch(engine, conn, message[1]):
-                break
-    except BaseException:
-        exit_code = 1
-        try:
-            conn.send(("error", traceback.format_exc()[-MAX_ERROR_CHARS:]))
-        except OSError:
-            pass  # the coordinator is gone; nobody is left to tell
-    finally:
-        if engine is not None:
-            engine.shutdown()
-    del engine
-    exit_released(exit_code)
-
-
 def replica_info(engine) -> ReplicaInfo:
-    """What a built engine (in a replica, or the server's engine process) reports to its parent."""
-    info = ReplicaInfo(engine.num_kvcache_blocks)
-    workers = getattr(engine, "workers", None)  # its tensor-parallel workers, when it has some
-    if workers is not None:
-        info.worker_pids = [process.pid for process in workers.processes]
-        info.shm_names = [workers.channel_name]
-    return info
+    """What a built engine (an LLMEngine in an engine process, nanovllm.dp.engine_core) reports to its
+    parent: its KV blocks, and its tensor-parallel workers' processes and shared memory, if any."""
+    executor = engine.executor
+    return ReplicaInfo(engine.num_kvcache_blocks, list(getattr(executor, "worker_pids", [])),
+                       list(getattr(executor, "shm_names", [])))
 
 
-def _run_batch(engine, conn: Connection, requests: list) -> bool:
-    """Run one batch to the end, sending outputs as they finish. False when the coordinator asked the
-    replica to exit meanwhile."""
-    batch_index = {engine.add_request(prompt, params): i for i, (prompt, params) in enumerate(requests)}
-    finished: list[tuple[int, dict]] = []
-    num_prefill = num_decode = 0
-    last_sent = time.monotonic()
-    while not engine.is_finished():
-        outputs, num_tokens = engine.step()
-        finished += [(batch_index[seq_id], output) for seq_id, output in outputs]
-        if num_tokens > 0:
-            num_prefill += num_tokens
+def replica_devices(replica: int, tensor_parallel_size: int, visible: Sequence[str]) -> list[str]:
+    """The GPUs of replica i: [i*T, (i+1)*T) of those visible to the caller, as CUDA_VISIBLE_DEVICES
+    entries (indices or UUIDs), so that inside the replica they are cuda:0..T-1."""
+    first = replica * tensor_parallel_size
+    devices = list(visible[first:first + tensor_parallel_size])
+    assert len(devices) == tensor_parallel_size, (
+        f"replica {replica} needs devices [{first}, {first + tensor_parallel_size}) of {list(visible)}")
+    return devices
+
+
+def replica_cpus(replica: int, num_replicas: int, cpus: Sequence[int]) -> list[int]:
+    """The CPU cores of replica i on a CPU-only run: an even, disjoint share of the caller's cores (a
+    replica's tensor-parallel workers share its cores in turn). With fewer cores than replicas,
+    replicas share cores round-robin."""
+    cpus = sorted(cpus)
+    if len(cpus) < num_replicas:
+        return [cpus[replica % len(cpus)]]
+    return cpus[replica * len(cpus) // num_replicas:(replica + 1) * len(cpus) // num_replicas]
+
+
+def placements(config: Config) -> list[Placement]:
+    """Replica i on GPUs [i*T, (i+1)*T) of those visible here; on the CPU, on its share of the cores."""
+    num_replicas, tp = config.data_parallel_size, config.tensor_parallel_size
+    if config.device_type == "cuda":
+        visible = os.environ.get(CUDA_DEVICES_VAR)
+        ids = ([d.strip() for d in visible.split(",") if d.strip()] if visible
+               else [str(i) for i in range(cuda_device_count())])
+        return [Placement(cuda_devices=replica_devices(i, tp, ids)) for i in range(num_replicas)]
+    cpus = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else list(range(os.cpu_count() or 1)))
+    return [Placement(cpus=replica_cpus(i, num_replicas, cpus)) for i in range(num_replicas)]
+
+
+@contextmanager
+def spawned_with_devices(placement: Placement) -> Iterator[None]:
+    """A spawned child starts with this process's environment: while a replica is started, that
+    environment names the replica's GPUs, so that CUDA, whenever the child first touches it (even in
+    an import before the replica's code runs), sees only those. This process's own CUDA view was
+    fixed when Config counted the GPUs."""
+    if placement.cuda_devices is None:
+        yield
+        return
+    previous = os.environ.get(CUDA_DEVICES_VAR)
+    os.environ[CUDA_DEVICES_VAR] = ",".join(placement.cuda_devices)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[CUDA_DEVICES_VAR]
         else:
-            num_decode -= num_tokens
-        if finished or time.monotonic() - last_sent > PROGRESS_INTERVAL_S:
-            conn.send(("progress", finished, num_prefill, num_decode))
-            finished, num_prefill, num_decode = [], 0, 0
-            last_sent = time.monotonic()
-        # Until its last output is sent, the coordinator speaks only to stop us (Ctrl-C, a replica
-        # died); after it, the next message may already be the next batch, read by the caller.
-        if not engine.is_finished() and conn.poll():
-            message = conn.recv()
-            assert message[0] == "exit", f"unexpected message {message[0]!r} during a batch"
+            os.environ[CUDA_DEVICES_VAR] = previous
+
+
+def _is_running(pid: int) -> bool:
+    """Whether a process (not one of ours to reap) still runs; a zombie does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
             return False
-    return True
+        return True
+
+
+def clean_up_after(info: ReplicaInfo) -> None:
+    """An engine process (a replica, the server's engine) shut down cleanly leaves nothing; a killed one
+    leaves its tensor-parallel workers (they follow it within moments, see nanovllm.distributed.worker)
+    and its step channel."""
+    deadline = time.monotonic() + KILL_TIMEOUT_S
+    for pid in info.worker_pids:
+        while _is_running(pid) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if _is_running(pid):
+            os.kill(pid, signal.SIGKILL)
+    for name in info.shm_names:
+        try:
+            shm = SharedMemory(name=name)
+        except FileNotFoundError:
+            continue
+        shm.close()
+        shm.unlink()

@@ -21,19 +21,18 @@ What needs step n's tokens on the host to build step n+1 waits for step n first 
 overlapped): logits processors (penalties, bad words, min_tokens, logit_bias, allowed ids) and prompt
 logprobs. A step whose launch fails is re-run on the synchronous path, which isolates the failing
 request (failures.py). When nothing is left queued, a step in flight holds only finished sequences and
-is dropped without waiting. Single rank only (Config.async_scheduling). Pure Python: the runner's
-tensors are only passed along."""
+is dropped without waiting. Single rank only (Config.async_scheduling). Pure Python: what a step
+leaves on the device stays inside the executor's PendingStep."""
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nanovllm.engine.request import record_step
+from nanovllm.engine.executor import Executor, PendingStep
+from nanovllm.engine.requests import record_step
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN_ID, Sequence
-from nanovllm.runner.batch import StepBatch, build_batch
-from nanovllm.runner.model_runner import ModelRunner
-from nanovllm.runner.step_output import PendingOutput
+from nanovllm.engine.step import StepBatch, build_batch
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ logger = logging.getLogger(__name__)
 class InFlightStep:
     seqs: list[Sequence]
     sample_rows: list[int]
-    output: PendingOutput
+    output: PendingStep
     # Some sequence builds its next step from this step's tokens on the host: wait for them first.
     needs_host_tokens: bool
 
@@ -65,11 +64,11 @@ class OverlapLoop:
     """One engine's step in flight. `run_sync(seqs, is_prefill)` runs a step synchronously with
     failure isolation; `on_finished(seqs)` is told of the sequences each postprocess finished."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner,
+    def __init__(self, scheduler: Scheduler, executor: Executor,
                  run_sync: Callable[[list[Sequence], bool], None],
                  on_finished: Callable[[list[Sequence]], None]) -> None:
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor
         self.run_sync = run_sync
         self.on_finished = on_finished
         self.in_flight: InFlightStep | None = None
@@ -131,8 +130,7 @@ class OverlapLoop:
         batch = build_batch(seqs, is_prefill)
         if prev is not None:
             feed_previous_tokens(batch, seqs, prev)
-        output = self.runner.launch(batch, prev.output.sampled if prev is not None else None)
-        assert output is not None, "overlap scheduling runs on a single rank, which samples"
+        output = self.executor.launch(batch, prev.output if prev is not None else None)
         needs_host_tokens = any(seq.uses_logits_processors or seq.needs_prompt_logprobs for seq in seqs)
         return InFlightStep(seqs, batch.sample_rows, output, needs_host_tokens)
 

@@ -17,8 +17,8 @@ from collections import deque
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.requests import StopChecker
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.stop_checker import StopChecker
 
 
 class Scheduler:

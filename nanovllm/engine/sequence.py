@@ -50,6 +50,9 @@ class Sequence:
         # Filled by the engine from the tokenizer and EOS ids (the runner reads them on rank 0).
         self.bad_words_token_ids: list[list[int]] = []
         self.min_tokens_stop_ids: list[int] = []  # masked while fewer than min_tokens are generated
+        # Structured outputs: the sequence's grammar matcher (xgrammar.GrammarMatcher), advanced with
+        # each accepted token (nanovllm.engine.structured_outputs); None without a constraint.
+        self.grammar = None
         # Whether the runner must build logits processors for it (a per-step check stays one attribute).
         self.uses_logits_processors = params.uses_logits_processors
         self.logprobs: list[dict[int, float]] | None = None if params.logprobs is None else []

@@ -1,18 +1,76 @@
 """Checks a request where it arrives, before anything is queued: its SamplingParams against the
 vocabulary, the prompt (a string to tokenize, or token ids inside the vocabulary), whether prompt +
 max_tokens fit the context and the KV cache, and that the options needing a tokenizer have one.
+A prompt comes in any of vLLM's forms (`Prompt`), read here only, so every engine takes them all.
 Each error says what to change. Pure Python: the engine and the server's HTTP process (which holds
 no model) run the same checks."""
 
 from collections.abc import Sequence as SequenceLike
+from typing import NotRequired, TypedDict
 
 from nanovllm.config import Config
 from nanovllm.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+
+class TextPrompt(TypedDict):
+    """vLLM's TextPrompt: `TextPrompt(prompt="...")` is the dict {"prompt": "..."}."""
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's TokensPrompt: token ids, and optionally their text (the ids are what runs)."""
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+# vLLM's prompt forms: text, token ids, a TextPrompt or a TokensPrompt.
+Prompt = str | list[int] | TextPrompt | TokensPrompt
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _unwrap(prompt: dict) -> str | list[int]:
+    """A prompt dict's token ids, else its text."""
+    unknown = prompt.keys() - set(PROMPT_KEYS)
+    if unknown:
+        raise TypeError(f"prompt keys {sorted(unknown)} are not supported by nanovllm; a prompt dict holds "
+                        "'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt or TokensPrompt)")
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if "prompt" not in prompt:
+        raise TypeError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+    if not isinstance(prompt["prompt"], str):
+        raise TypeError(f"a prompt dict's 'prompt' must be text, got {type(prompt['prompt']).__name__}; "
+                        "give token ids as {'prompt_token_ids': [...]}")
+    return prompt["prompt"]
+
+
+def prompt_text(prompt: Prompt) -> str | None:
+    """The prompt's text, as vLLM's RequestOutput.prompt: None for token ids."""
+    if isinstance(prompt, dict):
+        text = prompt.get("prompt")
+        return text if isinstance(text, str) else None
+    return prompt if isinstance(prompt, str) else None
+
+
+def as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    """generate's `prompts`: one prompt in any form, or a non-empty list of them."""
+    if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and _all_ints(prompts)):
+        return [prompts]
+    if not isinstance(prompts, list) or not prompts:
+        raise TypeError("prompts must be a prompt (a string, a list of token ids, {'prompt': text} or "
+                        "{'prompt_token_ids': ids}) or a non-empty list of them")
+    return prompts
+
+
+def refuse_options(method: str, options: dict) -> None:
+    """Keyword arguments of vLLM's that nanovllm lacks (lora_request, priority, tools, ...) are named."""
+    if options:
+        raise TypeError(f"LLM.{method}() options {sorted(options)} are not supported by nanovllm")
 
 
 def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> list[int]:
+    if isinstance(prompt, dict):
+        prompt = _unwrap(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("string prompts need a tokenizer, but skip_tokenizer_init=True; "
@@ -21,7 +79,8 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> list[int]:
     elif isinstance(prompt, SequenceLike) and _all_ints(prompt):
         token_ids = list(prompt)
     else:
-        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise TypeError(f"a prompt must be a string or a list of token ids (or {{'prompt': text}}, "
+                        f"{{'prompt_token_ids': ids}}), got {type(prompt).__name__}")
     if not token_ids:
         raise ValueError("the prompt is empty; give at least one token")
     # min and max run in C: a check per id took most of the ~30 ms that adding bench.py's 256 prompts

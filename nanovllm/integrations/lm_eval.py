@@ -6,13 +6,23 @@ lm-eval finds models in its own registry and cannot discover outside packages fr
     python -m nanovllm.eval --model nanovllm --model_args pretrained=PATH,max_model_len=4096 --tasks ...
 
 or from Python, after `import nanovllm.integrations.lm_eval`, `lm_eval.simple_evaluate(model="nanovllm",
-...)`. Every model_arg other than those below goes to `LLM(pretrained, ...)`.
+...)`. model_args: pretrained, max_length, max_gen_toks, add_bos_token; every other one goes to
+`LLM(pretrained, ...)`. --device cuda or cpu; lm-eval's default, cuda:0, falls back to the CPU where there
+is no CUDA (as lm-eval's hf model does).
+
+max_length is hf's: a scored sequence (context + continuation) keeps its last max_length + 1 tokens, the
+first of which is only context, so every token of a rolling window of max_length + 1 tokens is scored,
+and generate_until keeps the context's last max_length - max_gen_toks tokens. The engine holds the whole
+scored sequence as the prompt plus one sampled token, so max_length is at most max_model_len - 2, its
+default: the scores equal hf's at the same max_length.
 
 - loglikelihood: each (context, continuation) is one greedy request with max_tokens=1 and
   prompt_logprobs=1; the continuation's prompt logprobs are summed, and it is greedy when each of its
   tokens is the top-1. All requests go to the engine at once (continuous batching does the rest).
 - loglikelihood_rolling: lm-eval's disjoint rolling windows, scored the same way and summed.
 - generate_until: one request per context with its stop strings ("until") and sampling options."""
+
+import logging
 
 import lm_eval.models  # noqa: F401  (lm-eval loads its own models only into an empty registry: first)
 from lm_eval.api.model import TemplateLM
@@ -26,6 +36,24 @@ from nanovllm.sampling_params import SamplingParams
 DEFAULT_MAX_GEN_TOKS = 256
 # lm-eval passes these for every model; continuous batching makes them moot here.
 IGNORED_ARGS = ("batch_size", "max_batch_size")
+# Positions a scored sequence needs beyond max_length: its first token (context only) and the one token
+# each scoring request samples.
+EXTRA_POSITIONS = 2
+
+logger = logging.getLogger("nanovllm")
+
+
+def engine_device(device: str) -> str:
+    """lm-eval's device as nanovllm's `device` option. lm-eval passes cuda:0 when --device is not given;
+    like lm-eval's hf model, a cuda:N falls back to the CPU where there is no CUDA ("cuda" does not)."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    if device != "cuda" and not torch.cuda.is_available():
+        logger.warning("lm-eval asked for %s, but CUDA is not available; running on the CPU", device)
+        return "cpu"
+    return "cuda"
 
 
 @register_model("nanovllm")
@@ -37,15 +65,18 @@ class NanoVLLM(TemplateLM):
         for name in IGNORED_ARGS:
             engine_options.pop(name, None)
         if device is not None and "device" not in engine_options:
-            engine_options["device"] = "cuda" if device.startswith("cuda") else device
+            engine_options["device"] = engine_device(device)
         self.llm = LLM(pretrained, **engine_options)
         self.tokenizer = self.llm.tokenizer
         if self.tokenizer is None:
             raise ValueError("lm-eval needs a tokenizer; do not pass skip_tokenizer_init")
-        # One token of max_model_len stays free: each scoring request also samples one token.
-        self.max_length = max_length or self.llm.config.max_model_len - 1
-        if self.max_length >= self.llm.config.max_model_len:
-            raise ValueError(f"max_length must be below max_model_len ({self.llm.config.max_model_len})")
+        max_model_len = self.llm.config.max_model_len
+        self.max_length = max_length or max_model_len - EXTRA_POSITIONS
+        if self.max_length + EXTRA_POSITIONS > max_model_len:
+            raise ValueError(f"max_length {self.max_length} needs max_model_len >= max_length + "
+                             f"{EXTRA_POSITIONS} (a scored sequence is max_length + 1 tokens, and one token "
+                             f"is sampled), but max_model_len is {max_model_len}; lower max_length or "
+                             "raise max_model_len")
         self.max_gen_toks = max_gen_toks
         self.add_bos_token = add_bos_token
 
@@ -82,7 +113,8 @@ class NanoVLLM(TemplateLM):
         """(context ids, continuation ids) -> (sum of the continuation's logprobs, is it greedy)."""
         prompts, starts = [], []
         for context, continuation in pairs:
-            whole = (context + continuation)[-self.max_length:]
+            # As hf: max_length tokens predict the next, so the last max_length + 1 are kept.
+            whole = (context + continuation)[-(self.max_length + 1):]
             prompts.append(whole)
             starts.append(len(whole) - len(continuation))
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
@@ -141,7 +173,7 @@ class NanoVLLM(TemplateLM):
         for context, gen_kwargs in (req.args for req in requests):
             p, until, max_gen = self._sampling_params(gen_kwargs)
             ids = self.tok_encode(context)
-            prompts.append(ids[-(self.llm.config.max_model_len - max_gen):])  # keep the context's end
+            prompts.append(ids[-max(1, self.max_length - max_gen):])  # the context's end, as hf
             params.append(p)
             stops.append(until)
         outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)

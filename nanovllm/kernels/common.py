@@ -169,7 +169,7 @@ def fp8_dot_operands(q, scale_log2, CACHE_IS_FP8: tl.constexpr):
     """(q, the scale its scores take) for dots against K/V tiles widened from the cache to q's dtype.
     With an fp8 cache and a 16-bit q, the tiles widen to float16, which sm_89+ converts e4m3 to in
     one instruction per pair: widened to bfloat16, the fp8 decode kernel was no faster than a bf16
-    cache's, and float16 made it 1.35-1.46x faster (BENCHMARKS.md, calls G3 and G4). q joins them
+    cache's, and float16 made it 1.35-1.46x faster (docs/performance-notes.md, "fp8 KV cache"). q joins them
     pre-scaled, so that float16's range holds it. Otherwise (a float32 q keeps its exact products) q and
     the scale as given."""
     if CACHE_IS_FP8 and q.dtype != tl.float32:

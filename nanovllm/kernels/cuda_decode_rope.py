@@ -3,10 +3,11 @@ use): the same arguments and results as kernels/decode_rope.paged_decode_rope_at
 single-stream step, where a layer is a chain of dependent latencies rather than bytes.
 
 Why CUDA here: on an H200 the Triton kernel costs a one-row layer ~6 us more than a kernel that only
-waits and copies q (BENCHMARKS.md, call II1), while its 4 MB of K/V are ~1 us of bandwidth. Issuing
+waits and copies q, while its 4 MB of K/V are ~1 us of bandwidth. Issuing
 every load at the wait, dots on CUDA cores and no tile through shared memory, which Triton compiled
-to 234-254 registers and ~98 barriers (HH1), is 128 registers and a few barriers here: single stream
-0.769 against 0.817 ms/token (II4, II5).
+to 234-254 registers and ~98 barriers, is 128 registers and a few barriers here: single stream
+0.769 against 0.817 ms/token (docs/performance-notes.md, section "Decode attention at one row"; commit
+5663d48).
 
 Taken only where measured: one row, GQA groups of 2 (Qwen3-0.6B's), head_dim 128, a 16-bit cache of q's
 dtype, blocks of a multiple of 64 tokens (`supports`), with q/k norms and unit cache scales (the
@@ -71,7 +72,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
 
 class OneRowDecodeRope:
     """One engine's compiled variants of the kernel on one device, each built at first use (NVRTC: both
-    of an engine's in 57 ms on the H200's host, BENCHMARKS.md JJ1) and kept for the engine's life (CUDA
+    of an engine's in 57 ms on the H200's host) and kept for the engine's life (CUDA
     graphs hold its launches). `prepared` gives the call for one variant: the same signature as
     paged_decode_rope_attention."""
 

@@ -12,7 +12,8 @@ into num_splits chunks:
         hold keys, for the whole GQA group at once, done by the last program of each (sequence, KV head)
         to finish (an atomic counter says which: one kernel in all). With one chunk a sequence (every
         large batch) there is nothing to combine: each program stores its output itself (ONE_SPLIT, a
-        variant of its own), 3-11% faster a call at 128-512 rows (BENCHMARKS.md, call Z3). There an fp8
+        variant of its own), 3-11% faster a call at 128-512 rows (docs/performance-notes.md, "Decode
+        attention at large batches"). There an fp8
         cache's programs may take two KV heads each (decode_launch.FP8_PACKED, grid (num_kv_heads / 2, B,
         1)): one softmax for both GQA groups (decode_fp8_tiles.attend_fp8_words).
 
@@ -26,7 +27,7 @@ zeros without reading the block table or the cache.
 Programs start in grid order, KV heads fastest. At large batches there is one chunk per sequence, and a
 kernel's end waits for its last-started long contexts; `seq_order` (the rows by context length, longest
 first) makes the last programs the short ones (one layer 2.4-4.6% faster in bf16, up to 12% in fp8, at
-64-512 rows: call L4, BENCHMARKS.md).
+64-512 rows: docs/performance-notes.md, "Decode attention at large batches").
 
 The chunk's attention and the split-combining epilogue are shared with decode_rope.py (the same kernel
 with q/k norm, rotary and the KV store in front); what a call needs besides its inputs (output,
@@ -177,7 +178,7 @@ def attend_chunk(q, qk_scale, seq, group, split, kv_len, split_start, split_end,
         # What the combine of this one partial gives (its weight is 2^0 = 1, the sum 1), without the
         # partial's store, the counter's fenced atomic and the read back, which held each program's
         # slot on the SM past its K/V loop (at large batches the fp8 kernel is bound by its resident
-        # programs' issue, not by bytes: ncu, BENCHMARKS.md call Z2).
+        # programs' issue, not by bytes: ncu, docs/performance-notes.md, "Decode attention at large batches").
         tl.store(out_ptr + seq.to(tl.int64) * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:

@@ -1,5 +1,6 @@
-"""The tile loop of a split-KV decode chunk over an fp8 (e4m3) cache read as 16-bit words ("words"),
-an alternative to widening each tile with `.to(float16)` ("cast", decode_attention.attend_chunk's loop).
+"""The tile loop of a split-KV decode chunk over an fp8 (e4m3) cache read as 16-bit words ("words"), which
+an fp8 cache read by 16-bit queries takes instead of widening each tile with `.to(float16)` ("cast",
+decode_attention.attend_chunk's loop, which every other cache takes).
 
 Why: with "cast" Triton feeds both dots from 8-bit tiles, so it picks 4-element (32-bit) mma operand
 groups (kWidth 4). V's groups then run along keys, across cache rows, and sm_90 has no 8-bit ldmatrix:
@@ -19,7 +20,10 @@ and each register of two words becomes the two float16 pairs the mma wants with 
 two conversions. q and p get the 16-bit layouts of the bf16 kernel (ldmatrix, no register shuffles).
 Triton 3.6, sm_90, the same launch: 635 instructions per tile instead of 1,054, the same 168 registers
 and 40 KB of shared memory (3 programs per SM). The e4m3 values are exact in float16, so the result
-equals "cast"'s up to float32 summation order.
+equals "cast"'s up to float32 summation order. Measured on an H200: one layer's decode at 256 and 512
+rows 1.12-1.13x "cast" (1.16x with decode_launch.FP8_WORDS_MAXNREG), batch 1 and 8 1.08-1.11x; bench.py
+with an fp8 cache 34.9k tok/s against 32.4k (docs/performance-notes.md, section "fp8 KV cache"; commit
+df71aea, 2026-11-30).
 """
 
 import os
@@ -29,22 +33,14 @@ import triton.language as tl
 
 from nanovllm.kernels.common import paged_kv_offsets
 
-# Which tile loop an fp8 cache read by 16-bit queries takes: "words" (this module's, the default) or
-# "cast" (the loop of decode_attention.attend_chunk). Other caches always take "cast". Call M1: one
-# layer's decode at 256 and 512 rows 1.12-1.13x "cast" (1.16x with decode_launch.FP8_WORDS_MAXNREG),
-# batch 1 and 8 1.08-1.11x; call M2: bench.py with an fp8 cache 34.9k tok/s against 32.4k.
-FP8_TILES = "words"
-FP8_TILE_FORMS = ("cast", "words")
 # The Triton interpreter runs no inline PTX: there widen_fp8_pairs converts with plain Triton ops.
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def fp8_tiles(fp8_cache: bool, q_is_float32: bool) -> str:
-    """The FP8_TILES constexpr of a decode launch: FP8_TILES for an fp8 cache read by 16-bit queries
+    """The FP8_TILES constexpr of a decode launch: "words" for an fp8 cache read by 16-bit queries
     (whose tiles widen to float16, common.fp8_dot_operands), else "cast"."""
-    if FP8_TILES not in FP8_TILE_FORMS:
-        raise ValueError(f"FP8_TILES must be one of {FP8_TILE_FORMS}; got {FP8_TILES!r}")
-    return FP8_TILES if fp8_cache and not q_is_float32 else "cast"
+    return "words" if fp8_cache and not q_is_float32 else "cast"
 
 
 @triton.jit

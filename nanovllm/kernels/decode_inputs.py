@@ -2,7 +2,8 @@
 for every j, except that input id r takes the previous step's sampled id sampled[staged[prev_offset + r]]
 where that row index is >= 0 (overlap scheduling). Before, the copy went straight into the graph's buffer
 on the compute stream and five more device operations (two index copies, a gather, a cast, a scatter)
-put the ids in place: 1-3 us each on a one-row step's critical path (BENCHMARKS.md, S2, S7). Now the
+put the ids in place: 1-3 us each on a one-row step's critical path (docs/performance-notes.md, "Host
+overhead"). Now the
 copy runs on a stream of its own (runner/transfers.py) and this kernel is the one step before the graph.
 The graph cannot read the uploaded copy itself: its buffers' addresses are fixed at capture, and the
 uploads alternate between two slots."""

@@ -1,13 +1,15 @@
 """How the split-KV decode kernel (decode_attention.py) is launched: keys per tile, warps, pipeline
 stages and chunks per sequence, from static shapes only (so a CUDA graph captured at a batch size keeps
-its launch). The settings are measured ones: scripts/decode_sweep.py on an H200, BENCHMARKS.md calls
-G3 and G4 (microseconds of one layer's decode, Qwen3-0.6B heads, 256-token blocks).
+its launch). The settings are measured ones: scripts/decode_sweep.py on an H200, microseconds of one
+layer's decode, Qwen3-0.6B heads, 256-token blocks (docs/performance-notes.md, section "Decode attention at
+one row";
+commit c5a678e, 2026-11-30).
 
 - Large batches read K/V at 0.8-0.99 of copy bandwidth with 128-key tiles, 4 warps and 2 stages,
   where two stages of K and V tiles fit in shared memory (an H100/H200 at head_dim <= 128), else with
   64-key tiles; at head_dim 256, 32-key tiles so they fit.
 - A small batch is latency-bound: each context is cut into many chunks of a tile or two (at least
-  SMALL_BATCH_SPLITS). There three pipeline stages were twice as fast in call G4, at batch 1 with 1,024
+  SMALL_BATCH_SPLITS). There three pipeline stages were twice as fast in that sweep, at batch 1 with 1,024
   and 4,096 keys: a bf16 cache 17.4 and 25.6 us with 64-key tiles (28.2 and 63.0 us with the
   large-batch settings), an fp8 cache 20.3 and 23.4 us with 128-key tiles (38.2 and 32.1 us).
 
@@ -42,7 +44,7 @@ class DecodeLaunch:
     def options(self, fp8_words: bool) -> dict:
         """The kernel launch's keyword options; `fp8_words`: the tiles are decode_fp8_tiles' "words"."""
         options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
-        if fp8_words and self == WIDE and FP8_WORDS_MAXNREG is not None:
+        if fp8_words and self == WIDE:
             options["maxnreg"] = FP8_WORDS_MAXNREG
         return options
 
@@ -55,20 +57,20 @@ SMALL_BATCH = {2: DecodeLaunch(64, 4, 3), 1: DecodeLaunch(128, 4, 3)}
 SMALL_BATCH_SPLITS = 8
 # The fp8 "words" tiles at the WIDE launch (an fp8 cache's where FP8_LARGE_BATCH does not fit) take 168
 # registers (3 programs per SM); capped at 128, with a few spills, 4 fit: one layer's decode at 256 and
-# 512 rows 1.16x "cast" against 1.12-1.13x uncapped (call M1, .gpu/fp8t36/fp8_t36_ab.py). None: no cap.
+# 512 rows 1.16x "cast" against 1.12-1.13x uncapped (commit df71aea, 2026-11-30).
 FP8_WORDS_MAXNREG = 128
 # An fp8 cache's large-batch launch: 64-key tiles, 5 stages. Below 5 stages Triton keeps one K and one V
-# buffer (the block-table load the tile addresses depend on takes a stage of its own; sm_90 SASS, ninth
-# session), so each tile's load waits exposed; 5 give two. One layer's decode at 256 and 512 rows x 1k
-# tokens: 157.7 and 288.0 us against WIDE's (capped) 160.8 and 300.3 (call N2); bench.py with an fp8 cache
-# 35.3k tok/s against 34.7-34.8k in the same process (N3). A 16-bit cache gains nothing from it (N2: at
-# 0.93-0.99 of copy bandwidth already), nor its small-batch launch (single stream 0.902 ms both ways, N3).
+# buffer (the block-table load the tile addresses depend on takes a stage of its own, as the sm_90 SASS
+# shows), so each tile's load waits exposed; 5 give two. One layer's decode at 256 and 512 rows x 1k
+# tokens: 157.7 and 288.0 us against WIDE's (capped) 160.8 and 300.3; bench.py with an fp8 cache 35.3k
+# tok/s against 34.7-34.8k in the same process. A 16-bit cache gains nothing from it (at 0.93-0.99 of copy
+# bandwidth already), nor its small-batch launch (single stream 0.902 ms both ways) (commit 133a11a).
 FP8_LARGE_BATCH = DecodeLaunch(64, 4, 5)
 # What FP8_LARGE_BATCH becomes at one chunk a context with programs to spare (_packs): two KV heads a
 # program, their query heads stacked into the 16 rows a dot takes (decode_fp8_tiles' packed heads), 3
 # stages. One layer's decode, contexts uniform in [C/2, C], us a call against FP8_LARGE_BATCH's, the same
-# bits (BENCHMARKS.md, call FF3): 256 x 1,024 100.0 / 108.9, 512 x 1,024 196.9 / 199.1; bench.py with an
-# fp8 cache 38,357 tok/s against 37,822 (+1.4%, six alternating pairs, FF3-FF4).
+# bits: 256 x 1,024 100.0 / 108.9, 512 x 1,024 196.9 / 199.1; bench.py with an fp8 cache 38,357 tok/s
+# against 37,822 (+1.4%, six alternating pairs) (commit 02fc5c9, 2026-12-02).
 FP8_PACKED = DecodeLaunch(64, 4, 3, kv_per_prog=2)
 # Shared memory left for what else the kernel keeps there (q, the dot operands' layouts).
 SHARED_MEMORY_HEADROOM = 32 * 1024
@@ -121,7 +123,7 @@ def choose_launch(batch_size: int, num_kv_heads: int, head_dim: int, max_context
 def _packs(batch_size: int, num_kv_heads: int, head_dim: int, max_context_len: int, device: torch.device,
            num_sms: int) -> bool:
     """Whether FP8_PACKED takes a call of these shapes: whole packs of KV heads, and programs enough for
-    one chunk a context still (FF2: at 66-72 rows, two programs an SM, 0.78-0.81x the unpacked kernel)."""
+    one chunk a context still (at 66-72 rows, two programs an SM, it ran 0.78-0.81x the unpacked kernel)."""
     kv_per_prog = FP8_PACKED.kv_per_prog
     if num_kv_heads % kv_per_prog or not _fits(FP8_PACKED, head_dim, 1, device):
         return False

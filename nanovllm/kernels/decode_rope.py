@@ -9,9 +9,11 @@ stores it and the new value into the cache at slot_mapping (fp8-scaled as rope_s
 reads its chunk: a barrier orders the store before its own loads, and no other program reads that
 position. What follows is decode_attention's chunk and combine, shared code.
 
-At one row a decode step is latency-bound, ~183 kernels of a few microseconds (BENCHMARKS.md, sixth
-session): one fewer a layer is 28 fewer. At large batches the extra work per program (the rotation of
-its group's q) is repeated by every chunk, so the Triton backend uses this only for small batches."""
+At one row a decode step is latency-bound, ~183 kernels of a few microseconds (docs/performance-notes.md,
+section "Decode attention at one row"): one fewer a layer is 28 fewer. At large batches the extra work per
+program
+(the rotation of its group's q) is repeated by every chunk, so the Triton backend uses this only for small
+batches (TritonBackend.DECODE_BUCKETS)."""
 
 import math
 
@@ -24,14 +26,6 @@ from nanovllm.kernels.common import FP8_MAX, fp8_dot_operands
 from nanovllm.kernels.decode_attention import attend_chunk, chunk_bounds
 from nanovllm.kernels.decode_launch import DecodeCall
 from nanovllm.kernels.rope_store import check_rope_args, normed_rotated_rows
-
-# Under PDL, where the programs let the next kernel (the o_proj GEMV, itself a programmatic dependent)
-# launch: at one row right after their wait, from LATE_TRIGGER_MIN_ROWS rows on after their K/V loop.
-# The GEMV's programs load weight tiles as soon as they are resident; from two rows on, started that
-# early they compete with this kernel's K/V loads, which are on the critical path: a decode step 2.2-2.4%
-# faster at 2 and 4 rows, 0.7-0.8% at 8-32, with the later trigger; at one row 1.2% slower (BENCHMARKS.md,
-# calls V5 and V6).
-LATE_TRIGGER_MIN_ROWS = 2
 
 
 @triton.jit(do_not_specialize=["block_tables_stride", "num_splits"])
@@ -160,13 +154,15 @@ def paged_decode_rope_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     pdl: bool = False,  # a programmatic dependent launch (supports_pdl(q.device) must hold)
+    late_trigger: bool = False,  # under PDL: let the next kernel launch after the K/V loop, not the wait
 ) -> torch.Tensor:
     """norm_rope_store(q, k, v, ...) then paged_decode_attention(...) in one kernel: returns the
     attention output [B, num_heads, head_dim] and writes the step's k (normed, rotated) and v into the
     cache. The same arguments and the same results as the two calls (up to float32 rounding in the
     norm's sum); CUDA-graph capturable. Under PDL the kernel may start while the one before it (the
     q/k/v projection) runs; it reads only the step's host-built inputs (seqlens_k, positions) and the
-    rotary tables before it waits for that kernel's output."""
+    rotary tables before it waits for that kernel's output, and lets the next kernel launch right after
+that wait or, with late_trigger, after its K/V loop (the backend's choice, by the rows)."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError("pass both q_norm and k_norm, or neither")
     q_weight, q_eps = q_norm if q_norm is not None else (None, 0.0)
@@ -185,6 +181,6 @@ def paged_decode_rope_attention(
         call.out.stride(0), call.out.stride(1), block_tables.stride(0), call.num_splits,
         softmax_scale * k_scale * math.log2(math.e), v_scale,
         HAS_NORM=has_norm, QUANT=k_cache.dtype != q.dtype, **call.constexprs(q.dtype, k_cache.dtype),
-        PDL=pdl, LATE_TRIGGER=pdl and q.shape[0] >= LATE_TRIGGER_MIN_ROWS, launch_pdl=pdl,
+        PDL=pdl, LATE_TRIGGER=pdl and late_trigger, launch_pdl=pdl,
     )
     return call.out

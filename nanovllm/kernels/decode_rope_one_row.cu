@@ -192,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) decode_rope_cuda(
       xkp = to_f(krow[p]);
       xv = to_f(v[(i64)seq * v_sb + (i64)kvh * v_sh + d]);
     }
-    LOAD_TILE(start);  // in flight with the loads above (before the wait it was no faster: BENCHMARKS II2)
+    LOAD_TILE(start);  // in flight with the loads above (before the wait it was no faster: docs/performance-notes.md, "Decode attention at one row")
     // sums of squares of the G query heads and the key, across the block
     float sq[G + 1];
 #pragma unroll

@@ -8,11 +8,12 @@ cannot fold the SiLU-mul in. The weight is nearly all the bytes at these M and F
 weight tile here multiplies every row of x in turn: the one-row GEMV's programs and tiles, its K tile
 cut by the rows so that the float32 partials, [ROWS, BLOCK_N, BLOCK_K], take the registers one row's do.
 
-Measured on an H200 (BENCHMARKS.md, nineteenth session, X4; 28 calls of each Qwen3-0.6B linear, us):
+Measured on an H200 (28 calls of each Qwen3-0.6B linear, us; docs/performance-notes.md, section "Decode
+GEMMs and GEMVs"; commit 3b5c364, 2026-12-01):
 at two rows o_proj 96 against the rows kernel's 138 and down_proj with its SiLU-mul 146 against ~210-300,
 but q/k/v and gate/up with their RMSNorm folded in 199 and 236 against 180 and 198, and from three rows
 every shape but o_proj lost. So the layers take it at two rows for o_proj and down_proj alone
-(layers/linear.py, GEMV_MAX_ROWS); a norm is never folded in here.
+(layers/linear_methods.py, SkinnyLinearMethod.BUCKETS); a norm is never folded in here.
 
 Rows past M (ROWS is a power of two) read as zeros and are not stored. PDL and split-K as in
 skinny_gemm. Sizes come from shapes alone: CUDA-graph capturable."""
@@ -23,15 +24,13 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanovllm.kernels.common import sm_count
-from nanovllm.kernels.skinny_gemm import (
+from nanovllm.kernels.skinny_gemm import PLAIN, SILU_MUL, weight_tile
+from nanovllm.kernels.skinny_launch import (
     MAX_NUM_STAGES,
     MIN_BLOCK_K,
     PDL_PRELOAD_TILES,
-    PLAIN,
-    SILU_MUL,
     SkinnyConfig,
     skinny_config,
-    weight_tile,
 )
 from nanovllm.kernels.split_k import plan_split_k, reduce_split_k, split_k_workspace
 

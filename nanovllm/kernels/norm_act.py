@@ -1,14 +1,15 @@
 """RMSNorm (optionally after the residual add) and SiLU-gated activation as one Triton kernel each, for
-CUDA tensors; the layers keep plain PyTorch on the CPU (nanovllm.layers.layernorm, activation).
+CUDA tensors; the layers keep plain PyTorch on the CPU (nanovllm.layers.norm_act).
 
 They replace torch.compile'd versions of the same functions. Inside a CUDA graph the two cost the same;
 an eager step (prefill, mixed batches) calls them 85 times, and a plain Triton launch skips
-torch.compile's Python wrappers (BENCHMARKS.md, fifth session, call H4: a mixed step's launch 20.5 ->
+torch.compile's Python wrappers (docs/performance-notes.md, "Compilation and start-up": a mixed step's
+launch 20.5 ->
 19.4 ms; most of the rest was cuBLAS, see runner/inputs.py), and start-up compiles six frames fewer
-(H2: 10, H4: 4). Their rounding matches the PyTorch functions they replace:
+(10 before, 4 after). Their rounding matches the PyTorch functions they replace:
 
     rms_norm:      y = round(w * round(x * rsqrt(mean(x^2) + eps)))   (float32 inside; two roundings,
-                   as nanovllm.utils.norm.rms_norm and transformers)
+                   as nanovllm.attention.layer.rms_norm and transformers)
     add_rms_norm:  s = round(x + residual); y = rms_norm(s); returns (y, s)
     silu_and_mul:  y = round(silu(gate) * up)                          (float32 inside, one rounding)
 

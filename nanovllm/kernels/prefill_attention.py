@@ -95,7 +95,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     # Key tiles that end at or before the tile's first query position are visible to every row: no mask
-    # (3-8% of the kernel's time at 1-2k-token prompts, BENCHMARKS.md DD2).
+    # (3-8% of the kernel's time at 1-2k-token prompts, docs/performance-notes.md, "Prefill and mixed steps").
     masked_start = (num_cached + pid_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     for tile_start in range(0, masked_start, BLOCK_N):
         kv_offs = paged_kv_offsets(

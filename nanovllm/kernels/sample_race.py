@@ -3,10 +3,11 @@
 Each row samples argmax(logits / T + G), G Gumbel(0, 1) noise (= -log E with E ~ Exp(1), the race of
 layers/sampler.py), or argmax(logits) where T == 0. The PyTorch race writes a float32 noise tensor of the
 logits' size and reads it back: at 256 rows of a 152k vocabulary that is 155 MB each way, most of the
-sampler's ~200 us a step (BENCHMARKS.md, call H2). Here the noise is Philox counter-based randomness:
+sampler's ~200 us a step (docs/performance-notes.md, "Sampler"). Here the noise is Philox counter-based
+randomness:
 row r's noise at column c is a function of (seeds[r], c) alone, so a seeded request draws the same
-noise whatever rows share its batch, and nothing is stored. On an H200 (BENCHMARKS.md, seventh session,
-call K3a) the race took 64 us at 256 rows against the PyTorch race's 197, and 4.2 against 10.9 at one.
+noise whatever rows share its batch, and nothing is stored. On an H200 (docs/performance-notes.md,
+"Sampler") the race took 64 us at 256 rows against the PyTorch race's 197, and 4.2 against 10.9 at one.
 The kernel is bound by its arithmetic (Philox, two logarithms a column), not by reading the logits.
 
     stage 1, grid (rows, chunks): each program scans one chunk of a row and writes its best score and
@@ -19,8 +20,8 @@ With min_ps, a sampled row first drops the tokens whose logits / T fall below it
 stays. Logits may hold -inf (masked tokens); NaN is not expected.
 
 `greedy` is the same two stages without temperatures, seeds or noise (a constexpr variant of stage 1):
-a few rows' argmax in two kernels, where torch's split argmax takes five or six (BENCHMARKS.md, calls U1
-and U7: 3-4.5 us a call against ~20 at 1-8 rows)."""
+a few rows' argmax in two kernels, where torch's split argmax takes five or six: 3-4.5 us a call against
+~20 at 1-8 rows (docs/performance-notes.md, "Sampler")."""
 
 import torch
 import triton

@@ -1,7 +1,7 @@
 """Few-row matmuls on tensor cores: out[M, N] = x[M, K] @ weight[N, K]^T (+ bias) for 2 <= M <= MAX_ROWS,
-as decode at a batch of a few sequences runs every linear layer. On an H200 (BENCHMARKS.md, thirteenth
-session, R2-R5) a decode step's graph at 2-16 rows took 9-17% less than with cuBLAS and separate norm
-kernels. The LM head (N = 151,936) stays with cuBLAS, as fast there (R8).
+as decode at a batch of a few sequences runs every linear layer. On an H200 a decode step's graph at 2-16
+rows took 9-17% less than with cuBLAS and separate norm kernels (commit adbf98d, 2026-12-01). The LM head
+(N = 151,936) stays with cuBLAS, as fast there (commit 2bb6672).
 
 At these M the weight is nearly all the bytes, so like skinny_gemm's GEMV each program streams its
 [BLOCK_N, K] slab of the weight once, in pipelined [BLOCK_N, BLOCK_K] tiles. The products run on tensor
@@ -14,7 +14,7 @@ each row's sum stored once by the first column block, rounded to x's dtype), eac
 its sums at the end. The dot's operands are in x's dtype, so the normed row enters it rounded after the
 norm weight and before 1/rms: the output can differ from norm-then-GEMM by that rounding. SiLU-mul does
 not fold in: every column block recomputing it for 16 rows made the down projection slower than the
-SiLU-mul kernel and a plain launch (R2: 257 against 211 us for 28 calls).
+SiLU-mul kernel and a plain launch (257 against 211 us for 28 calls).
 
 On sm_90+ it launches as a programmatic dependent, as skinny_gemm does: it loads its first weight tiles,
 waits for the kernel before, then lets the next one launch. Split-K (float32 partials summed in a fixed
@@ -35,11 +35,12 @@ from nanovllm.kernels.split_k import plan_split_k, reduce_split_k, split_k_works
 # The rows of x the dot takes at once: tl.dot's smallest operand width.
 ROWS = 16
 MAX_ROWS = ROWS
-# rows_config's choices, measured on an H200 (132 SMs; BENCHMARKS.md, thirteenth session, R1-R2: 28 calls
+# rows_config's choices, measured on an H200 (132 SMs; commit adbf98d, docs/performance-notes.md, section
+# "Decode GEMMs and GEMVs": 28 calls
 # of each Qwen3-0.6B linear at 2, 8 and 16 rows, the best of ~20 settings a shape). q/k/v (N = 4096) and
 # gate/up (6144) ran fastest in 64-row column blocks (64 and 96 programs), o_proj and down_proj (N = 1024)
 # in 16-row ones; down_proj (K = 3072) split in four (211 us against 218-231 unsplit or in two), o_proj
-# (K = 2048) unsplit, 5 stages. In the engine (R4, decode graphs at 2-16 rows) the norm-folded launches
+# (K = 2048) unsplit, 5 stages. In the engine (decode graphs at 2-16 rows) the norm-folded launches
 # without preloaded tiles took 40-70 us a step less than with two.
 MIN_COLUMN_BLOCKS = 64
 SPLIT_ABOVE_TILES = 8

@@ -1,11 +1,13 @@
 """Vocab-parallel token embedding and LM head: each rank holds a contiguous slice of the vocabulary
-(the last slice padded when the vocabulary does not divide evenly)."""
+(the last slice padded when the vocabulary does not divide evenly). The LM head's matmul is its linear
+method's (layers/linear_methods.py); its weight stays the embedding's (dense, and tied to it where the
+checkpoint ties them)."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import linear, skinny_linear_or_none
+from nanovllm.layers.linear_methods import LinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.parallel import all_reduce, gather_to_rank0, get_tp_rank, get_tp_size
 
 
@@ -42,13 +44,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 quant_method: LinearMethod | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim)
-        # One row only: from two, cuBLAS reads this wide weight (311 MB for Qwen3's vocabulary) at ~3.9
-        # TB/s, 78-81 us at 2-16 rows on an H200, where the rows kernel took 80-134 (BENCHMARKS.md, R8).
-        self.skinny = skinny_linear_or_none(max_tokens=1)
+        self.quant_method = quant_method if quant_method is not None else UnquantizedLinearMethod()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[num_tokens, hidden] -> [num_tokens, vocab] on rank 0 (None on other ranks)."""
-        logits = gather_to_rank0(linear(hidden_states, self.weight, skinny=self.skinny), dim=-1)
-        return None if logits is None else logits[:, :self.num_embeddings]
+        logits = self.quant_method.apply(self, hidden_states, None)
+        if self.tp_size > 1:
+            logits = gather_to_rank0(logits, dim=-1)
+            if logits is None:
+                return None
+        return logits[:, :self.num_embeddings]

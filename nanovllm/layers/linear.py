@@ -1,95 +1,17 @@
-"""Tensor-parallel linear layers. Each parameter carries a `weight_loader(param, loaded[, shard_id])`
-that copies this rank's shard of a checkpoint tensor into it.
+"""Tensor-parallel linear layers: how each splits its weight across ranks and loads its shard. Each
+parameter carries a `weight_loader(param, loaded[, shard_id])` that copies this rank's shard of a
+checkpoint tensor into it; the matmul itself is the layer's method object's (layers/linear_methods.py),
+which creates the weight parameters too.
 
 Column-parallel layers split the output features across ranks (no communication); row-parallel
-layers split the input features and all-reduce the partial outputs."""
-
-from dataclasses import dataclass
+layers split the input features and all-reduce the partial outputs (at one rank, no call at all)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.options import kernel_options
+from nanovllm.layers.linear_methods import LinearMethod, UnquantizedLinearMethod
+from nanovllm.layers.norm_act import RMSNorm, SiluAndMul
 from nanovllm.layers.parallel import all_reduce, get_tp_rank, get_tp_size
-
-# A one-token matmul (single-stream decode) is a weight-streaming GEMV, where cuBLAS reaches a third
-# to two thirds of the memory bandwidth; nanovllm.kernels.skinny_gemm streams it 1.1-3.7x faster on an
-# H200. From 2 to SKINNY_MAX_TOKENS tokens (decode at a few sequences) nanovllm.kernels.skinny_rows
-# streams the weight once on tensor cores, except that up to GEMV_MAX_ROWS tokens the plain and the
-# SiLU-mul-folded matmuls (o_proj, down_proj) take nanovllm.kernels.gemv_rows, the GEMV for a few rows,
-# faster there (its docstring). The one-row GEMV and the rows kernel fold the RMSNorm before a layer
-# into them, the GEMVs the SiLU-mul. Config(skinny_gemm=False) turns them off.
-SKINNY_MAX_TOKENS = 16
-GEMV_MAX_ROWS = 2
-SKINNY_DTYPES = (torch.bfloat16, torch.float16)
-# Where the kernels run (tests add the CPU, where Triton's interpreter runs them).
-SKINNY_DEVICE_TYPES = ("cuda",)
-
-
-@dataclass(frozen=True, slots=True)
-class SkinnyKernels:
-    """The Triton kernels this engine's few-token matmuls take (GPU only: imported when called), with
-    the options fixed when the layer was built."""
-
-    pdl: bool  # launched as programmatic dependents (sm_90+)
-    max_tokens: int
-
-    def takes(self, x: torch.Tensor) -> bool:
-        """Whether x's matmul runs here (0 to max_tokens rows of a half-precision CUDA tensor)."""
-        return (x.device.type in SKINNY_DEVICE_TYPES and x.dim() == 2 and x.shape[0] <= self.max_tokens
-                and x.dtype in SKINNY_DTYPES)
-
-    def fuses(self, x: torch.Tensor) -> bool:
-        """Whether the RMSNorm before a linear layer folds into its kernel."""
-        return self.takes(x) and x.shape[0] >= 1 and x.is_contiguous()
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] <= 1:
-            from nanovllm.kernels.skinny_gemm import skinny_linear
-            return skinny_linear(x, weight, bias, pdl=self.pdl)
-        if x.shape[0] <= GEMV_MAX_ROWS:
-            from nanovllm.kernels.gemv_rows import gemv_rows_linear
-            return gemv_rows_linear(x, weight, bias, pdl=self.pdl)
-        from nanovllm.kernels.skinny_rows import rows_linear
-        return rows_linear(x, weight, bias, pdl=self.pdl)
-
-    def norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None, residual: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.shape[0] == 1:
-            from nanovllm.kernels.skinny_gemm import skinny_norm_linear
-            return skinny_norm_linear(x, norm_weight, eps, weight, bias, residual, self.pdl)
-        from nanovllm.kernels.skinny_rows import rows_norm_linear
-        return rows_norm_linear(x, norm_weight, eps, weight, bias, residual, self.pdl)
-
-    def folds_silu(self, x: torch.Tensor) -> bool:
-        """Whether the SiLU-mul before a linear layer folds into its kernel: up to GEMV_MAX_ROWS rows (in
-        the rows kernel it measured slower than its own kernel, skinny_rows)."""
-        return self.fuses(x) and x.shape[0] <= GEMV_MAX_ROWS
-
-    def silu_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:
-            from nanovllm.kernels.skinny_gemm import skinny_silu_linear
-            return skinny_silu_linear(x, weight, pdl=self.pdl)
-        from nanovllm.kernels.gemv_rows import gemv_rows_silu_linear
-        return gemv_rows_silu_linear(x, weight, pdl=self.pdl)
-
-
-def skinny_linear_or_none(max_tokens: int | None = None) -> SkinnyKernels | None:
-    """The few-token kernels when this engine's layers use them (for up to max_tokens tokens, default
-    SKINNY_MAX_TOKENS), else None."""
-    options = kernel_options()
-    if not options.skinny_gemm:
-        return None
-    return SkinnyKernels(options.pdl, SKINNY_MAX_TOKENS if max_tokens is None else max_tokens)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           skinny: SkinnyKernels | None = None) -> torch.Tensor:
-    if skinny is not None and skinny.takes(x):
-        return skinny.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -99,13 +21,16 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None) -> None:
+    """quant_method: how the layer computes (layers/linear_methods.py), chosen by the model's KernelPlan;
+    None: dense weights through torch."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
+                 quant_method: LinearMethod | None = None) -> None:
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        self.skinny = skinny_linear_or_none()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method = quant_method if quant_method is not None else UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size, output_size, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -138,45 +63,45 @@ class LinearBase(nn.Module):
         return {None: tuple(shape)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.local_matmul(x)
+        return self.quant_method.apply(self, x, self.bias)
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's matmul alone, without communication (what the GEMM warm-up runs)."""
-        return linear(x, self.weight, self.bias, self.skinny)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight (e.g. an MoE router, whose logits every rank needs)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, output_size, bias, tp_dim=None)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant_method: LinearMethod | None = None) -> None:
+        super().__init__(input_size, output_size, bias, None, quant_method)
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, _divide(output_size, get_tp_size(), "output size"), bias, tp_dim=0)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant_method: LinearMethod | None = None) -> None:
+        output_size = _divide(output_size, get_tp_size(), "output size")
+        super().__init__(input_size, output_size, bias, 0, quant_method)
 
-    def normed(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), or without a residual (self(norm(x)), x): the
-        decoder's RMSNorm (layers/layernorm.py) and the projection after it, one kernel for a few rows."""
-        fused = self.skinny is not None and self.skinny.fuses(x)
-        if fused and (residual is None or residual.is_contiguous()):
-            return self.skinny.norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, residual)
-        if residual is None:
-            return self(norm(x)), x
-        normed, residual = norm(x, residual)
-        return self(normed), residual
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """self(x); given the RMSNorm before this layer, (self(norm(x + residual)), x + residual), or
+        without a residual (self(norm(x)), x): the norm folded into the matmul where the method can."""
+        if norm is None:
+            return self.quant_method.apply(self, x, self.bias)
+        return self.quant_method.apply_normed(self, x, norm, residual)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input fused into one matmul (e.g. gate and up)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 quant_method: LinearMethod | None = None) -> None:
         for size in output_sizes:  # each part is split on its own, not just their sum
             _divide(size, get_tp_size(), "output size")
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, quant_method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         self._check_shape(param, loaded, shard_id)
@@ -194,7 +119,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     there are fewer K/V heads than ranks (each rank then keeps the one its query heads use)."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False) -> None:
+                 bias: bool = False, quant_method: LinearMethod | None = None) -> None:
         tp_size = get_tp_size()
         self.head_dim = head_dim
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
@@ -208,7 +133,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_head_index = get_tp_rank() // (tp_size // total_num_kv_heads)
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         # ColumnParallelLinear divides by tp_size; hand it the total so the per-rank size comes out.
-        LinearBase.__init__(self, hidden_size, output_size, bias, tp_dim=0)
+        LinearBase.__init__(self, hidden_size, output_size, bias, 0, quant_method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         self._check_shape(param, loaded, shard_id)
@@ -227,20 +152,21 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias, tp_dim=1)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant_method: LinearMethod | None = None) -> None:
+        super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias, 1, quant_method)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.local_matmul(x))
+    def forward(self, x: torch.Tensor, act: SiluAndMul | None = None) -> torch.Tensor:
+        """self(x); given the gated MLP's activation before this layer, self(act(x)) of its [gate | up],
+        the SiLU-mul folded into the matmul where the method can. The bias is added once, after the
+        partial sums are reduced."""
+        if act is None:
+            y = self.quant_method.apply(self, x, None)
+        else:
+            y = self.quant_method.apply_silu(self, x, None)
+        if self.tp_size > 1:
+            y = all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is added once, after the partial sums are reduced.
-        return linear(x, self.weight, skinny=self.skinny)
-
-    def silu_mul_forward(self, gate_up: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
-        """self(act_fn(gate_up)) for the SiLU-gated MLP's [gate | up]: one kernel for up to GEMV_MAX_ROWS."""
-        if self.skinny is None or not self.skinny.folds_silu(gate_up):
-            return self(act_fn(gate_up))
-        y = all_reduce(self.skinny.silu_linear(gate_up, self.weight))
-        return y if self.bias is None else y + self.bias
+        return self.quant_method.apply(self, x, None)

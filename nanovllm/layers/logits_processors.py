@@ -1,5 +1,6 @@
 """Per-request logits processors, applied on the device to the logits of the rows being sampled, in
-vLLM's order: allowed_token_ids, bad_words, min_tokens (EOS and stop ids masked), logit_bias, then the
+vLLM's order: the structured output's grammar bitmask (xgrammar's kernel, on the rows with a grammar
+only), allowed_token_ids, bad_words, min_tokens (EOS and stop ids masked), logit_bias, then the
 penalties (repetition, frequency, presence). Nothing is built or run unless some row of the batch asks
 for it (nanovllm.runner.inputs builds the tensors from the step's SamplingBatch); the penalties' token
 counts are scattered into a [batch, vocab] tensor on the device from the rows' token ids, copied once
@@ -20,6 +21,9 @@ import torch
 class LogitsProcessorTensors:
     """What one batch's processors need; each part is None when no row uses it."""
 
+    # Structured outputs: int32 [B, ceil(V / 32)] bits, 1 = allowed, applied to bitmask_rows only.
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
     allowed: torch.Tensor | None = None  # [B, V] bool, True = may be sampled
     masked: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, bias)
@@ -33,6 +37,11 @@ class LogitsProcessorTensors:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """New float32 logits [B, V] with every processor applied (the input is left untouched)."""
         logits = logits.float().clone()
+        if self.bitmask is not None:
+            from xgrammar import apply_token_bitmask_inplace  # only structured output rows get here
+
+            apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=logits.shape[1],
+                                        indices=self.bitmask_rows)
         if self.allowed is not None:
             logits.masked_fill_(~self.allowed, float("-inf"))
         if self.masked is not None:

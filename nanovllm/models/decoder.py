@@ -4,7 +4,8 @@ Checkpoint names map onto the fused layers through `packed_modules_mapping`. A f
 with its own `AttentionOptions` (models/llama.py, qwen2.py, qwen3.py).
 
 Every family attends to the whole context: a config with an active sliding window is rejected here
-rather than run with the wrong attention. The step's attention metadata is an argument of forward."""
+rather than run with the wrong attention. The step's attention metadata is an argument of forward. The
+kernels the layers take are the KernelPlan's the model is built with (layers/kernel_plan.py)."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,13 +15,12 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.attention.backend import QKNorm
-from nanovllm.attention.layer import Attention
+from nanovllm.attention.layer import Attention, RotaryEmbedding
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.attention.rotary import RotaryEmbedding
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.kernel_plan import KernelPlan
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.norm_act import RMSNorm, SiluAndMul
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,15 +48,18 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions, rotary: RotaryEmbedding) -> None:
+    """The attention block's modules (checkpoint names self_attn.*); DecoderLayer calls them in turn."""
+
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, rotary: RotaryEmbedding,
+                 plan: KernelPlan) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=options.qkv_bias)
+                                          config.num_key_value_heads, options.qkv_bias, plan.linear)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=options.o_bias)
+                                        options.o_bias, plan.linear)
         qk_norm = None
         if options.qk_norm:  # checkpoint names: self_attn.q_norm.weight, self_attn.k_norm.weight
             self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
@@ -64,77 +67,70 @@ class DecoderAttention(nn.Module):
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, rotary, qk_norm)
 
-    # No forward: the decoder layer calls qkv_proj, attend and o_proj apart, each half of the layer with
-    # its norm folded into the projection where it can (DecoderLayer.before_attention, after_attention).
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The attention between the projections: [T, (H + 2 Hkv) D] -> [T, H D]."""
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        return self.attn(q, k, v, positions, meta).flatten(1, -1)
-
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, plan: KernelPlan) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                                       bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
+                                                       bias, plan.linear)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, plan.linear)
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is")
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.silu_mul_forward(self.gate_up_proj(x), self.act_fn)
-
-    def normed(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), the norm folded into the first projection."""
-        gate_up, residual = self.gate_up_proj.normed(x, norm, residual)
-        return self.down_proj.silu_mul_forward(gate_up, self.act_fn), residual
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """down(act(gate_up(x))); given the RMSNorm before the block, (self(norm(x + residual)),
+        x + residual), or without a residual (self(norm(x)), x). Each projection folds in the norm or the
+        activation before it where its linear method can."""
+        if norm is None:
+            return self.down_proj(self.gate_up_proj(x), act=self.act_fn)
+        gate_up, residual = self.gate_up_proj(x, norm=norm, residual=residual)
+        return self.down_proj(gate_up, act=self.act_fn), residual
 
 
 class DecoderLayer(nn.Module):
+    """x = x + attn(norm(x)); x = x + mlp(norm(x)). Each RMSNorm is handed to the projection after it,
+    which folds it in where its linear method can; the residual stream runs alongside."""
+
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, rotary: RotaryEmbedding,
-                 mlp: nn.Module) -> None:
+                 mlp: nn.Module, plan: KernelPlan) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, options, rotary)
+        self.self_attn = DecoderAttention(config, options, rotary, plan)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = self.before_attention(hidden_states, residual)
-        return self.after_attention(self.self_attn.attend(qkv, positions, meta), residual)
+        qkv, residual = self.attention_input(hidden_states, residual)
+        return self.attention_output(self.self_attn.attn(qkv, positions, meta), residual)
 
-    # The layer in two halves around its attention, which needs the step's metadata: what comes before
-    # and after it depends on the token count alone (runner/piecewise.py captures it in CUDA graphs).
-    def before_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qkv projection [T, (H + 2 Hkv) D], residual stream)."""
-        return self.self_attn.qkv_proj.normed(hidden_states, self.input_layernorm, residual)
-
-    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor
+    # The layer either side of its attention, the one part that reads the step's metadata: these two
+    # depend on the token count alone, so runner/piecewise.py captures them in CUDA graphs and runs the
+    # attention between them.
+    def attention_input(self, hidden_states: torch.Tensor, residual: torch.Tensor | None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's output, residual stream) from the attention's output [T, H D]."""
+        """input_layernorm, then the q/k/v projection: (qkv [T, (H + 2 Hkv) D], residual stream)."""
+        return self.self_attn.qkv_proj(hidden_states, norm=self.input_layernorm, residual=residual)
+
+    def attention_output(self, attn_out: torch.Tensor, residual: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output projection of the attention's [T, H D], then post_attention_layernorm and the MLP:
+        (this layer's output, residual stream)."""
         hidden_states = self.self_attn.o_proj(attn_out)
-        if isinstance(self.mlp, DecoderMLP):  # folds the norm into its first projection where it can
-            return self.mlp.normed(hidden_states, self.post_attention_layernorm, residual)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return self.mlp(hidden_states, norm=self.post_attention_layernorm, residual=residual)
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, options: AttentionOptions,
-                 build_mlp: Callable[[PretrainedConfig, int], nn.Module]) -> None:
+                 build_mlp: Callable[[PretrainedConfig, int, KernelPlan], nn.Module], plan: KernelPlan
+                 ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings)
-        self.layers = nn.ModuleList(DecoderLayer(config, options, rotary, build_mlp(config, i))
+        self.layers = nn.ModuleList(DecoderLayer(config, options, rotary, build_mlp(config, i, plan), plan)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -162,19 +158,23 @@ class DecoderForCausalLM(nn.Module):
         raise NotImplementedError("each family says how its attention differs")
 
     @classmethod
-    def build_mlp(cls, config: PretrainedConfig, layer_idx: int) -> nn.Module:
-        """The feed-forward block of layer `layer_idx` (families with MoE layers override this)."""
-        return DecoderMLP(config)
+    def build_mlp(cls, config: PretrainedConfig, layer_idx: int, plan: KernelPlan) -> nn.Module:
+        """The feed-forward block of layer `layer_idx` (families with MoE layers override this): called
+        as DecoderMLP is, with or without the norm before it."""
+        return DecoderMLP(config, plan)
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, plan: KernelPlan | None = None) -> None:
+        """plan: the kernels the layers take (the model runner's, for its device and dtype); None: torch
+        everywhere."""
         super().__init__()
+        plan = plan if plan is not None else KernelPlan.torch_only()
         window = sliding_window_in_use(config)
         if window is not None:
             raise ValueError(f"this {type(self).__name__} config uses sliding-window attention "
                              f"(sliding_window={window}), which nanovllm does not implement; use a "
                              "checkpoint whose config.json has \"sliding_window\": null")
-        self.model = DecoderModel(config, self.attention_options(config), self.build_mlp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.model = DecoderModel(config, self.attention_options(config), self.build_mlp, plan)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, plan.lm_head)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -7,6 +7,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.layers.fused_moe import DOWN, GATE, GATE_UP, UP, SparseMoeBlock
+from nanovllm.layers.kernel_plan import KernelPlan
 from nanovllm.models.decoder import DecoderMLP
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 
@@ -27,9 +28,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     }
 
     @classmethod
-    def build_mlp(cls, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+    def build_mlp(cls, config: PretrainedConfig, layer_idx: int, plan: KernelPlan) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
-            return DecoderMLP(config)
+            return DecoderMLP(config, plan)
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                               config.num_experts_per_tok, bool(getattr(config, "norm_topk_prob", False)),
-                              config.hidden_act)
+                              config.hidden_act, plan.router, plan.quantization)

@@ -13,7 +13,8 @@ The graphs of up to `head_rows` rows hold the LM head too, and given `race` (the
 kernels/sample_race.py) they sample as well. A decode step's host work runs beside the device's previous
 step (overlap scheduling), and at one row it took ~650 us of a ~810 us step, the LM head's launch 125 of
 it and the sampler's (its parameters' upload, its two Triton launches) ~145: a step whose host work ran
-late left the device idle (single streams 0.82-0.95 ms/token on different machines, BENCHMARKS.md W3-W12).
+late left the device idle (single streams 0.82-0.95 ms/token on different machines,
+docs/performance-notes.md, "Host overhead").
 A step whose rows ask for nothing but a temperature (and seed) takes the graph's tokens; the others
 (top-k, top-p, min-p, logprobs, logits processors) sample eagerly from the graph's logits.
 
@@ -32,8 +33,8 @@ import torch
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.engine.step import StepBatch
 from nanovllm.layers.parallel import get_tp_group
-from nanovllm.runner.batch import StepBatch
 from nanovllm.runner.inputs import longest_first
 from nanovllm.runner.transfers import Uploads
 

@@ -4,8 +4,10 @@ host -> device once per field, from pinned memory on CUDA so the copies do not b
 
 An eager step on CUDA may be padded to `padded_num_tokens` rows: cuBLAS chooses a GEMM kernel per
 matrix shape and caches the choice, and a shape it has not met cost ~130 us of host time per linear
-layer against ~15 us (H200, BENCHMARKS.md), while a mixed step's token count changes every step.
-With the padding (and runner/warm_up.py) a mixed step launched in 16.4 ms instead of 19.4 (call H5).
+layer against ~15 us (H200, docs/performance-notes.md, "CUDA graphs"), while a mixed step's token count
+changes every step.
+With the padding (and runner/warm_up.py) a mixed step launched in 16.4 ms instead of 19.4
+(docs/performance-notes.md, "CUDA graphs").
 Padding rows are token 0 at position 0 with slot -1 (no KV stored); the attention metadata describes
 only the real tokens, so no attention kernel reads a padding row (the attention layer zeroes their
 output), and nothing samples from one."""
@@ -17,9 +19,9 @@ import numpy as np
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.engine.step import SEED_MASK, ProcessorRow, SamplingBatch, StepBatch
 from nanovllm.layers.logits_processors import LogitsProcessorTensors, padded_ids, scatter_ids
 from nanovllm.layers.sampler import SamplingTensors
-from nanovllm.runner.batch import SEED_MASK, ProcessorRow, SamplingBatch, StepBatch
 
 
 @dataclass(slots=True)
@@ -147,6 +149,10 @@ def logits_processor_tensors(rows: list[ProcessorRow | None] | None, vocab_size:
     if rows is None:
         return None
     t, used = LogitsProcessorTensors(), False
+    grammar_rows = [i for i, r in enumerate(rows) if r is not None and r.grammar is not None]
+    if grammar_rows:
+        t.bitmask = grammar_bitmask(rows, grammar_rows, vocab_size, device)
+        t.bitmask_rows, used = grammar_rows, True
     if any(r is not None and r.allowed_token_ids is not None for r in rows):
         ids = [(r.allowed_token_ids if r is not None else None) or [] for r in rows]
         allowed = scatter_ids(padded_ids(ids, vocab_size, device), vocab_size, torch.bool)
@@ -172,3 +178,17 @@ def logits_processor_tensors(rows: list[ProcessorRow | None] | None, vocab_size:
         t.output_ids = padded_ids([r.output_token_ids if r else [] for r in rows], vocab_size, device)
         used = True
     return t if used else None
+
+
+def grammar_bitmask(rows: list[ProcessorRow | None], grammar_rows: list[int], vocab_size: int,
+                    device: torch.device) -> torch.Tensor:
+    """The structured output rows' allowed tokens, filled on the host by their matchers: int32
+    [len(rows), ceil(vocab / 32)] bits, 1 = allowed (the other rows' stay all ones and are not read)."""
+    import xgrammar  # only a structured output request gets here, and its compile checked it is there
+
+    bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab_size)
+    for i in grammar_rows:
+        rows[i].grammar.fill_next_token_bitmask(bitmask, i)
+    if device.type == "cuda":
+        return bitmask.pin_memory().to(device, non_blocking=True)
+    return bitmask.to(device)

@@ -1,13 +1,38 @@
 """The paged KV cache of one rank: one tensor [2 (k, v), layers, blocks, block_size, kv_heads, head_dim]
-whose per-layer views the attention layers read and write, and how many blocks fit a memory budget."""
+whose per-layer views the attention layers read and write, and how many blocks fit a memory budget
+(on a GPU, what is left after a warm-up forward at the largest batch)."""
 
 import logging
 import math
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from nanovllm.attention.layer import Attention
 from nanovllm.config import Config
+from nanovllm.engine.step import StepBatch
+from nanovllm.layers.parallel import min_across_ranks
+from nanovllm.runner.sampling import StepSampler, worst_case_sampling
+
+
+class SizedRunner(Protocol):
+    """What sizing the cache reads of the model runner (nanovllm.runner.model_runner)."""
+
+    config: Config
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    block_size: int
+    model: nn.Module
+    sampler: StepSampler
+    attention_layers: list[Attention]
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None: ...
+
+    def _release_kv_cache(self) -> None: ...
+
+    def _forward(self, batch: StepBatch) -> object: ...
 
 logger = logging.getLogger("nanovllm")
 
@@ -62,3 +87,56 @@ def detach(layers: list[Attention]) -> None:
     """Take the cache's views from the layers (the tensor is freed once its owner drops it)."""
     for layer in layers:
         layer.k_cache = layer.v_cache = torch.empty(0)
+
+
+def num_blocks_that_fit(runner: SizedRunner) -> int:
+    """Blocks of the runner's layers that fit its memory budget, the same on every rank."""
+    config, device = runner.config, runner.device
+    activation_peak = 0
+    if device.type == "cuda":
+        activation_peak = _activation_peak(runner)
+        logger.debug("warm-up forward done: %.2f GiB of activations at the largest batch",
+                     activation_peak / 2**30)
+        torch.cuda.empty_cache()
+    bytes_per_block = block_bytes(runner.attention_layers, runner.block_size, runner.kv_dtype)
+    num_blocks = blocks_for_budget(config, device, bytes_per_block, activation_peak)
+    # One scheduler on rank 0 hands out block ids for every rank: all must hold as many blocks
+    # (and all raise together when one has none).
+    num_blocks = min_across_ranks(num_blocks)
+    if num_blocks < 1:
+        raise no_room_error(config, device)
+    return num_blocks
+
+
+@torch.inference_mode()
+def _activation_peak(runner: SizedRunner) -> int:
+    """One prefill at the largest batch the scheduler can form, over a temporary KV cache just big
+    enough for it, and the sampler at the largest decode batch; returns the activation memory they
+    took beyond that cache (bytes)."""
+    config, device = runner.config, runner.device
+    num_tokens = config.max_num_batched_tokens
+    num_seqs = max(1, min(config.max_num_seqs, num_tokens // config.max_model_len))
+    seq_len = min(config.max_model_len, num_tokens // num_seqs)
+    blocks_per_seq = math.ceil(seq_len / runner.block_size)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+    runner._allocate_kv_cache(num_seqs * blocks_per_seq)
+    batch = StepBatch(
+        is_prefill=True, input_ids=[0] * (num_seqs * seq_len), positions=list(range(seq_len)) * num_seqs,
+        slot_mapping=[-1] * (num_seqs * seq_len), cu_seqlens_q=list(range(0, num_seqs * seq_len + 1,
+        seq_len)),
+        seqlens_k=[seq_len] * num_seqs, block_tables=tables, sample_rows=list(range(num_seqs)), sampling=None)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    runner._forward(batch)
+    # The largest decode batch samples from full-vocabulary logits (top-p sorts them, processors
+    # and logprobs copy them): its peak too.
+    max_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
+    hidden = torch.zeros(max_batch, config.hf_config.hidden_size, dtype=runner.dtype, device=device)
+    logits = runner.model.compute_logits(hidden)
+    if logits is not None:  # rank 0 only
+        runner.sampler(logits, worst_case_sampling(max_batch))
+    torch.cuda.synchronize(device)
+    activation_peak = torch.cuda.max_memory_allocated(device) - before
+    runner._release_kv_cache()
+    return activation_peak

@@ -6,6 +6,7 @@ prefill and mixed steps up to a few thousand tokens piecewise ones around attent
 import gc
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -14,18 +15,18 @@ from torch import nn
 from nanovllm.attention.layer import Attention
 from nanovllm.attention.registry import select_backend
 from nanovllm.config import Config
-from nanovllm.layers.options import KernelOptions, use_kernel_options
-from nanovllm.layers.parallel import get_tp_rank, min_across_ranks
+from nanovllm.engine.executor import ExecutorInfo
+from nanovllm.engine.step import SamplingBatch, StepBatch, StepOutput
+from nanovllm.layers.kernel_plan import KernelPlan, kernel_table, process_weights_after_loading
+from nanovllm.layers.parallel import get_tp_rank
 from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.models import get_model_class
 from nanovllm.runner import kv_cache, warm_up
-from nanovllm.runner.batch import SamplingBatch, StepBatch, StepOutput
 from nanovllm.runner.cuda_graph import HEAD_GRAPH_MAX_ROWS, DecodeGraphs, staging_bytes
 from nanovllm.runner.inputs import model_inputs, padded_num_tokens, to_device
 from nanovllm.runner.piecewise import PiecewiseGraphs, memory_token_limit
-from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row, worst_case_sampling
-from nanovllm.runner.step_output import PendingOutput
-from nanovllm.runner.transfers import Uploads
+from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row
+from nanovllm.runner.transfers import PendingOutput, Uploads
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
@@ -55,18 +56,16 @@ def runner_device(config: Config, rank: int) -> torch.device:
     return torch.device("cuda", rank) if config.device_type == "cuda" else torch.device("cpu")
 
 
-def _supports_pdl(device: torch.device) -> bool:
-    from nanovllm.kernels.common import supports_pdl  # imports Triton: GPU only
-    return supports_pdl(device)
-
-
 class ModelRunner:
+    """One rank's device side; with one rank, the engine's Executor (nanovllm.engine.executor)."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.rank = get_tp_rank()
+        self.world_size = config.tensor_parallel_size
         self.device = runner_device(config, self.rank)
-        self.dtype = config.torch_dtype
-        self.kv_dtype = config.kv_cache_torch_dtype  # the model's dtype, or fp8 (kv_cache_dtype="fp8")
+        self.dtype: torch.dtype = getattr(torch, config.model_dtype)
+        self.kv_dtype: torch.dtype = getattr(torch, config.cache_dtype)  # the model's, or fp8
         self.block_size = config.kvcache_block_size
         hf = config.hf_config
         self.vocab_size = hf.vocab_size
@@ -79,18 +78,20 @@ class ModelRunner:
             self.cpu_threads = CpuThreadPolicy(config.cpu_threads)
             self.cpu_threads.apply()
         torch.manual_seed(config.seed)
-        self.model = self._build_model(KernelOptions(skinny_gemm=on_gpu and config.skinny_gemm,
-                                                     pdl=on_gpu and _supports_pdl(self.device)))
+        self.model = self._build_model(KernelPlan.for_device(self.device, self.dtype, config.skinny_gemm,
+                                                             quantization=config.quantization, hf_config=hf))
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         layer = self.attention_layers[0]
         self.backend = select_backend(config.attention_backend, self.device, self.block_size, self.dtype,
                                       config.max_num_seqs, layer.num_kv_heads, self.kv_dtype)
         for layer in self.attention_layers:
             layer.backend = self.backend
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("kernels by rows:\n%s", kernel_table(self.model, self.backend))
         self.sampler = StepSampler(self.vocab_size, self.device, compiled=on_gpu and config.torch_compile)
         self.pad_eager = on_gpu
         # Each step's small inputs in one copy off the compute stream, its sampled ids back on another
-        # (runner/transfers.py, step_output.py).
+        # (runner/transfers.py).
         max_batch, max_blocks = self._decode_graph_size()
         self.uploads = Uploads(self.device, staging_bytes(max_batch, max_blocks)
                                + SAMPLING_BYTES_PER_ROW * config.max_num_seqs + UPLOAD_SLACK)
@@ -115,14 +116,17 @@ class ModelRunner:
             if config.torch_compile or self.sampler.sampler.fused_race:
                 warm_up.sampler(self.model, self.sampler, config.hf_config.hidden_size, self.dtype,
                                 self.device)
+        threads = self.cpu_threads.num_threads if self.cpu_threads is not None else None
+        self.info = ExecutorInfo(str(self.device), config.model_dtype, self.backend.name,
+                                 self.num_kvcache_blocks, threads)
 
-    def _build_model(self, options: KernelOptions) -> nn.Module:
+    def _build_model(self, plan: KernelPlan) -> nn.Module:
         config, hf = self.config, self.config.hf_config
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), use_kernel_options(options):
-                model: nn.Module = get_model_class(hf)(hf)
+            with torch.device(self.device):
+                model: nn.Module = get_model_class(hf)(hf, plan)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -131,6 +135,7 @@ class ModelRunner:
             load_weights(model, config.gguf.weights(self.dtype), config.gguf_path)
         else:
             load_model(model, config.model)
+        process_weights_after_loading(model)
         logger.debug("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
         return model.eval()
 
@@ -156,23 +161,9 @@ class ModelRunner:
 
     # ---- KV cache ----
     def _num_kvcache_blocks(self) -> int:
-        config = self.config
-        if config.num_kvcache_blocks is not None:
-            return config.num_kvcache_blocks
-        activation_peak = 0
-        if self.device.type == "cuda":
-            activation_peak = self._warmup()
-            logger.debug("warm-up forward done: %.2f GiB of activations at the largest batch",
-                         activation_peak / 2**30)
-            torch.cuda.empty_cache()
-        bytes_per_block = kv_cache.block_bytes(self.attention_layers, self.block_size, self.kv_dtype)
-        num_blocks = kv_cache.blocks_for_budget(config, self.device, bytes_per_block, activation_peak)
-        # One scheduler on rank 0 hands out block ids for every rank: all must hold as many blocks
-        # (and all raise together when one has none).
-        num_blocks = min_across_ranks(num_blocks)
-        if num_blocks < 1:
-            raise kv_cache.no_room_error(config, self.device)
-        return num_blocks
+        if self.config.num_kvcache_blocks is not None:
+            return self.config.num_kvcache_blocks
+        return kv_cache.num_blocks_that_fit(self)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = kv_cache.allocate(self.attention_layers, num_blocks, self.block_size, self.kv_dtype,
@@ -181,39 +172,6 @@ class ModelRunner:
     def _release_kv_cache(self) -> None:
         kv_cache.detach(self.attention_layers)
         del self.kv_cache
-
-    @torch.inference_mode()
-    def _warmup(self) -> int:
-        """One prefill at the largest batch the scheduler can form, over a temporary KV cache just big
-        enough for it; returns the activation memory it took beyond that (bytes)."""
-        config = self.config
-        num_tokens = config.max_num_batched_tokens
-        num_seqs = max(1, min(config.max_num_seqs, num_tokens // config.max_model_len))
-        seq_len = min(config.max_model_len, num_tokens // num_seqs)
-        blocks_per_seq = math.ceil(seq_len / self.block_size)
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
-        self._allocate_kv_cache(num_seqs * blocks_per_seq)
-        batch = StepBatch(
-            is_prefill=True, input_ids=[0] * (num_seqs * seq_len), positions=list(range(seq_len)) * num_seqs,
-            slot_mapping=[-1] * (num_seqs * seq_len),
-            cu_seqlens_q=list(range(0, num_seqs * seq_len + 1, seq_len)),
-            seqlens_k=[seq_len] * num_seqs, block_tables=tables, sample_rows=list(range(num_seqs)),
-            sampling=None)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        self._forward(batch)
-        # The largest decode batch samples from full-vocabulary logits (top-p sorts them, processors
-        # and logprobs copy them): its peak too.
-        max_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
-        hidden = torch.zeros(max_batch, config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
-        logits = self.model.compute_logits(hidden)
-        if logits is not None:  # rank 0 only
-            self.sampler(logits, worst_case_sampling(max_batch))
-        torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
-        self._release_kv_cache()
-        return activation_peak
 
     # ---- one step ----
     def _previous_tokens(self, batch: StepBatch, prev_sampled: torch.Tensor | None
@@ -229,8 +187,10 @@ class ModelRunner:
     def _forward(self, batch: StepBatch, prev_sampled: torch.Tensor | None = None) -> Forward:
         """Queue the step's forward pass (and, in a small decode graph, the sampling of rows that ask for
         no more than a temperature and a seed); prev_sampled: the previous step's sampled ids."""
-        if self.cpu_threads is not None:
-            self.cpu_threads.apply()
+        threads = self.cpu_threads
+        if threads is not None and (time.monotonic() >= threads.next_look
+                                    or torch.get_num_threads() != threads.num_threads):
+            threads.apply()
         uploads, graphs = self.uploads, self.decode_graphs
         uploads.begin()
         staged = None
@@ -285,11 +245,11 @@ class ModelRunner:
         return None if pending is None else pending.wait()
 
     @torch.inference_mode()
-    def launch(self, batch: StepBatch, prev_sampled: torch.Tensor | None = None) -> PendingOutput | None:
+    def launch(self, batch: StepBatch, previous: PendingOutput | None = None) -> PendingOutput | None:
         """Start one step without waiting for it: forward, sampling and the copy of the sampled ids to
         the host are queued on the device; `wait()` on the result reads them (None on the other ranks).
-        prev_sampled: the previous step's sampled ids, for the batch's prev_token_* inputs."""
-        forward = self._forward(batch, prev_sampled)
+        previous: the step launched before, whose sampled ids feed the batch's prev_token_* inputs."""
+        forward = self._forward(batch, previous.sampled if previous is not None else None)
         if forward.sampled is not None:  # a decode graph's own race (no logprobs asked)
             return PendingOutput(forward.sampled, None, None, self.download_stream, forward.sampled_host)
         prompt_lps = None
@@ -310,8 +270,11 @@ class ModelRunner:
         """Raise what rank 0 would raise turning these sampling rows into tensors (on the CPU)."""
         self.sampler.check(sampling)
 
-    def release(self) -> None:
-        """Free the model and its KV cache now (the layers' weight loaders form reference cycles)."""
+    def shutdown(self) -> None:
+        """Free the model and its KV cache now (the layers' weight loaders form reference cycles).
+        Idempotent."""
+        if not hasattr(self, "model"):
+            return
         for graphs in (self.decode_graphs, self.piecewise):
             if graphs is not None:
                 graphs.release()

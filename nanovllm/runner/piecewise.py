@@ -4,10 +4,12 @@ blocks), so the whole forward cannot be one graph; but everything between two at
 output projection, MLP and norms of layer i, then layer i+1's norm and QKV projection) depends on the
 token count alone. Those pieces are captured once per size of a token ladder and replayed; the
 attention runs eagerly in between. Launched eagerly, a mixed step's ~300 kernels took 16-30 ms of
-host time against ~15 ms of GPU time (BENCHMARKS.md, calls H5 and I1); with the pieces, 8 ms (I2).
+host time against ~15 ms of GPU time; with the pieces, 8 ms (docs/performance-notes.md, section
+"CUDA graphs"; commit 7e1bfc0, 2026-11-30).
 
-Piece 0 is the embedding and layer 0's first half, piece i (1 <= i < L) layer i-1's second half and
-layer i's first half, piece L layer L-1's second half and the final norm. Pieces pass values through
+Piece 0 is the embedding and layer 0's attention_input, piece i (1 <= i < L) layer i-1's
+attention_output and layer i's attention_input, piece L layer L-1's attention_output and the final norm
+(models/decoder.py's DecoderLayer). Pieces pass values through
 static buffers sized for the largest captured step: every size's graphs address the same buffers,
 and the pool of each size's intermediates is shared (captures and replays never overlap)."""
 
@@ -107,9 +109,9 @@ class PiecewiseGraphs:
         if i == 0:
             hidden, residual = self.embed(self.input_ids[:n]), None
         else:
-            hidden, residual = self.layers[i - 1].after_attention(self.attn_out[:n], self.residual[:n])
+            hidden, residual = self.layers[i - 1].attention_output(self.attn_out[:n], self.residual[:n])
         if i < len(self.layers):
-            qkv, residual = self.layers[i].before_attention(hidden, residual)
+            qkv, residual = self.layers[i].attention_input(hidden, residual)
             self.qkv[:n].copy_(qkv)
             self.residual[:n].copy_(residual)
         else:
@@ -158,6 +160,6 @@ class PiecewiseGraphs:
         self.input_ids[:n].copy_(inputs.input_ids)
         for i, layer in enumerate(self.layers):
             self._run_piece(i, n)
-            self.attn_out[:n].copy_(layer.self_attn.attend(self.qkv[:n], inputs.positions, inputs.meta))
+            self.attn_out[:n].copy_(layer.self_attn.attn(self.qkv[:n], inputs.positions, inputs.meta))
         self._run_piece(len(self.layers), n)
         return self.hidden[:n]

@@ -6,12 +6,12 @@ from collections.abc import Callable
 
 import torch
 
+from nanovllm.engine.step import SEED_MASK, ProcessorRow, PromptLogprobSpan, SamplingBatch, StepOutput
 from nanovllm.layers.logprobs import SampledLogprobs, prompt_logprobs, sampled_logprobs
 from nanovllm.layers.sampler import SPLIT_ARGMAX_ROWS, Sampler, SamplingTensors
 from nanovllm.outputs import TokenLogprobs
-from nanovllm.runner.batch import SEED_MASK, ProcessorRow, PromptLogprobSpan, SamplingBatch, StepOutput
 from nanovllm.runner.inputs import Put, logits_processor_tensors, race_seeds, sampling_tensors
-from nanovllm.runner.step_output import PendingOutput
+from nanovllm.runner.transfers import PendingOutput
 from nanovllm.sampling_params import MAX_LOGPROBS
 
 # Row counts that each select another compiled variant of the sampler: one row (torch.compile
@@ -73,7 +73,8 @@ class StepSampler:
         tokens = self.sampler(logits, params if params is not None else self.tensors(sampling))
         ks = sampling.num_logprobs
         # Raw-model logprobs (vLLM's default logprobs_mode), only when some row asked.
-        return tokens, sampled_logprobs(raw, tokens, ks)
+        asked = any(k is not None for k in ks)
+        return tokens, sampled_logprobs(raw, tokens, ks) if asked else None
 
     def __call__(self, logits: torch.Tensor, sampling: SamplingBatch) -> StepOutput:
         """`sample`, read on the host."""

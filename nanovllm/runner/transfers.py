@@ -1,7 +1,10 @@
-"""A step's small host -> device inputs in one copy on a stream of their own, off the compute stream.
+"""A step's transfers between host and device, both off the compute stream.
+
+Up: the step's small host -> device inputs go in one copy on a stream of their own.
 
 On the compute stream every copy is a node that the next kernel waits behind (2-8 us each on an H200,
-BENCHMARKS.md Q1, S2), and a one-row decode step had three before its first kernel. Here the step's
+docs/performance-notes.md, "Host overhead"), and a one-row decode step had three before its first kernel.
+Here the step's
 inputs (the decode graph's staging area, the sampler's per-row parameters) are written into one of two
 pinned host slots, and `flush()` copies the slot on the copy stream; the compute stream only waits for
 that copy's event. With overlap scheduling the host builds step n+1 while the GPU runs step n, so the
@@ -10,10 +13,24 @@ copy has landed long before step n+1's first kernel.
 Slot i is reused two steps later: the host waits for its last copy before writing it again, and the copy
 stream waits for a compute-stream event recorded when the step after slot i's last user began (by then
 every kernel that read slot i was queued before that event). On the CPU there is nothing to overlap: a
-reservation is a plain tensor."""
+reservation is a plain tensor.
+
+Down: a step's output on its way to the host. When the step is launched, its sampled ids (and the
+logprobs some rows asked for) are copied without blocking into pinned host memory, behind one CUDA
+event; `wait()` waits for that event, the one host sync of a step, and reads them. Until then the host
+is free to schedule and launch the next step, whose decode rows take their input token from
+`sampled`, still on the device (overlap scheduling, nanovllm.engine.overlap). The copies run on a
+stream of their own when the runner gives one: on the compute stream the next step's first kernel
+waited behind them (~8 us a step at one row, docs/performance-notes.md, "Host overhead"). On the CPU there
+is nothing to wait
+for: the tensors are read where they are."""
 
 import numpy as np
 import torch
+
+from nanovllm.engine.step import StepOutput
+from nanovllm.layers.logprobs import SampledLogprobs
+from nanovllm.outputs import TokenLogprobs
 
 NUM_SLOTS = 2
 # Every reservation starts on this many bytes, so any dtype's view of the slot is aligned.
@@ -100,3 +117,51 @@ class Uploads:
         """Wait for the copies in flight (before the slots' memory is freed)."""
         if self.on_gpu:
             self.stream.synchronize()
+
+def _to_host(t: torch.Tensor, host: torch.Tensor | None = None) -> torch.Tensor:
+    """A host copy of t, queued on the current stream, that is only safe to read after the step's event
+    (pinned, so the copy is asynchronous); t itself on the CPU. host: pinned memory of t's shape to copy
+    into (t then lives as long as the caller says, as a decode graph's output does), else a new one."""
+    if t.device.type == "cpu":
+        return t
+    if host is None:
+        # t may be freed (logprobs' temporaries) before this stream has read it: keep its memory until then.
+        t.record_stream(torch.cuda.current_stream(t.device))
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+class PendingOutput:
+    def __init__(self, sampled: torch.Tensor, logprobs: SampledLogprobs | None,
+                 prompt_logprobs: dict[int, list[TokenLogprobs]] | None,
+                 copy_stream: torch.cuda.Stream | None = None, sampled_host: torch.Tensor | None = None
+                 ) -> None:
+        """sampled: [sampling rows] int64, on the step's device; prompt_logprobs are on the host already
+        (those steps sync while they run, and overlap scheduling waits for them at once). copy_stream:
+        where the copies to the host run (after the step's work so far), instead of the current stream.
+        sampled_host: pinned memory for the sampled ids' copy, which nothing writes before `wait()`."""
+        self.sampled = sampled
+        self._prompt_logprobs = prompt_logprobs
+        self._event: torch.cuda.Event | None = None
+        if sampled.device.type != "cuda":
+            self._token_ids = sampled
+            self._logprobs = logprobs
+            return
+        stream = torch.cuda.current_stream(sampled.device)
+        if copy_stream is not None:
+            copy_stream.wait_stream(stream)
+            stream = copy_stream
+        with torch.cuda.stream(stream):
+            self._token_ids = _to_host(sampled, sampled_host)
+            self._logprobs = logprobs.map(_to_host) if logprobs is not None else None
+            # Recorded after the copies: once it has passed, they have landed.
+            self._event = torch.cuda.Event()
+            self._event.record(stream)
+
+    def wait(self) -> StepOutput:
+        """Block until the step's sampled ids are on the host; returns them with their logprobs."""
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids = self._token_ids.tolist()
+        logprobs = self._logprobs.dicts(len(token_ids)) if self._logprobs is not None else None
+        return StepOutput(token_ids, logprobs, self._prompt_logprobs)

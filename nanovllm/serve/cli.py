@@ -5,12 +5,16 @@ drift apart; vLLM's own names for a few are accepted too (`-tp`, `--block-size`,
 `--num-gpu-blocks-override`). The engine runs in a process of its own (one per data-parallel
 replica; nanovllm.serve.engine_client), and `serve` waits until it is built: an engine that fails
 to start ends `serve` with its error and status 1. SIGTERM or Ctrl-C: uvicorn stops accepting, lets
-the requests in flight finish for up to --graceful-timeout seconds, then the rest are aborted and
-the engine process stopped."""
+the requests in flight finish for up to --graceful-timeout seconds, then the rest are aborted (a
+stream ends with an error event and `data: [DONE]`, a waiting client gets a 503) and the engine
+process stopped. The served model's id defaults to the model folder's or file's name (or the short
+name, `nanovllm serve smollm2`), never a full path: it shows in every response and in /metrics."""
 
 import argparse
+import asyncio
 import contextlib
 import logging
+import os
 import sys
 import types
 import typing
@@ -27,7 +31,9 @@ from nanovllm.config import (
     VALID_LOAD_FORMATS,
     Config,
 )
+from nanovllm.serve.admission import MAX_REQUEST_BYTES
 from nanovllm.serve.engine_client import STEP_TIMEOUT_S
+from nanovllm.serve.tool_calls import TOOL_PARSERS
 
 CHOICES = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
            "attention_backend": VALID_ATTENTION_BACKENDS, "kv_cache_dtype": VALID_KV_CACHE_DTYPES}
@@ -40,6 +46,9 @@ NONE_MEANS = {"max_num_seqs": f"{MAX_NUM_SEQS_LARGE_GPU} on a GPU of {LARGE_GPU_
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Seconds that in-flight requests get to finish after SIGTERM before they are aborted.
 GRACEFUL_TIMEOUT_S = 30
+# After the aborts, uvicorn waits this much longer for the aborted requests' last events to go out
+# before it cuts the connections.
+ABORT_GRACE_S = 2.0
 
 
 def _int_or_word(value: str) -> int | str:
@@ -86,12 +95,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> list[str]:
 
 def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     parser = argparse.ArgumentParser(prog="nanovllm serve", description="OpenAI-compatible server")
-    parser.add_argument("model", help="a Hugging Face model folder or a .gguf file")
+    parser.add_argument("model", help="a Hugging Face model folder, a .gguf file, or a short name (smollm2)")
     parser.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--served-model-name", default=None,
-                        help="the model id clients send (default: MODEL)")
+                        help="the model id clients send (default: MODEL's folder or file name)")
     parser.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT_S,
                         help="seconds in-flight requests may finish after SIGTERM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -99,16 +108,42 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                         help="seconds an engine with requests in flight may go without finishing a step "
                              "before it is taken for hung: stopped, its requests failed, /health 503 "
                              f"(default {STEP_TIMEOUT_S:.0f}; 0: never)")
+    parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                        help=f"larger request bodies get a 413 (default {MAX_REQUEST_BYTES})")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no throughput line in the log (vLLM's flag)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="streamed responses send a chunk every this-many tokens (vLLM's flag; "
                              "default 1: each token as it is generated)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="the format the model writes tool calls in, for tool_choice 'auto' (vLLM's "
+                             "flag; 'hermes': <tool_call>{...}</tool_call>, as Qwen's and Hermes' models)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="serve tool_choice 'auto' (OpenAI's default with tools): generation stays "
+                             "free and --tool-call-parser finds the calls (vLLM's flag)")
     return parser, add_engine_options(parser)
 
 
-def _server_class(uvicorn):
+def served_model_name(model: str) -> str:
+    """A model's default id: its folder's or file's name (a short name stays as it is)."""
+    return os.path.basename(os.path.normpath(model)) or model
+
+
+def _server_class(uvicorn, engine, graceful_timeout: float):
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGTERM after its graceful shutdown, which would kill the process before
-        the engine is shut down and exit with status -15; this one returns, and exits with 0."""
+        the engine is shut down and exit with status -15; this one returns, and exits with 0. Past the
+        graceful timeout it aborts what is still running (each request ends with an error the client
+        sees), then gives uvicorn ABORT_GRACE_S to send those last events before it cuts connections."""
+
+        async def shutdown(self, sockets=None):
+            timer = asyncio.get_running_loop().call_later(
+                graceful_timeout, engine.abort_all,
+                f"the server is stopping and --graceful-timeout ({graceful_timeout:g} s) has passed")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -139,6 +174,11 @@ def serve_main(argv: list[str] | None = None) -> int:
                         "" if args.api_key else ", and with no --api-key")
     if args.stream_interval < 1:
         parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
+    if args.max_request_bytes < 1:
+        parser.error(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the format to find calls in), "
+                     f"one of {sorted(TOOL_PARSERS)}")
     if args.engine_step_timeout < 0:
         parser.error(f"--engine-step-timeout must be >= 0 (0: never), got {args.engine_step_timeout}")
     options = {name: getattr(args, name) for name in engine_names}
@@ -156,10 +196,12 @@ def serve_main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     try:
-        app = build_app(engine, args.served_model_name or args.model, args.api_key, args.stream_interval)
+        app = build_app(engine, args.served_model_name or served_model_name(args.model), args.api_key,
+                        args.stream_interval, args.max_request_bytes, not args.disable_log_stats,
+                        args.tool_call_parser, args.enable_auto_tool_choice)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.graceful_timeout)
-        _server_class(uvicorn)(config).run()
+                                timeout_graceful_shutdown=args.graceful_timeout + ABORT_GRACE_S)
+        _server_class(uvicorn, engine, args.graceful_timeout)(config).run()
     finally:
         engine.close()
     return 0

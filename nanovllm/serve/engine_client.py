@@ -1,5 +1,5 @@
 """The HTTP process's side of the engine: it starts the engine process (one per data-parallel
-replica, nanovllm.serve.engine_process), sends it checked requests and aborts, and fans each step
+replica, nanovllm.dp.engine_process), sends it checked requests and aborts, and fans each step
 message out to the requests' streams. The pipes are read on the event loop itself (a reader callback,
 not a thread): one wake-up per step, and no second thread taking turns with the handlers for the GIL.
 
@@ -15,9 +15,10 @@ import weakref
 from dataclasses import fields
 
 from nanovllm.config import Config
-from nanovllm.dp.coordinator import placements
-from nanovllm.serve.engine_core import EngineStats
-from nanovllm.serve.engine_process import EngineProcess, EngineStartError
+from nanovllm.dp.engine_core import EngineStats
+from nanovllm.dp.engine_process import EngineProcess, EngineStartError
+from nanovllm.dp.replica import placements
+from nanovllm.serve.request_metrics import RequestMetrics
 from nanovllm.serve.request_stream import RequestStream, ServerRequest
 from nanovllm.utils.tokenizer import load_engine_tokenizer
 
@@ -54,7 +55,7 @@ class EngineClient:
         self._finalizer = weakref.finalize(self, _close_all, self.engines)
         try:
             for index, placement in enumerate(layout):
-                self.engines.append(EngineProcess(index, model, engine_options, placement))
+                self.engines.append(EngineProcess(index, model, engine_options, placement, detailed=True))
             self.tokenizer = load_engine_tokenizer(config)  # while the engines load
             for engine in self.engines:
                 engine.wait_ready()
@@ -70,6 +71,7 @@ class EngineClient:
         self._stopping = False
         self._num_running = len(self.engines)
         self._all_gone: asyncio.Event | None = None
+        self.request_metrics = RequestMetrics(config.max_model_len)
 
     # ---- the event loop's side ----
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -103,6 +105,13 @@ class EngineClient:
         entry = self._streams.get(request_id)
         if entry is not None:  # else it has finished already
             entry[1].send(("abort", request_id))
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every request in flight; each ends with finish_reason "abort" and `reason` as its
+        error (the server stops: better an error event than a cut-off stream)."""
+        for request_id, (stream, engine) in self._streams.items():
+            stream.error = reason
+            engine.send(("abort", request_id))
 
     def stats(self) -> EngineStats:
         """The engines' latest figures, summed."""
@@ -141,18 +150,41 @@ class EngineClient:
         except (EOFError, OSError):
             self._engine_gone(engine)
             return
-        engine.last_heard = self._loop.time()
+        engine.last_heard = now = self._loop.time()
         if message[0] == "step":
             _, updates, engine.stats = message
-            for request_id, new_token_ids, output in updates:
+            metrics = self.request_metrics
+            for request_id, new_token_ids, output, details in updates:
                 stream, _ = self._streams[request_id]
+                token_ids = logprobs = None
+                if details is not None:
+                    token_ids, logprobs = details.token_ids, details.logprobs
+                    if details.queue_time is not None:
+                        metrics.request_queue_time.observe(details.queue_time)
+                if new_token_ids or token_ids:
+                    if stream.first_token_time is None:
+                        stream.first_token_time = now
+                        metrics.time_to_first_token.observe(now - stream.request.arrival)
+                    else:
+                        metrics.inter_token_latency.observe(now - stream.last_token_time)
+                    stream.last_token_time = now
                 if output is not None:
                     del self._streams[request_id]
                     engine.num_pending_tokens -= _cost(stream.request)
-                stream.add(new_token_ids, output)
+                    self._observe_finished(stream, output, now)
+                stream.add(new_token_ids, output, token_ids, logprobs)
         elif message[0] == "error":  # it exits next: its EOF ends its requests
             engine.traceback = message[1]
             logger.error("%s failed:\n%s", engine, message[1])
+
+    def _observe_finished(self, stream: RequestStream, output: dict, now: float) -> None:
+        metrics = self.request_metrics
+        if output["finish_reason"] == "error":
+            return
+        metrics.e2e_request_latency.observe(now - stream.request.arrival)
+        metrics.request_prompt_tokens.observe(stream.request.num_prompt_tokens)
+        completions = output.get("outputs") or [output]
+        metrics.request_generation_tokens.observe(sum(len(c["token_ids"]) for c in completions))
 
     def _engine_gone(self, engine: EngineProcess) -> None:
         """End every request the engine had: aborted when the server stops, failed otherwise."""

@@ -8,16 +8,18 @@ before any weight is loaded, with a message that says what to change.
   tensor and data parallelism need are visible.
 - `check_model_config(hf_config)`: the sizes the model is built from are positive integers that fit
   together (heads divide the hidden size when the config has no head_dim, query heads are a multiple
-  of key/value heads), so that `num_attention_heads=0` is refused here instead of at the first step."""
+  of key/value heads), so that `num_attention_heads=0` is refused here instead of at the first step;
+  and its quantization is one nanovllm implements (`quantization_scheme`: fp8, see layers/fp8.py)."""
 
 import math
 import types
 import typing
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 from transformers import PretrainedConfig
+
+from nanovllm.utils.device import cuda_available, cuda_device_count
 
 # Model-config sizes that must be positive integers, and whether a config may leave them out.
 REQUIRED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -71,8 +73,85 @@ def _size(hf_config: PretrainedConfig, name: str, required: bool) -> int | None:
     return value
 
 
-def check_model_config(hf_config: PretrainedConfig) -> None:
-    """Raise ValueError if the model this config describes cannot be built or run."""
+# What an fp8 quantization_config may say (the layout Qwen's and DeepSeek's FP8 checkpoints use, and
+# vLLM's "fp8" method), and the option values `LLM(quantization=...)` takes (vLLM's name).
+FP8_FIELDS = {"quant_method", "activation_scheme", "weight_block_size", "fmt", "modules_to_not_convert",
+              "ignored_layers"}
+VALID_QUANTIZATIONS = (None, "fp8")
+# Modules a quantization_config may leave unquantized that nanovllm never quantizes anyway: the embedding,
+# the LM head and an MoE router (`mlp.gate`).
+ALWAYS_UNQUANTIZED = ("lm_head", "embed_tokens", "mlp.gate")
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Scheme:
+    """fp8 (e4m3) weights with float32 scales; activations quantized on the fly (dynamic).
+
+    block: weight_block_size (rows, columns): one weight scale per block, activations scaled per group
+    of `columns` inputs of a token; None: one scale per output channel (or per tensor) and activations
+    scaled per token. serialized: the checkpoint's weights are fp8; False: quantized at load
+    (`quantization="fp8"` on a bf16/fp32 checkpoint)."""
+
+    block: tuple[int, int] | None
+    serialized: bool
+
+
+def _quant_method(quant) -> str:
+    if isinstance(quant, dict):
+        return str(quant.get("quant_method", "unnamed"))
+    return str(getattr(quant, "quant_method", type(quant).__name__))
+
+
+def quantization_scheme(hf_config: PretrainedConfig, option: str | None = None) -> Fp8Scheme | None:
+    """The checkpoint's quantization (config.json's quantization_config) or the `quantization` option's,
+    or None for none. What nanovllm does not implement is refused here, never loaded wrong: its weights
+    would be cast to the model dtype with their scales dropped, and every output be garbage."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return None if option is None else Fp8Scheme(block=None, serialized=False)
+    method = _quant_method(quant)
+    if method != "fp8" or not isinstance(quant, dict):
+        raise ValueError(f"this checkpoint is quantized (quantization_config quant_method={method!r}), "
+                         "which nanovllm does not implement (it implements 'fp8'); it is refused rather than "
+                         "loaded wrong. Use the model's unquantized (bf16/fp16) or FP8 checkpoint")
+    if option not in (None, method):
+        raise ValueError(f"quantization={option!r} but the checkpoint is quantized with {method!r}; "
+                         "leave quantization unset (None) to use the checkpoint's")
+    unknown = sorted(quant.keys() - FP8_FIELDS)
+    if unknown:
+        raise ValueError(f"the checkpoint's fp8 quantization_config has fields {unknown} that nanovllm does "
+                         f"not implement (it knows {sorted(FP8_FIELDS)}); it is refused rather than loaded "
+                         "wrong")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"fp8 activation_scheme {scheme!r} (static input_scale tensors) is not implemented; "
+                         "nanovllm implements 'dynamic' activation scales")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"fp8 fmt {quant['fmt']!r} is not implemented; nanovllm implements 'e4m3'")
+    for name in (*(quant.get("modules_to_not_convert") or []), *(quant.get("ignored_layers") or [])):
+        if not str(name).endswith(ALWAYS_UNQUANTIZED):
+            raise ValueError(f"the fp8 quantization_config leaves {name!r} unquantized, which nanovllm does "
+                             f"not implement (only modules ending in {list(ALWAYS_UNQUANTIZED)} may be)")
+    block = quant.get("weight_block_size")
+    if block is None:
+        return Fp8Scheme(block=None, serialized=True)
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"fp8 weight_block_size must be two positive integers, got {block!r}")
+    return Fp8Scheme(block=(block[0], block[1]), serialized=True)
+
+
+def check_quantization(hf_config: PretrainedConfig, option: str | None = None) -> None:
+    """Raise ValueError for a quantization nanovllm does not implement (see quantization_scheme)."""
+    if option not in VALID_QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(VALID_QUANTIZATIONS)}, got {option!r}")
+    quantization_scheme(hf_config, option)
+
+
+def check_model_config(hf_config: PretrainedConfig, quantization: str | None = None) -> None:
+    """Raise ValueError if the model this config describes cannot be built or run (with the
+    `quantization` option, see check_quantization)."""
+    check_quantization(hf_config, quantization)
     sizes = {name: _size(hf_config, name, True) for name in REQUIRED_SIZES}
     sizes.update({name: _size(hf_config, name, False) for name in OPTIONAL_SIZES})
     num_heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
@@ -124,7 +203,7 @@ def _check_tensor_parallel(config) -> None:
             "attention heads and the intermediate size, and divide or be a multiple of the key/value "
             f"heads; valid sizes: {valid}")
     if config.device_type == "cuda":
-        num_gpus = torch.cuda.device_count()
+        num_gpus = cuda_device_count()
         if n > num_gpus:
             raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs but {num_gpus} are visible; "
                              "lower it, or expose more GPUs (CUDA_VISIBLE_DEVICES)")
@@ -134,9 +213,9 @@ def _check_data_parallel(config) -> None:
     """Before any replica is spawned: every replica gets tensor_parallel_size GPUs of its own."""
     if config.data_parallel_size == 1:
         return
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+    if config.device == "cuda" or (config.device == "auto" and cuda_available()):
         dp, tp = config.data_parallel_size, config.tensor_parallel_size
-        num_gpus = torch.cuda.device_count()
+        num_gpus = cuda_device_count()
         if dp * tp > num_gpus:
             raise ValueError(f"data_parallel_size={dp} replicas of tensor_parallel_size={tp} need "
                              f"{dp * tp} GPUs but {num_gpus} are visible; lower one of them, or expose "

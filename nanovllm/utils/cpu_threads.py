@@ -76,6 +76,9 @@ class CpuThreadPolicy:
         self._machine_busy_s, self._own_cpu_s, self._clock = machine_busy_s, own_cpu_s, clock
         self._load_average = load_average
         self._last = self._sample()
+        # When apply() next has something to look at (a fixed count: never); the runner skips the call
+        # before then while torch's count is ours.
+        self.next_look = self._last[0] + REEVALUATE_S if setting == AUTO else float("inf")
         # Until the first look, assume the machine is as loaded as its recent load average says,
         # less this process (which is loading the model now).
         if setting == AUTO:
@@ -100,6 +103,7 @@ class CpuThreadPolicy:
         now = self._sample()
         wall = now[0] - self._last[0]
         before, self._last = self._last, now
+        self.next_look = now[0] + REEVALUATE_S
         if now[1] is None or before[1] is None:
             # No /proc/stat: the load average counts runnable threads, ours included.
             return max(0.0, self._safe_load_average() - self.num_threads)

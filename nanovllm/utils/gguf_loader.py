@@ -11,13 +11,15 @@ import importlib.util
 import re
 import struct
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from nanovllm.utils.gguf_dequant import dequantize
 from nanovllm.utils.gguf_reader import GGUFFile, TensorInfo
+
+if TYPE_CHECKING:  # torch is imported by whatever calls weights(): the config side needs none
+    import torch
 
 GGUF_SUFFIX = ".gguf"
 INSTALL_HINT = "pip install 'nanovllm[gguf]' (or: pip install gguf)"
@@ -55,7 +57,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
-def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_qk(weight: "torch.Tensor", num_heads: int) -> "torch.Tensor":
     """Undo llama.cpp's Q/K row order: per head, it interleaves the two rotary halves
     ([h, 2, d/2] -> [h, d/2, 2]); put the halves back one after the other."""
     rows = weight.shape[0]
@@ -148,9 +150,11 @@ class GGUFCheckpoint:
                 options[f"{role}_token"] = tokens[token_id]
         return PreTrainedTokenizerFast(tokenizer_object=backend, **options, **extra)
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, dtype: "torch.dtype") -> Iterator[tuple[str, "torch.Tensor"]]:
         """(Hugging Face name, dequantized tensor in `dtype`) for every tensor a model here uses."""
         from gguf import GGML_QUANT_SIZES
+
+        from nanovllm.utils.gguf_dequant import dequantize  # torch: only where weights are loaded
 
         hf = self.hf_config
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads

@@ -83,7 +83,8 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 
 def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
-    """Random weights (norm scales stay 1) for throughput runs where no checkpoint exists.
+    """Random weights (norm scales and fp8 weight scales stay 1) for throughput runs where no checkpoint
+    exists; fp8 weights are drawn in float32 and rounded.
 
     Each full checkpoint tensor is drawn from its own seed (the run's seed and the tensor's name), on
     the parameter's device, and goes through the parameter's weight loader like a checkpoint tensor:
@@ -92,12 +93,14 @@ def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> No
         shapes = checkpoint_shapes(model, name, param)
         loader = getattr(param, "weight_loader", default_weight_loader)
         for shard_id, shape in shapes.items():
-            if name.endswith("norm.weight"):
-                full = torch.ones(shape, dtype=param.dtype, device=param.device)
+            # randn draws no 1-byte dtype: fp8 weights are drawn in float32, their loader rounds them
+            dtype = torch.float32 if param.element_size() == 1 else param.dtype
+            if name.endswith(("norm.weight", "weight_scale", "weight_scale_inv")):
+                full = torch.ones(shape, dtype=dtype, device=param.device)
             else:
                 gen = torch.Generator(device=param.device)
                 gen.manual_seed(_tensor_seed(seed, f"{name}/{shard_id}"))
-                full = torch.randn(shape, generator=gen, dtype=param.dtype, device=param.device).mul_(std)
+                full = torch.randn(shape, generator=gen, dtype=dtype, device=param.device).mul_(std)
             if shard_id is None:
                 loader(param, full)
             else:

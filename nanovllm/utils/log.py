@@ -23,15 +23,16 @@ def ensure_default_handler() -> None:
         logger.setLevel(logging.INFO)
 
 
-def startup_line(config, device: object, dtype: object, backend: str, cpu_threads: int | None,
-                 num_kvcache_blocks: int) -> str:
-    """The line for an engine built from `config` (a nanovllm.config.Config: this module sits below it
-    and only reads it). E.g. "SmolLM2-135M-Instruct.Q4_1.gguf (llama, gguf), float32 on cpu, attention
-    torch, KV cache 87,040 tokens, TP 1, CPU threads auto (1 now)"."""
+def startup_line(config, info) -> str:
+    """The line for an engine built from `config` (a nanovllm.config.Config) whose executor reports
+    `info` (a nanovllm.engine.executor.ExecutorInfo; this module sits below both and only reads them).
+    E.g. "SmolLM2-135M-Instruct.Q4_1.gguf (llama, gguf), float32 on cpu, attention torch, KV cache
+    87,040 tokens, TP 1, CPU threads auto (1 now)"."""
     model = os.path.basename((config.gguf_path or config.model).rstrip(os.sep)) or config.model
-    num_kv_tokens = num_kvcache_blocks * config.kvcache_block_size
+    num_kv_tokens = info.num_kvcache_blocks * config.kvcache_block_size
+    cpu_threads = info.cpu_threads
     parts = [f"{model} ({config.hf_config.model_type}, {config.load_format})",
-             f"{str(dtype).removeprefix('torch.')} on {device}", f"attention {backend}",
+             f"{info.dtype} on {info.device}", f"attention {info.attention_backend}",
              f"KV cache {num_kv_tokens:,} tokens" + (" (fp8)" if config.kv_cache_dtype != "auto" else ""),
              f"TP {config.tensor_parallel_size}"]
     if cpu_threads is not None:

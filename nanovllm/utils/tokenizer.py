@@ -42,11 +42,44 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, conversation: list[dict[str, str]],
+                add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None, *,
+                chat_template: str | None = None, continue_final_message: bool = False) -> str:
+    """One conversation as text, through the tokenizer's chat template (or `chat_template`, a Jinja
+    template). continue_final_message leaves the last message open for the model to go on with it
+    (a prefilled assistant reply), as vLLM's and transformers' option of that name."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be True: one opens a "
+                         "new assistant turn, the other continues the last message; pass "
+                         "add_generation_prompt=False")
+    options = {**(chat_template_kwargs or {}), "chat_template": chat_template,
+               "add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continue_final_message}
+    return tokenizer.apply_chat_template(conversation, tokenize=False, **options)
+
+
 def chat_token_ids(tokenizer: PreTrainedTokenizerBase, conversation: list[dict[str, str]],
-                   add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[int]:
-    """The prompt token ids of one conversation, formatted with the tokenizer's chat template."""
-    text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **(chat_template_kwargs or {}))
+                   add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None, *,
+                   chat_template: str | None = None, continue_final_message: bool = False) -> list[int]:
+    """The prompt token ids of one conversation (chat_prompt's text)."""
+    text = chat_prompt(tokenizer, conversation, add_generation_prompt, chat_template_kwargs,
+                       chat_template=chat_template, continue_final_message=continue_final_message)
     # The template already placed any special tokens (BOS) it wants.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_conversation(conversation: object) -> None:
+    """A conversation is a non-empty list of {"role": str, "content": str} dicts; anything else would
+    reach the chat template and fail there with an error that names neither the message nor the key."""
+    if not isinstance(conversation, list) or not conversation:
+        raise TypeError(f"a conversation must be a non-empty list of messages, got {conversation!r:.80}")
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            raise TypeError(f"message {i} must be a dict with 'role' and 'content', got "
+                            f"{type(message).__name__}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"message {i} has no {key!r}; every message needs 'role' and 'content', "
+                                 f"e.g. {{'role': 'user', 'content': 'Hello'}}")
+            if not isinstance(message[key], str):
+                raise TypeError(f"message {i}'s {key!r} must be a string, got {type(message[key]).__name__}")

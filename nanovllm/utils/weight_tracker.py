@@ -9,16 +9,22 @@ Every error names the file and the tensor, and both shapes for a mismatch.
 
 Mixture-of-experts models stack their experts' tensors into one parameter per projection
 (`expert_params_mapping`, see layers/fused_moe.py); such a parameter counts as loaded piece by piece
-(`expert.part`), so one missing expert tensor is named."""
+(`expert.part`), so one missing expert tensor is named.
+
+A parameter may carry a `checkpoint_view(tensor, shard_id)` that turns its checkpoint tensor into the shape
+its loader takes (an fp8 block scale [N/128, K/128] into one row per weight row, layers/fp8.py); the
+tensor's stored dtype must then match too: 1-byte (int8, uint8, fp8) tensors load only into parameters
+of their own dtype, never cast with their scales dropped."""
 
 import re
 
 import torch
 from torch import nn
 
-# A per-expert checkpoint name (`...mlp.experts.3.gate_proj.weight`) or an already stacked one
-# (`...mlp.experts.gate_up_proj`, as transformers names GGUF experts).
-EXPERT_NAME = re.compile(r"(?P<prefix>.*\.experts)\.(?:(?P<expert>\d+)\.)?(?P<proj>\w+?)(?:\.weight)?")
+# A per-expert checkpoint name (`...mlp.experts.3.gate_proj.weight`, or its fp8 scale `...weight_scale_inv`)
+# or an already stacked one (`...mlp.experts.gate_up_proj`, as transformers names GGUF experts).
+EXPERT_NAME = re.compile(r"(?P<prefix>.*\.experts)\.(?:(?P<expert>\d+)\.)?(?P<proj>\w+?)"
+                         r"(?:\.weight(?P<suffix>_scale(?:_inv)?)?)?")
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -26,6 +32,31 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape "
                          f"{tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+def check_stored_dtype(param: nn.Parameter, tensor: torch.Tensor, name: str, file: str) -> None:
+    """A quantized tensor loads only into a parameter of its own dtype, and a quantized parameter only
+    from one: a cast would drop or miss the scales, and every output be garbage."""
+    quantized = tensor.element_size() == 1 or (param.is_floating_point() and not tensor.is_floating_point())
+    if quantized and tensor.dtype != param.dtype:
+        raise ValueError(f"{file!r}: tensor {name!r} is stored as {tensor.dtype}, a quantized format "
+                         "nanovllm does not implement here (it implements fp8 e4m3 checkpoints whose "
+                         "quantization_config says quant_method 'fp8'); use the model's unquantized "
+                         "checkpoint")
+    if param.element_size() == 1 and tensor.dtype != param.dtype:
+        raise ValueError(f"{file!r}: tensor {name!r} is stored as {tensor.dtype} but the checkpoint's "
+                         f"quantization_config makes it {param.dtype}; is config.json this checkpoint's?")
+
+
+def checkpoint_view(param: nn.Parameter, tensor: torch.Tensor, shard_id, name: str, file: str
+                    ) -> torch.Tensor:
+    view = getattr(param, "checkpoint_view", None)
+    if view is None:
+        return tensor
+    try:
+        return view(tensor, shard_id)
+    except ValueError as e:
+        raise ValueError(f"{file!r}: cannot load tensor {name!r}: {e}") from e
 
 
 def checkpoint_shapes(model: nn.Module, name: str, param: nn.Parameter) -> dict:
@@ -65,8 +96,9 @@ class WeightTracker:
         if isinstance(shard_id, str) and "." in shard_id:  # a stacked expert piece: `expert.part`
             expert, part = shard_id.split(".")
             prefix, _, param_name = target.rpartition(".")
-            proj = next((p for p, mapped in self.experts.items() if mapped == (param_name, part)), None)
-            return f"{prefix}.{expert}.{proj}.weight" if proj else f"{target}:{shard_id}"
+            base, _, suffix = param_name.partition("_weight")  # w13_weight_scale_inv -> w13, _scale_inv
+            proj = next((p for p, mapped in self.experts.items() if mapped == (f"{base}_weight", part)), None)
+            return f"{prefix}.{expert}.{proj}.weight{suffix}" if proj else f"{target}:{shard_id}"
         for ckpt_name, (fused_name, fused_shard) in self.packed.items():
             if fused_shard == shard_id and f".{fused_name}." in target:
                 return target.replace(fused_name, ckpt_name)
@@ -74,11 +106,13 @@ class WeightTracker:
 
     def _load_expert(self, match: re.Match, tensor: torch.Tensor, file: str) -> None:
         param_name, part = self.experts[match["proj"]]
-        target = f"{match['prefix']}.{param_name}"
+        target = f"{match['prefix']}.{param_name}{match['suffix'] or ''}"
         param = self.params.get(target)
         if param is None:
             return
         expert = None if match["expert"] is None else int(match["expert"])
+        check_stored_dtype(param, tensor, match.string, file)
+        tensor = checkpoint_view(param, tensor, (expert, part), match.string, file)
         try:
             param.weight_loader(param, tensor, (expert, part))
         except (ValueError, RuntimeError) as e:
@@ -102,6 +136,8 @@ class WeightTracker:
         shape = self.expected.get(key)
         if shape is None:  # a tied duplicate under another name, or a shard this parameter lacks
             shape = checkpoint_shapes(self.model, target, param).get(shard_id)
+        check_stored_dtype(param, tensor, name, file)
+        tensor = checkpoint_view(param, tensor, shard_id, name, file)
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"{file!r}: tensor {name!r} has shape {tuple(tensor.shape)} but the model "
                              f"expects {tuple(shape)}; is this checkpoint the model its config describes?")

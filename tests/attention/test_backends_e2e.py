@@ -27,15 +27,15 @@ def reference(qwen3_dir):
     return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("extra,fused_rows", [({}, None), ({"max_num_batched_tokens": 7}, None), ({}, 0)],
+@pytest.mark.parametrize("extra,fused", [({}, True), ({"max_num_batched_tokens": 7}, True), ({}, False)],
                          ids=["plain", "chunked", "decode-unfused"])
-def test_triton_backend_matches_torch(qwen3_dir, reference, extra, fused_rows, monkeypatch):
+def test_triton_backend_matches_torch(qwen3_dir, reference, extra, fused, monkeypatch):
     triton_test_device()  # skips where Triton can run neither interpreted nor on a GPU
-    if fused_rows is not None:  # these decode batches are small: take them past the fused kernel too
-        from nanovllm.attention import triton_backend
-        monkeypatch.setattr(triton_backend, "FUSED_ROPE_MAX_ROWS", fused_rows)
+    if not fused:  # these decode batches are small: take them past the fused kernel too
+        from nanovllm.attention.triton_backend import DecodeBucket, TritonBackend
+        monkeypatch.setattr(TritonBackend, "DECODE_BUCKETS", (DecodeBucket(None, fused=False),))
     llm = LLM(qwen3_dir, attention_backend="triton", **{**OPTIONS, **extra})
-    assert llm.engine.model_runner.backend.name == "triton"
+    assert llm.engine.executor.backend.name == "triton"
     first = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert first == reference
     hits = llm.engine.scheduler.block_manager.num_cache_hit_tokens
@@ -46,7 +46,7 @@ def test_triton_backend_matches_torch(qwen3_dir, reference, extra, fused_rows, m
 
 def test_backend_env_var_applies_when_option_is_auto(qwen3_dir, monkeypatch):
     monkeypatch.setenv("NANOVLLM_ATTENTION_BACKEND", "torch")
-    assert LLM(qwen3_dir, **OPTIONS).engine.model_runner.backend.name == "torch"
+    assert LLM(qwen3_dir, **OPTIONS).engine.executor.backend.name == "torch"
     monkeypatch.setenv("NANOVLLM_ATTENTION_BACKEND", "bogus")
     with pytest.raises(ValueError, match="attention_backend must be one of .* got 'bogus'"):
         LLM(qwen3_dir, **OPTIONS)
@@ -73,7 +73,7 @@ def test_padded_static_buffer_decode_matches(qwen3_dir, reference, backend, capl
     if backend == "triton":
         triton_test_device()
     llm = LLM(qwen3_dir, attention_backend=backend, **OPTIONS)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor
     # Captured sizes [1, 4]: batches of 2 and 3 rows run padded to 4 (3 prompts, then one that
     # arrives with them: the 4-row batch fits exactly). The one-row graph holds the LM head, the other not.
     runner.decode_graphs = DecodeGraphs(runner.model, 4, 128 // 4, runner.config.hf_config.hidden_size,
@@ -141,7 +141,7 @@ def test_padded_eager_steps_match(qwen3_dir, reference, backend, monkeypatch):
     if backend == "triton":
         triton_test_device()
     llm = LLM(qwen3_dir, attention_backend=backend, max_num_batched_tokens=7, **OPTIONS)
-    llm.engine.model_runner.pad_eager = True
+    llm.engine.executor.pad_eager = True
     padded, plain_inputs = [], model_runner.model_inputs
 
     def spy(batch, device, num_padded=None):
@@ -153,10 +153,11 @@ def test_padded_eager_steps_match(qwen3_dir, reference, backend, monkeypatch):
     padding_outputs = []  # each attention layer's output rows for the padding: zeros, not stale memory
 
     def record(module, args, out):
-        num_real = args[4].cu_seqlens_q_host[-1] if args[4].is_prefill else out.shape[0]
+        meta = args[2]  # Attention.forward(qkv, positions, meta)
+        num_real = meta.cu_seqlens_q_host[-1] if meta.is_prefill else out.shape[0]
         padding_outputs.append(out[num_real:].abs().sum().item())
 
-    hooks = [m.register_forward_hook(record) for m in llm.engine.model_runner.attention_layers]
+    hooks = [m.register_forward_hook(record) for m in llm.engine.executor.attention_layers]
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for hook in hooks:
         hook.remove()
@@ -176,7 +177,7 @@ def test_piecewise_graph_steps_match(qwen3_dir, reference, backend):
     if backend == "triton":
         triton_test_device()
     llm = LLM(qwen3_dir, attention_backend=backend, max_num_batched_tokens=7, **OPTIONS)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor
     runner.piecewise = graphs = PiecewiseGraphs(runner.model, 7, runner.dtype, runner.device,
                                                 use_cuda_graph=False, sizes=[4, 8])
     sizes, plain_run = [], graphs.run
@@ -194,6 +195,6 @@ def test_captured_piecewise_graphs_match_on_gpu(qwen3_dir, reference):
         pytest.skip("CUDA graphs need a GPU")
     llm = LLM(qwen3_dir, attention_backend="triton", max_num_batched_tokens=7,
               **{**OPTIONS, "enforce_eager": False})
-    graphs = llm.engine.model_runner.piecewise
+    graphs = llm.engine.executor.piecewise
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
     assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference

@@ -12,8 +12,8 @@ from paged_case import make_paged_cache, seq_slots
 from transformers import Qwen3Config
 
 from nanovllm.attention.backend import QKNorm
+from nanovllm.attention.layer import RotaryEmbedding
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.attention.rotary import RotaryEmbedding
 from nanovllm.attention.torch_backend import TorchBackend, gather_kv
 
 pytest.importorskip("triton")  # the fused norm + rotary + store kernel runs in Triton's interpreter here
@@ -155,7 +155,7 @@ def test_triton_fa3_prefill_matches_torch_backend(monkeypatch, q_lens, ctx_lens,
     Triton decode kernel, the rest through FA3 from their own cu_seqlens (from 0); padding rows zero."""
     from nanovllm.attention import triton_backend
     monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3())
-    monkeypatch.setattr(triton_backend, "FA3_MIN_MEAN_CHUNK", 1)  # these chunks are short
+    monkeypatch.setattr(triton_backend.TritonBackend, "FA3_MIN_MEAN_CHUNK", 1)  # these chunks are short
     backend = triton_backend.TritonBackend(8, HKV, torch.device(DEVICE), fa3_prefill=True)
     assert backend.name == "triton-fa3"
     layer, (q, k, v), positions, meta = make_case(q_lens, ctx_lens, True)
@@ -184,7 +184,7 @@ def test_triton_fa3_leaves_short_chunks_to_the_triton_kernel(monkeypatch):
     calls = []
     fa3.flash_attn_with_kvcache = lambda *args, **kwargs: calls.append(kwargs) or torch.zeros(0)
     monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3)
-    monkeypatch.setattr(triton_backend, "FA3_MIN_MEAN_CHUNK", 5)
+    monkeypatch.setattr(triton_backend.TritonBackend, "FA3_MIN_MEAN_CHUNK", 5)
     backend = triton_backend.TritonBackend(8, HKV, torch.device(DEVICE), fa3_prefill=True)
     layer, (q, k, v), positions, meta = make_case([3, 6], [11, 6], True)  # mean chunk 4.5 < 5
     expected = TorchBackend().forward(types.SimpleNamespace(**vars(layer)), q, k, v, positions, meta)

@@ -9,6 +9,7 @@ from conftest import PROMPTS
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.torch_backend import from_cache, store_kvcache_torch, to_cache
+from nanovllm.llm import prompt_logits
 
 OPTIONS = dict(kvcache_block_size=4, max_model_len=128, max_num_seqs=16, device="cpu")  # the torch backend
 # One float32 block of the tiny model: 2 layers x K,V x 2 KV heads x 16 dims x 4 bytes x 4 tokens.
@@ -24,7 +25,7 @@ def test_fp8_cache_holds_four_times_the_tokens_of_float32(qwen3_dir):
     budget = dict(cpu_kvcache_space_gib=10 * FP32_BLOCK_BYTES / 2**30)
     full, fp8 = LLM(qwen3_dir, **OPTIONS, **budget), LLM(qwen3_dir, kv_cache_dtype="fp8", **OPTIONS, **budget)
     assert full.engine.num_kvcache_blocks == 10 and fp8.engine.num_kvcache_blocks == 40
-    assert fp8.engine.model_runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert fp8.engine.executor.kv_cache.dtype == torch.float8_e4m3fn
 
 
 def test_store_quantizes_with_the_layer_scale_and_reads_back_within_e4m3_precision():
@@ -53,7 +54,7 @@ def test_fp8_outputs_stay_close_to_the_full_precision_cache(engines, tokenizer):
     assert [o["token_ids"][0] for o in fp8.generate(PROMPTS, greedy, use_tqdm=False)] == first
     for prompt in PROMPTS:  # logits after the prompt and a few more tokens read from the cache
         ids = tokenizer.encode(prompt) + [5, 6, 7]
-        reference, quantized = full.engine.prompt_logits(ids), fp8.engine.prompt_logits(ids)
+        reference, quantized = prompt_logits(full, ids), prompt_logits(fp8, ids)
         # The tiny model's keys reach ~10, where e4m3 steps are 1/8 apart: a few percent of logit error.
         assert (quantized - reference).norm() / reference.norm() < 0.15
 

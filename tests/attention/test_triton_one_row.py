@@ -58,7 +58,8 @@ def backend(monkeypatch):
 def fused(backend, lay, rows=1, heads=HEADS):
     q, k, v = qkv(rows, heads)
     index = torch.zeros(rows, dtype=torch.int64)
-    return backend._fused_decode(lay, q, k, v, index, index, index.int(), torch.zeros(rows, 1).int())
+    return backend._fused_decode(lay, q, k, v, index, index, index.int(), torch.zeros(rows, 1).int(),
+                                 backend.decode_bucket(rows))
 
 
 def test_one_qwen3_row_takes_the_cuda_kernel_as_a_programmatic_dependent(backend):

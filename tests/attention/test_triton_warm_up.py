@@ -10,12 +10,12 @@ from conftest import triton_test_device
 from transformers import Qwen3Config
 
 from nanovllm.attention.backend import QKNorm
-from nanovllm.attention.rotary import RotaryEmbedding
+from nanovllm.attention.layer import RotaryEmbedding
 
 pytest.importorskip("triton")
 
 from nanovllm.attention import triton_backend  # noqa: E402
-from nanovllm.kernels import decode_launch, decode_rope  # noqa: E402
+from nanovllm.kernels import decode_launch  # noqa: E402
 from nanovllm.kernels.common import sm_count  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -35,13 +35,13 @@ def make_layer(cache_dtype):
 def variant(fused: bool, launch, splits: int, rows: int) -> tuple:
     """What selects a compiled variant of a decode kernel: its launch, whether it has one chunk a context
     (no combine), and for the fused kernel whether it lets its PDL dependent launch after its K/V loop
-    (decode_rope.LATE_TRIGGER_MIN_ROWS rows or more)."""
-    return launch, splits == 1, fused and rows >= decode_rope.LATE_TRIGGER_MIN_ROWS
+    (its decode bucket's late_trigger)."""
+    return launch, splits == 1, fused and triton_backend.TritonBackend.decode_bucket(rows).late_trigger
 
 
 def reachable_variants(fused: bool, element_size: int) -> set:
     """The variants the decode kernel (fused: the fused-rope one) takes at any shape."""
-    max_rows = min(MAX_NUM_SEQS, triton_backend.FUSED_ROPE_MAX_ROWS) if fused else MAX_NUM_SEQS
+    max_rows = min(MAX_NUM_SEQS, triton_backend.TritonBackend.fused_max_rows()) if fused else MAX_NUM_SEQS
     device = torch.device(DEVICE)
     num_sms = sm_count(device)
     return {variant(fused, *decode_launch.choose_launch(rows, HKV, D, width * BS, element_size, device,

@@ -1,7 +1,8 @@
 """Data parallelism for real, on the CPU: DP=2 runs two engine replicas in spawned processes. Greedy
-output must equal one engine's, in input order, whatever the split; bad input raises in the caller
-before any replica gets work; a killed replica raises within seconds and leaves no process or shared
-memory behind; garbage collection and a terminal's Ctrl-C release everything."""
+output must equal one engine's, in input order, whatever the split; the engine loop and streaming work
+as with one engine; bad input raises in the caller before any replica gets work; a killed replica
+raises within seconds and leaves no process or shared memory behind; garbage collection and a
+terminal's Ctrl-C release everything."""
 
 import gc
 import json
@@ -18,10 +19,10 @@ import pytest
 from conftest import PROMPTS
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.dp import coordinator
-from nanovllm.dp.balance import split_by_tokens
-from nanovllm.dp.engine import DataParallelEngine
-from nanovllm.dp.replica_set import DataParallelError, ReplicaSet, _is_running
+from nanovllm.config import Config
+from nanovllm.distributed.executor import make_executor
+from nanovllm.dp.engine import DataParallelEngine, DataParallelError
+from nanovllm.dp.replica import _is_running
 from nanovllm.engine.llm_engine import LLMEngine
 
 OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, num_kvcache_blocks=96)
@@ -37,9 +38,9 @@ def token_ids(llm, prompts=UNEVEN_PROMPTS, params=PARAMS):
     return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def assert_released(dp: ReplicaSet):
-    assert dp.closed
-    for replica in dp.replicas:
+def assert_released(replicas: list):
+    for replica in replicas:
+        assert replica.closed
         assert replica.process.exitcode is not None, f"{replica} still runs"
         assert not os.path.exists(f"/proc/{replica.process.pid}"), f"{replica} was not reaped"
         info = replica.info
@@ -47,7 +48,7 @@ def assert_released(dp: ReplicaSet):
             assert not _is_running(pid), f"{replica}'s worker {pid} outlived it"
         for name in info.shm_names if info else []:
             assert not os.path.exists(f"/dev/shm/{name}")
-    assert not {r.process for r in dp.replicas} & set(multiprocessing.active_children())
+    assert not {r.process for r in replicas} & set(multiprocessing.active_children())
 
 
 @pytest.fixture(scope="module")
@@ -60,25 +61,25 @@ def dp1(qwen3_dir):
 def dp2(qwen3_dir):
     """Two replicas of tensor_parallel_size=2: four processes, two TP groups and step channels."""
     llm = LLM(qwen3_dir, data_parallel_size=2, tensor_parallel_size=2, **OPTIONS)
-    dp = llm.engine.coordinator.replica_set
+    replicas = llm.engine.replicas
     yield weakref.proxy(llm)  # pytest keeps what a fixture yields: the tests get no strong reference
     # Dropping the last reference releases every replica (the garbage-collection path).
-    assert all(replica.process.is_alive() for replica in dp.replicas)
+    assert all(replica.process.is_alive() for replica in replicas)
     del llm
     gc.collect()
-    assert_released(dp)
+    assert_released(replicas)
 
 
 def test_dp2_matches_dp1_in_input_order(dp2, dp1):
     assert isinstance(dp2, LLM) and isinstance(dp2.engine, DataParallelEngine)
-    names = [name for replica in dp2.engine.coordinator.replicas for name in replica.info.shm_names]
+    names = [name for replica in dp2.engine.replicas for name in replica.info.shm_names]
     assert len(set(names)) == 2 and all(os.path.exists(f"/dev/shm/{name}") for name in names)
-    costs = [len(dp1.tokenizer.encode(p)) + n for p, n in zip(UNEVEN_PROMPTS, MAX_TOKENS)]
-    parts = split_by_tokens(costs, 2)
-    assert all(parts) and parts[0] != list(range(len(parts[0])))  # both work; their outputs interleave
     expected = token_ids(dp1)
     assert [len(ids) for ids in expected] == MAX_TOKENS
+    before = [replica.stats.num_generation_tokens for replica in dp2.engine.replicas]
     assert token_ids(dp2) == expected
+    after = [replica.stats.num_generation_tokens for replica in dp2.engine.replicas]
+    assert all(a > b for a, b in zip(after, before))  # both replicas worked
     outputs = dp2.generate(UNEVEN_PROMPTS[0], PARAMS[0], use_tqdm=True)  # one prompt: one replica idles
     assert outputs[0]["token_ids"] == expected[0]
     assert outputs[0]["text"] == dp1.tokenizer.decode(expected[0], skip_special_tokens=True)
@@ -87,16 +88,44 @@ def test_dp2_matches_dp1_in_input_order(dp2, dp1):
     assert dp2.chat(conversation, PARAMS[0], use_tqdm=False) == expected_reply
 
 
+def test_vllm_prompt_forms_and_outputs_cross_the_pipes(dp2, dp1):
+    ids = dp1.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt": PROMPTS[1]}, {"prompt_token_ids": ids}, PROMPTS[2]]
+    outputs, expected = (llm.generate(prompts, params, use_tqdm=False) for llm in (dp2, dp1))
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.prompt for o in outputs] == [PROMPTS[1], None, PROMPTS[2]]
+    assert len({o.request_id for o in outputs}) == 3
+    token = outputs[0].outputs[0].token_ids[0]
+    got, want = outputs[0].outputs[0].logprobs[0][token], expected[0].outputs[0].logprobs[0][token]
+    text = dp1.tokenizer.decode([token])
+    assert (got.rank, got.decoded_token) == (want.rank, want.decoded_token) == (1, text)
+    assert abs(got - want) < 1e-4  # tensor parallelism sums in another order
+
+
 def test_bad_input_raises_in_the_caller_and_the_replicas_keep_working(dp2):
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         dp2.generate([PROMPTS[0], PROMPTS[1]], [PARAMS[0], SamplingParams(max_tokens=1000)], use_tqdm=False)
     with pytest.raises(TypeError, match="prompt must be"):
         dp2.generate([PROMPTS[0], 3.5], PARAMS[0], use_tqdm=False)
-    with pytest.raises(NotImplementedError, match="use generate"):
-        dp2.add_request(PROMPTS[0])
-    with pytest.raises(NotImplementedError, match="use generate"):
-        dp2.step()
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        dp2.add_request(PROMPTS[0], SamplingParams(max_tokens=1000))
     assert token_ids(dp2, PROMPTS[:2], PARAMS[:2])[1] == token_ids(dp2, PROMPTS[1:2], PARAMS[1:2])[0]
+
+
+def test_stream_and_the_engine_loop_work_on_replicas(dp2, dp1):
+    expected = dp1.generate(PROMPTS[:3], PARAMS[0], use_tqdm=False)
+    assert "".join(dp2.stream(PROMPTS[0], PARAMS[0])) == expected[0]["text"]
+    ids = [dp2.add_request(prompt, PARAMS[0]) for prompt in PROMPTS[:3]]
+    outputs = {}
+    while not dp2.is_finished():
+        finished, _ = dp2.step()
+        outputs.update(finished)
+    assert [outputs[i]["token_ids"] for i in ids] == [o["token_ids"] for o in expected]
+    request_id = dp2.add_request(PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True))
+    assert dp2.abort_request(request_id) and dp2.is_finished() and dp2.step() == ([], 0)
+    stats = dp2.engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
 
 
 def test_bad_options_raise_before_any_replica_starts(qwen3_dir):
@@ -114,25 +143,25 @@ def test_bad_options_raise_before_any_replica_starts(qwen3_dir):
     with pytest.raises(ValueError, match=r"valid sizes: \[1, 2, 4\]"):
         LLM(qwen3_dir, data_parallel_size=2, tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"create LLM\(\.\.\., data_parallel_size=N\)"):
-        LLMEngine(qwen3_dir, data_parallel_size=2)  # one engine cannot be two
+        LLMEngine(Config.from_options(qwen3_dir, data_parallel_size=2), make_executor)  # not two engines
     assert set(multiprocessing.active_children()) == children
 
 
 def test_a_replica_killed_mid_generate_raises_and_leaves_nothing(qwen3_dir, monkeypatch):
     long_params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     with LLM(qwen3_dir, data_parallel_size=2, **OPTIONS) as llm:
-        dp = llm.engine.coordinator.replica_set
-        victim = dp.replicas[1]
+        replicas = llm.engine.replicas
+        victim = replicas[1]
         killed_at = []
-        advance = coordinator._ProgressBar.advance
+        receive = DataParallelEngine._receive
 
-        def kill_on_first_progress(bar, *args):
+        def kill_on_first_progress(engine):
             if not killed_at:
                 os.kill(victim.process.pid, signal.SIGKILL)
                 killed_at.append(time.monotonic())
-            return advance(bar, *args)
+            return receive(engine)
 
-        monkeypatch.setattr(coordinator._ProgressBar, "advance", kill_on_first_progress)
+        monkeypatch.setattr(DataParallelEngine, "_receive", kill_on_first_progress)
         outcome = {}
         thread = threading.Thread(target=lambda: outcome.update(error=raised(
             lambda: llm.generate(PROMPTS, long_params, use_tqdm=False))), daemon=True)
@@ -141,10 +170,10 @@ def test_a_replica_killed_mid_generate_raises_and_leaves_nothing(qwen3_dir, monk
         assert not thread.is_alive(), "generate hung after a replica was killed"
         error = outcome["error"]
         assert isinstance(error, DataParallelError), error
-        assert f"data-parallel replica 1 (pid {victim.process.pid}, CPUs" in str(error)
+        assert f"engine process 1 (pid {victim.process.pid}, CPUs" in str(error)
         assert "was killed by SIGKILL" in str(error)
         assert time.monotonic() - killed_at[0] < DEADLINE_S
-        assert_released(dp)  # the other replica too
+        assert_released(replicas)  # the other replica too
         with pytest.raises(RuntimeError, match="shut down"):
             llm.generate(PROMPTS[0], long_params, use_tqdm=False)
 
@@ -167,7 +196,7 @@ sys.path.insert(0, {root!r})
 from nanovllm import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM({model!r}, data_parallel_size=2, **{options!r})
-    print(json.dumps([replica.process.pid for replica in llm.engine.coordinator.replicas]), flush=True)
+    print(json.dumps([replica.process.pid for replica in llm.engine.replicas]), flush=True)
     while True:
         llm.generate(["hello"] * 4, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
 """

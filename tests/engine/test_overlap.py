@@ -12,7 +12,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.config import ENV_DEFAULTS, Config
 from nanovllm.engine.sequence import PENDING_TOKEN_ID
 from nanovllm.runner.cuda_graph import DecodeGraphs
-from nanovllm.runner.step_output import PendingOutput
+from nanovllm.runner.transfers import PendingOutput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,7 +51,7 @@ def generate_both(engines, prompts, params) -> list:
 
 def assert_idle(llm: LLM) -> None:
     engine = llm.engine
-    assert engine.scheduler.is_finished() and (engine.overlap is None or engine.overlap.in_flight is None)
+    assert engine.scheduler.is_finished() and (engine._overlap is None or engine._overlap.in_flight is None)
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == len(bm.blocks)
 
@@ -152,8 +152,8 @@ def test_abort_mid_run(engines):
     ids = [llm.add_request(p, greedy(16)) for p in PROMPTS]
     for _ in range(4):
         llm.step()
-    (victim,) = llm.engine.requests.live[ids[1]]
-    assert any(seq is victim for seq in llm.engine.overlap.in_flight.seqs)  # aborted in flight
+    (victim,) = llm.engine._requests.live[ids[1]]
+    assert any(seq is victim for seq in llm.engine._overlap.in_flight.seqs)  # aborted in flight
     assert llm.abort_request(ids[1]) is True
     assert PENDING_TOKEN_ID not in victim.token_ids
     assert victim.completion_token_ids == expected[1][:victim.num_completion_tokens]
@@ -166,7 +166,7 @@ def test_abort_mid_run(engines):
     # Aborting the last request in flight leaves the engine idle at once.
     request_id = llm.add_request(PROMPTS[0], greedy(16))
     llm.step(), llm.step()
-    assert llm.engine.overlap.in_flight is not None and llm.abort_request(request_id)
+    assert llm.engine._overlap.in_flight is not None and llm.abort_request(request_id)
     assert_idle(llm)
 
 
@@ -188,14 +188,15 @@ def test_one_host_sync_per_engine_step(engines, monkeypatch):
     monkeypatch.setattr(PendingOutput, "wait", lambda self: waits.append(1) or real_wait(self))
     engine = engines[1].engine
     params = [greedy(n, logprobs=2 if n > 5 else None) for n in LENGTHS]
-    ids = [engine.start_request(engine.make_request(p, sp)) for p, sp in zip(PROMPTS, params, strict=True)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
     per_step = []
-    while not engine.scheduler.is_finished():
+    while not engine.is_finished():
         before = len(waits)
-        engine.advance()
+        engine.step()
         per_step.append(len(waits) - before)
     assert per_step[0] == 0 and set(per_step[1:]) == {1}  # the first step is only launched
-    assert [len(engine.take_output(i)["token_ids"]) for i in ids] == list(LENGTHS)
+    outputs = dict(engine.take_outputs(set(ids)))
+    assert [len(outputs[i]["token_ids"]) for i in ids] == list(LENGTHS)
 
 
 def test_no_forward_pass_is_wasted_on_sequences_that_reach_max_tokens(engines, monkeypatch):
@@ -203,7 +204,7 @@ def test_no_forward_pass_is_wasted_on_sequences_that_reach_max_tokens(engines, m
     overlapped engine runs as many forward passes as the synchronous one."""
     launches = []
     for llm in engines:
-        runner, count = llm.engine.model_runner, []
+        runner, count = llm.engine.executor, []
         counted = lambda *args, real=runner.launch, count=count: count.append(1) or real(*args)  # noqa: E731
         monkeypatch.setattr(runner, "launch", counted)
         llm.generate(PROMPTS, [greedy(n) for n in LENGTHS], use_tqdm=False)
@@ -223,7 +224,7 @@ def test_decode_graph_buffers_take_the_previous_tokens(qwen3_dir, engines):
     """The CUDA-graph decode path's static input buffer (run eagerly here) gets the pending tokens: through
     its prev_rows field, from the previous step's sampled ids."""
     llm = LLM(qwen3_dir, async_scheduling=True, **OPTIONS)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor
     runner.decode_graphs = DecodeGraphs(runner.model, 4, 256 // 4, runner.config.hf_config.hidden_size,
                                         runner.dtype, runner.device, use_cuda_graph=False, batch_sizes=[1, 4],
                                         head_rows=1)

@@ -17,10 +17,10 @@ from test_properties import EOS, MAX_STEPS, VOCAB, admit_arrivals, make_sequence
 
 from nanovllm.engine.invariants import check_invariants
 from nanovllm.engine.overlap import OverlapLoop
+from nanovllm.engine.requests import StopChecker
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN_ID, Sequence
-from nanovllm.engine.stop_checker import StopChecker
-from nanovllm.runner.batch import StepBatch, StepOutput
+from nanovllm.engine.step import StepBatch, StepOutput
 
 
 def model(context: tuple[int, ...]) -> int:
@@ -43,10 +43,10 @@ class FakeDevice:
         self.slots: dict[int, tuple[int, ...]] = {}  # slot -> the context its KV stands for
         self.waits: list[int] = []
 
-    def launch(self, batch: StepBatch, prev_sampled: list[int] | None) -> FakePending:
+    def launch(self, batch: StepBatch, previous: FakePending | None) -> FakePending:
         input_ids = list(batch.input_ids)
         for index, row in zip(batch.prev_token_indices, batch.prev_token_rows, strict=True):
-            input_ids[index] = prev_sampled[row]
+            input_ids[index] = previous.sampled[row]
         assert PENDING_TOKEN_ID not in input_ids, "a pending token reached the device"
         contexts = []
         for row, table in enumerate(batch.block_tables):

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanovllm.engine.invariants import check_invariants
+from nanovllm.engine.requests import StopChecker
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.sampling_params import SamplingParams
 
 EOS = 0

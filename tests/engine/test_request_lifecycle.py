@@ -42,7 +42,7 @@ def assert_idle(llm):
     bm = llm.engine.scheduler.block_manager
     assert bm.num_free_blocks == len(bm.blocks)
     assert all(block.ref_count == 0 for block in bm.blocks)
-    assert not llm.engine.requests.live and not llm.engine.requests.tracked and not llm.engine.requests.done
+    assert not llm.engine._requests.live and not llm.engine._requests.done
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_add_request_output_is_kept_for_step_while_generate_runs(llm, expected):
 def test_abort_frees_blocks_in_every_state(llm, state):
     long_prompt = list(range(1, 100))  # 99 tokens: two 64-token prefill chunks
     seq_id = llm.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-    (seq,) = llm.engine.requests.live[seq_id]
+    (seq,) = llm.engine._requests.live[seq_id]
     if state == "prefilling":
         llm.step()
         assert 0 < seq.num_computed_tokens < len(long_prompt) and seq.block_table
@@ -88,7 +88,7 @@ def test_abort_frees_blocks_in_every_state(llm, state):
 def interrupt_at_step(llm, monkeypatch, n: int) -> None:
     """Make the engine's n-th step from now raise KeyboardInterrupt (Ctrl-C) instead of running."""
     calls = []
-    real_step = llm.engine.advance
+    real_step = llm.engine.step
 
     def step_then_interrupt():
         calls.append(1)
@@ -96,7 +96,7 @@ def interrupt_at_step(llm, monkeypatch, n: int) -> None:
             raise KeyboardInterrupt
         return real_step()
 
-    monkeypatch.setattr(llm.engine, "advance", step_then_interrupt)
+    monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
 
 
 def test_exception_inside_generate_aborts_its_requests(llm, monkeypatch):
@@ -148,7 +148,7 @@ def test_one_llm_from_several_threads_matches_single_thread(llm, expected):
 def test_abort_of_an_n_request_aborts_every_completion(llm):
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=30, ignore_eos=True)
     request_id = llm.add_request(PROMPTS[2], params)
-    seqs = llm.engine.requests.live[request_id]
+    seqs = llm.engine._requests.live[request_id]
     while not all(seq.num_completion_tokens for seq in seqs):  # every completion is decoding
         llm.step()
     assert llm.abort_request(seqs[1].seq_id) is False  # a completion's own id is not a request id

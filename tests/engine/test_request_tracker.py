@@ -1,7 +1,7 @@
 """RequestTracker.take_done, what generate's loop asks after every step: a caller gets exactly its own
 finished outputs, each once, and asking costs what finished rather than how many requests it waits for."""
 
-from nanovllm.engine.request_tracker import RequestTracker
+from nanovllm.engine.requests import RequestTracker
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -17,8 +17,8 @@ class CountingSet(set):
 
 
 def queued(tracker: RequestTracker, count: int) -> list[int]:
-    """The ids of `count` new tracked requests (a generate call's)."""
-    return [tracker.add([Sequence([1, 2, 3], SamplingParams(), 4)], tracked=True) for _ in range(count)]
+    """The ids of `count` new requests (a generate call's)."""
+    return [tracker.add([Sequence([1, 2, 3], SamplingParams(), 4)]) for _ in range(count)]
 
 
 def test_take_done_gives_each_caller_its_own_finished_outputs_once():
@@ -29,7 +29,7 @@ def test_take_done_gives_each_caller_its_own_finished_outputs_once():
     assert tracker.take_done(set(mine)) == [(mine[1], {"id": mine[1]}), (mine[3], {"id": mine[3]})]
     assert tracker.take_done(set(mine)) == []  # taken once
     assert tracker.take_done(set(theirs)) == [(theirs[0], {"id": theirs[0]})]  # left for its owner
-    assert mine[1] not in tracker.tracked and mine[0] in tracker.tracked
+    assert mine[1] not in tracker.done and mine[0] in tracker.live
 
 
 def test_take_done_costs_what_finished_not_what_is_pending():

@@ -1,8 +1,8 @@
 from types import SimpleNamespace
 
+from nanovllm.engine.requests import StopChecker
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.sampling_params import SamplingParams
 
 EOS = 0

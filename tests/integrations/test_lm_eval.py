@@ -1,9 +1,11 @@
 """The lm-evaluation-harness model "nanovllm" against lm-eval's own "hf" model on the same tiny
 weights (float32, CPU), on local tasks (JSON files written here; no hub): per-item loglikelihoods,
-rolling loglikelihoods and generations agree, and so do the metrics."""
+rolling loglikelihoods (also over documents longer than max_length, in several windows) and generations
+agree, and so do the metrics. `python -m nanovllm.eval` runs a task as a user types it."""
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -14,9 +16,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 lm_eval = pytest.importorskip("lm_eval")
 
+from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import nanovllm.integrations.lm_eval  # noqa: E402, F401  (registers "nanovllm")
+from nanovllm.integrations.lm_eval import NanoVLLM  # noqa: E402
 
 TOL = 1e-4
 MC = [
@@ -126,25 +130,58 @@ def test_generations_equal_hf(both):
     assert ours["results"]["nano_gen"]["exact_match,none"] == ref["results"]["nano_gen"]["exact_match,none"]
 
 
-def test_cli_module_runs_a_task(qwen3_dir, task_dir, tmp_path, monkeypatch, capsys):
-    """`python -m nanovllm.eval --model nanovllm ...` registers the model and runs lm-eval's CLI (run
-    in-process here, with lm-eval's built-in tasks left unindexed to keep it fast)."""
-    import lm_eval.tasks.manager as manager
+def rolling(model, texts: list[str]) -> list[float]:
+    return model.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), i)
+                                        for i, text in enumerate(texts)], disable_tqdm=True)
 
-    from nanovllm import eval as nanovllm_eval
-    init = manager.TaskManager.__init__
-    monkeypatch.setattr(manager.TaskManager, "__init__",
-                        lambda self, *a, **kw: init(self, *a, **{**kw, "include_defaults": False}))
-    monkeypatch.setattr(sys, "argv", [
-        "nanovllm.eval", "--model", "nanovllm", "--model_args",
-        f"pretrained={qwen3_dir},max_model_len=256,kvcache_block_size=4", "--tasks", "nano_mc",
-        "--include_path", str(task_dir), "--device", "cpu", "--output_path", str(tmp_path)])
+
+def test_rolling_windows_score_every_token_as_hf_at_max_length(qwen3_dir):
+    """Documents shorter than max_length, of exactly max_length tokens (one window of max_length + 1
+    with the prefix token) and several times longer (several windows, each scoring its first token):
+    equal to hf's at the same max_length, nanovllm's default for its max_model_len."""
+    from lm_eval.models.huggingface import HFLM
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        nanovllm_eval.main()
+        max_model_len = 34
+        ours = NanoVLLM(qwen3_dir, max_model_len=max_model_len, kvcache_block_size=4)
+        max_length = ours.max_length
+        assert max_length == max_model_len - 2
+        hf = HFLM(pretrained=qwen3_dir, dtype="float32", max_length=max_length, device="cpu", batch_size=1)
+        long = " ".join(PPL[1]["text"] for _ in range(6))
+        texts = {}  # token count -> a prefix of `long` with that many tokens
+        for end in range(1, len(long) + 1):
+            texts.setdefault(len(ours.tok_encode(long[:end])), long[:end])
+        lengths = (5, max_length - 1, max_length, max_length + 1, 2 * max_length, max(texts))
+        assert lengths[-1] > 3 * max_length
+        chosen = [texts[n] for n in lengths]
+        got, want = rolling(ours, chosen), rolling(hf, chosen)
+        assert got == pytest.approx(want, abs=TOL)
+        with pytest.raises(ValueError, match="max_model_len >= max_length"):
+            NanoVLLM(qwen3_dir, max_model_len=max_model_len, max_length=max_model_len - 1)
     finally:
         torch.set_num_threads(threads)
-    out = capsys.readouterr().out
-    assert "nano_mc" in out and "acc" in out
+
+
+def test_cli_runs_a_task_without_device_on_a_cpu(qwen3_dir, task_dir, tmp_path):
+    """`python -m nanovllm.eval --model nanovllm ...` as a user types it, with no --device: lm-eval
+    asks for cuda:0, which falls back to the CPU as lm-eval's hf model does."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([
+        sys.executable, "-m", "nanovllm.eval", "--model", "nanovllm", "--model_args",
+        f"pretrained={qwen3_dir},max_model_len=256,kvcache_block_size=4", "--tasks", "nano_mc",
+        "--include_path", str(task_dir), "--output_path", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "nano_mc" in done.stdout and "acc" in done.stdout
+    assert "CUDA is not available; running on the CPU" in done.stderr
     assert list(tmp_path.rglob("results_*.json"))
+
+
+def test_cli_help_says_how_to_use_the_nanovllm_model():
+    done = subprocess.run([sys.executable, "-m", "nanovllm.eval", "--help"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--model nanovllm --model_args pretrained=" in done.stdout and "max_length" in done.stdout
+    assert "usage: lm-eval" in done.stdout  # lm-eval's own usage follows

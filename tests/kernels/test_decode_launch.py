@@ -78,29 +78,24 @@ def test_launch_settings_follow_batch_size_cache_dtype_and_shared_memory(monkeyp
         decode_launch._large_batch_launch.cache_clear()
 
 
-def test_fp8_tiles_form_per_launch(monkeypatch) -> None:
-    monkeypatch.setattr(decode_fp8_tiles, "FP8_TILES", "words")
+def test_fp8_tiles_form_per_launch() -> None:
     assert decode_fp8_tiles.fp8_tiles(True, False) == "words"
     assert decode_fp8_tiles.fp8_tiles(True, True) == "cast"  # a float32 q widens the tiles to float32
     assert decode_fp8_tiles.fp8_tiles(False, False) == "cast"
-    monkeypatch.setattr(decode_fp8_tiles, "FP8_TILES", "bytes")
-    with pytest.raises(ValueError, match="FP8_TILES must be one of"):
-        decode_fp8_tiles.fp8_tiles(True, False)
 
 
-def test_register_cap_only_for_fp8_words_at_the_wide_launch(monkeypatch) -> None:
+def test_register_cap_only_for_fp8_words_at_the_wide_launch() -> None:
     cap = decode_launch.FP8_WORDS_MAXNREG
     assert decode_launch.WIDE.options(fp8_words=True) == dict(num_warps=4, num_stages=2, maxnreg=cap)
     assert "maxnreg" not in decode_launch.WIDE.options(fp8_words=False)
     assert "maxnreg" not in decode_launch.SMALL_BATCH[1].options(fp8_words=True)  # latency-bound: no cap
-    monkeypatch.setattr(decode_launch, "FP8_WORDS_MAXNREG", None)
-    assert "maxnreg" not in decode_launch.WIDE.options(fp8_words=True)
 
 
 def test_decode_sweep_forces_the_launch_a_decode_call_takes(monkeypatch) -> None:
     """scripts/decode_sweep.py times a setting by standing in for decode_launch.choose_launch, so a decode
     call must take its launch from there: when the choice moved (a57bf84), a stand-in put elsewhere
-    timed the engine's own setting under every name (BENCHMARKS.md, call AA2)."""
+    timed the engine's own setting under every name (docs/performance-notes.md, "Decode attention at large
+    batches")."""
     path = Path(__file__).parents[2] / "scripts" / "decode_sweep.py"
     spec = importlib.util.spec_from_file_location("decode_sweep", path)
     sweep = importlib.util.module_from_spec(spec)

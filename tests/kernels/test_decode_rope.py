@@ -9,7 +9,6 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels import decode_fp8_tiles  # noqa: E402
 from nanovllm.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from nanovllm.kernels.decode_rope import paged_decode_rope_attention  # noqa: E402
 from nanovllm.kernels.rope_store import norm_rope_store  # noqa: E402
@@ -59,13 +58,11 @@ def fused(t, k_cache, v_cache, q_norm, k_norm, scales):
                                        v_scale=scales[1])
 
 
-@pytest.mark.parametrize("dtype,cache_dtype,fp8_tiles", [(torch.float32, torch.float32, "cast"),
-                                                         (torch.bfloat16, torch.bfloat16, "cast"),
-                                                         (torch.bfloat16, torch.float8_e4m3fn, "cast"),
-                                                         (torch.bfloat16, torch.float8_e4m3fn, "words")])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float8_e4m3fn)])  # fp8: "words" tiles
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_fused_equals_rope_store_then_decode(dtype, cache_dtype, fp8_tiles, with_norm, monkeypatch):
-    monkeypatch.setattr(decode_fp8_tiles, "FP8_TILES", fp8_tiles)  # decode_fp8_tiles' forms of fp8 tiles
+def test_fused_equals_rope_store_then_decode(dtype, cache_dtype, with_norm):
     t, caches, norms = case(dtype, cache_dtype)
     q_norm, k_norm = norms if with_norm else (None, None)
     scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
@@ -95,13 +92,11 @@ def test_norms_come_in_pairs():
 def test_pdl_launch_gives_the_same_bits(rows):
     """As a programmatic dependent of the kernel that writes its q/k/v (an sm_90+ GPU), eagerly and replayed
     from a CUDA graph: the same output and cache bits as a plain launch, with the dependent let go right
-    after the wait (one row) or after the K/V loop (decode_rope.LATE_TRIGGER_MIN_ROWS rows or more)."""
-    from nanovllm.kernels import decode_rope
+    after the wait (one row) or after the K/V loop (late_trigger: the Triton backend's from two rows)."""
     from nanovllm.kernels.common import supports_pdl
 
     if DEVICE != "cuda" or not supports_pdl(torch.device(DEVICE)):
         pytest.skip("programmatic dependent launch needs an sm_90+ GPU")
-    assert (rows >= decode_rope.LATE_TRIGGER_MIN_ROWS) == (rows > 1)
     t, caches, (q_norm, k_norm) = case(torch.bfloat16, torch.bfloat16)
     t = {name: x[:rows] if name in PER_ROW else x for name, x in t.items()}
     source = torch.cat([t["q"].flatten(1), t["k"].flatten(1), t["v"].flatten(1)], dim=1)
@@ -115,7 +110,7 @@ def test_pdl_launch_gives_the_same_bits(rows):
         k, v = (qkv[:, nq + i * nk:nq + (i + 1) * nk].view(rows, NUM_KV_HEADS, HEAD_DIM) for i in range(2))
         return paged_decode_rope_attention(
             q, k, v, t["positions"], t["cos"], t["sin"], k_cache, v_cache, t["slot_mapping"], t["seqlens_k"],
-            t["block_tables"], HEAD_DIM**-0.5, q_norm=q_norm, k_norm=k_norm, pdl=pdl)
+            t["block_tables"], HEAD_DIM**-0.5, q_norm=q_norm, k_norm=k_norm, pdl=pdl, late_trigger=rows > 1)
 
     plain_caches = [c.clone().to(DEVICE) for c in caches]
     want = run(False, *plain_caches)

@@ -152,7 +152,7 @@ def test_matches_the_triton_kernel_on_gpu(rows, ctxs, dtype, int64_indices):
 
 class FakeDriver:
     """Stands in for libcuda: records what cuLaunchKernelEx was given (the probe once lost its PDL
-    attribute to a ctypes copy: BENCHMARKS.md II2)."""
+    attribute to a ctypes copy: docs/performance-notes.md, "Decode attention at one row")."""
 
     def __init__(self):
         self.launches = []

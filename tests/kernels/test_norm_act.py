@@ -8,8 +8,8 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
+from nanovllm.attention.layer import rms_norm  # noqa: E402
 from nanovllm.kernels import norm_act  # noqa: E402
-from nanovllm.utils.norm import rms_norm  # noqa: E402
 
 DEVICE = triton_test_device()
 EPS = 1e-6

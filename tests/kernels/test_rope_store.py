@@ -9,10 +9,13 @@ pytest.importorskip("triton")
 
 from transformers import Qwen3Config  # noqa: E402
 
-from nanovllm.attention.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from nanovllm.attention.layer import (  # noqa: E402
+    RotaryEmbedding,
+    apply_rotary,
+    rms_norm,  # noqa: E402
+)
 from nanovllm.attention.torch_backend import store_kvcache_torch  # noqa: E402
 from nanovllm.kernels.rope_store import norm_rope_store  # noqa: E402
-from nanovllm.utils.norm import rms_norm  # noqa: E402
 
 DEVICE = triton_test_device()
 EPS = 1e-6

@@ -11,9 +11,9 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
+from nanovllm.engine.step import SEED_MASK, SamplingBatch  # noqa: E402
 from nanovllm.kernels.sample_race import BLOCK, greedy, num_chunks, race  # noqa: E402
 from nanovllm.layers.sampler import SPLIT_ARGMAX_ROWS, Sampler, SamplingTensors  # noqa: E402
-from nanovllm.runner.batch import SEED_MASK, SamplingBatch  # noqa: E402
 from nanovllm.runner.inputs import sampling_tensors  # noqa: E402
 from nanovllm.runner.sampling import step_noise_seed  # noqa: E402
 

@@ -147,7 +147,7 @@ PROLOGUE_SHAPES = [(256, 128), (16, 256)]
 @pytest.mark.parametrize("n,k", PROLOGUE_SHAPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_norm_prologue_matches_norm_then_linear(n: int, k: int, dtype: torch.dtype, with_residual: bool):
-    from nanovllm.utils.norm import rms_norm
+    from nanovllm.attention.layer import rms_norm
 
     x, weight, bias = make_inputs(1, n, k, dtype)
     gen = torch.Generator().manual_seed(3)
@@ -237,29 +237,30 @@ def test_prologues_reject_bad_arguments():
 
 
 def test_layers_fold_the_norm_and_activation_into_one_row_on_gpu():
-    """On a GPU, the linear layers' one-row paths (ColumnParallelLinear.normed,
-    RowParallelLinear.silu_mul_forward) give what the norm or SiLU-mul then the layer give, and two
+    """On a GPU, the linear layers' one-row paths (a ColumnParallelLinear handed its norm, a
+    RowParallelLinear its SiLU-mul) give what the norm or SiLU-mul then the layer give, and two
     rows take the plain path."""
     if DEVICE != "cuda":
         pytest.skip("the layers fold only CUDA rows into the skinny kernel")
-    from nanovllm.layers.activation import SiluAndMul
-    from nanovllm.layers.layernorm import RMSNorm
     from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
-    from nanovllm.layers.options import KernelOptions, use_kernel_options
+    from nanovllm.layers.linear_methods import SkinnyLinearMethod
+    from nanovllm.layers.norm_act import RMSNorm, SiluAndMul
 
     torch.manual_seed(0)
-    with torch.device(DEVICE), use_kernel_options(KernelOptions(skinny_gemm=True)):
-        up, down = ColumnParallelLinear(128, 512).half(), RowParallelLinear(256, 128).half()
+    method = SkinnyLinearMethod()
+    with torch.device(DEVICE):
+        up = ColumnParallelLinear(128, 512, quant_method=method).half()
+        down = RowParallelLinear(256, 128, quant_method=method).half()
         norm = RMSNorm(128).half()
     for layer in (up, down, norm):
         for p in layer.parameters():
             p.data.normal_(std=0.1)
     for rows in (1, 2):
         x, residual = torch.randn(2, rows, 128, device=DEVICE, dtype=torch.float16).unbind(0)
-        out, summed = up.normed(x, norm, residual)
+        out, summed = up(x, norm=norm, residual=residual)
         normed, expected_sum = norm(x, residual)
         assert torch.equal(summed, expected_sum)
         torch.testing.assert_close(out, up(normed), atol=2e-2, rtol=2e-2)
         gate_up = torch.randn(rows, 512, device=DEVICE, dtype=torch.float16)
-        torch.testing.assert_close(down.silu_mul_forward(gate_up, SiluAndMul()), down(SiluAndMul()(gate_up)),
+        torch.testing.assert_close(down(gate_up, act=SiluAndMul()), down(SiluAndMul()(gate_up)),
                                    atol=2e-3, rtol=2e-3)

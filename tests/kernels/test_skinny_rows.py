@@ -10,6 +10,7 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
+from nanovllm.attention.layer import rms_norm  # noqa: E402
 from nanovllm.kernels import skinny_rows  # noqa: E402
 from nanovllm.kernels.skinny_rows import (  # noqa: E402
     RowsConfig,
@@ -17,7 +18,6 @@ from nanovllm.kernels.skinny_rows import (  # noqa: E402
     rows_linear,
     rows_norm_linear,
 )
-from nanovllm.utils.norm import rms_norm  # noqa: E402
 
 DEVICE = triton_test_device()
 DTYPES = [torch.float16, torch.bfloat16]

@@ -141,7 +141,7 @@ def cases() -> dict:
                             dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=False,
                                  PDL=True),
                             {}, dict(num_warps=4, num_stages=3, launch_pdl=True)),
-        # From two rows on, its dependent launches after the K/V loop (decode_rope.LATE_TRIGGER_MIN_ROWS).
+        # From two rows on, its dependent launches after the K/V loop (TritonBackend.DECODE_BUCKETS).
         "decode-rope-pdl-late-trigger": (decode_rope._decode_rope_split_kernel,
                                          dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", HAS_NORM=True,
                                               QUANT=False, PDL=True, LATE_TRIGGER=True),

@@ -11,6 +11,7 @@ from conftest import PROMPTS as ALL_PROMPTS
 from transformers import AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.llm import prompt_logits
 
 PROMPTS = ALL_PROMPTS[:3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -50,13 +51,13 @@ def test_logits_match_transformers(family):
     ids = tok.encode(PROMPTS[1])
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
-    torch.testing.assert_close(llm.engine.prompt_logits(ids), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(prompt_logits(llm, ids), ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama3-rope"], indirect=True)
 def test_llama3_rope_scaling_changes_the_rotation(family):
     name, hf, llm, tok = family
-    rotary = llm.engine.model_runner.model.model.layers[0].self_attn.attn.rotary
+    rotary = llm.engine.executor.model.model.layers[0].self_attn.attn.rotary
     positions = torch.arange(rotary.cos.shape[0], dtype=torch.float)[:, None]
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16))
     unscaled = torch.cat([positions * inv_freq] * 2, -1).cos()
@@ -82,7 +83,7 @@ def test_mistral_without_sliding_window_runs_as_llama(tmp_path):
     config = MistralConfig(**TINY, sliding_window=None, architectures=["MistralForCausalLM"])
     llm = LLM(_save_config(tmp_path, config), load_format="dummy", skip_tokenizer_init=True,
               kvcache_block_size=4, max_model_len=64, num_kvcache_blocks=8)
-    assert type(llm.engine.model_runner.model).__name__ == "LlamaForCausalLM"
+    assert type(llm.engine.executor.model).__name__ == "LlamaForCausalLM"
     assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == MAX_TOKENS
 
 

@@ -47,7 +47,7 @@ def test_greedy_matches_transformers_with_prefix_cache_and_preemption(moe):
     path, reference = moe
     # 14 blocks of 4 tokens: every request fits alone, all four together do not (preemption).
     llm = LLM(path, **ENGINE, num_kvcache_blocks=14)
-    layers = llm.engine.model_runner.model.model.layers
+    layers = llm.engine.executor.model.model.layers
     assert [type(layer.mlp) for layer in layers] == [SparseMoeBlock, DecoderMLP, SparseMoeBlock]
     assert token_ids(llm) == reference
     scheduler = llm.engine.scheduler

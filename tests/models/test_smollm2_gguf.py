@@ -148,7 +148,7 @@ def test_config_and_tokenizer_match_transformers(llm, prompts):
 def test_bad_words_and_stop_strings_with_a_real_tokenizer(llm):
     """bad_words as vLLM tokenizes them (the word as written and after a space: " Paris" is one
     token in SmolLM2's vocabulary), and a stop string kept in the text."""
-    from nanovllm.engine.request import bad_words_token_ids
+    from nanovllm.engine.requests import bad_words_token_ids
     question = [{"role": "user", "content": QUESTIONS[0]}]
     banned = bad_words_token_ids(["Paris"], llm.tokenizer)
     assert len(banned) == 2 and [llm.tokenizer.encode(" Paris", add_special_tokens=False)] in (banned[1:],)

@@ -9,7 +9,7 @@ import torch
 
 from nanovllm.distributed.worker import CHANNEL_SLACK_BYTES, channel_size
 from nanovllm.engine.sequence import Sequence
-from nanovllm.runner.batch import build_batch, slots
+from nanovllm.engine.step import build_batch, slots
 from nanovllm.runner.inputs import NUMPY_FROM, model_inputs, to_device
 from nanovllm.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ permutation of every row at all times, padding rows last."""
 import torch
 from torch import nn
 
-from nanovllm.runner.batch import StepBatch
+from nanovllm.engine.step import StepBatch
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.inputs import model_inputs
 from nanovllm.runner.transfers import Uploads

@@ -9,8 +9,8 @@ import torch
 from conftest import PROMPTS, triton_test_device
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.step import StepBatch
 from nanovllm.layers.sampler import Sampler
-from nanovllm.runner.batch import StepBatch
 from nanovllm.runner.cuda_graph import NUM_OUT_SLOTS, DecodeGraphs
 from nanovllm.runner.transfers import Uploads
 
@@ -81,7 +81,7 @@ def sampling_engine(path: str, graphs: bool, async_scheduling: bool) -> LLM:
     through the static buffers with the graphs' sampler (graphs=True) or eagerly (False)."""
     llm = LLM(path, attention_backend="torch", kvcache_block_size=4, max_model_len=128, max_num_seqs=8,
               dtype="float32", enforce_eager=True, num_kvcache_blocks=256, async_scheduling=async_scheduling)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor
     runner.sampler.sampler = Sampler(fused_race=True)
     if graphs:
         runner.decode_graphs = DecodeGraphs(runner.model, 8, 128 // 4, runner.config.hf_config.hidden_size,
@@ -104,7 +104,7 @@ def test_graph_sampled_tokens_equal_the_runners(qwen3_dir, async_scheduling):
     for graphs in (False, True):
         llm = sampling_engine(qwen3_dir, graphs, async_scheduling)
         if graphs:
-            decode_graphs = llm.engine.model_runner.decode_graphs
+            decode_graphs = llm.engine.executor.decode_graphs
 
             def replay(*args, plain=decode_graphs.replay):
                 out = plain(*args)

@@ -3,7 +3,7 @@ runs every linear layer at (runner/warm_up.py): the buckets must cover every cou
 
 import torch
 
-from nanovllm.runner.batch import StepBatch
+from nanovllm.engine.step import StepBatch
 from nanovllm.runner.inputs import PAD_MULTIPLE, model_inputs, padded_num_tokens, token_buckets
 
 

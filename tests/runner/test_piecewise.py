@@ -45,7 +45,7 @@ def test_shutdown_frees_the_kv_cache_while_the_llm_lives(qwen3_dir):
     alive (a script that builds engines one after another would run out of memory)."""
     llm = LLM(qwen3_dir, kvcache_block_size=4, max_model_len=64, max_num_seqs=2, num_kvcache_blocks=32,
               enforce_eager=True)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor
     runner.piecewise = PiecewiseGraphs(runner.model, 8, runner.dtype, runner.device, use_cuda_graph=False,
                                        sizes=[8])
     cache = weakref.ref(runner.kv_cache)

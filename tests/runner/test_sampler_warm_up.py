@@ -5,8 +5,8 @@ function with its eager backend: the same frames and guards, no code generation.
 import pytest
 import torch
 
+from nanovllm.engine.step import SamplingBatch
 from nanovllm.layers import sampler as sampler_module
-from nanovllm.runner.batch import SamplingBatch
 from nanovllm.runner.sampling import WARM_ROWS, StepSampler
 from nanovllm.utils.compile import GPUCompiled
 

@@ -1,7 +1,7 @@
-"""Whole-engine greedy decoding with every step of up to SKINNY_MAX_TOKENS tokens through the few-token
-kernels (the one-row GEMV and the rows kernel: the linear layers, the norms folded in, the LM head at one
-row; in Triton's interpreter on the CPU, in float32) gives the plain path's tokens at decode batches of 4,
-3, 2 and 1 rows."""
+"""Whole-engine greedy decoding with every step of up to 16 tokens through the few-token kernels
+(SkinnyLinearMethod's: the one-row GEMV, the few-row GEMV and the rows kernel, the norms and the SiLU-mul
+folded in, the LM head at one row; in Triton's interpreter on the CPU, in float32) gives the plain path's
+tokens at decode batches of 4, 3, 2 and 1 rows."""
 
 import pytest
 import torch
@@ -24,16 +24,11 @@ def test_few_token_kernels_give_the_plain_tokens(qwen3_dir, monkeypatch):
     plain.shutdown()
 
     from nanovllm.kernels import skinny_rows
-    from nanovllm.layers import embed_head, linear
+    from nanovllm.layers import kernel_plan
 
-    # The layers take the kernels as on a GPU, on this device and in float32 (token-exact here).
-    def kernels(max_tokens=None):
-        return linear.SkinnyKernels(False, linear.SKINNY_MAX_TOKENS if max_tokens is None else max_tokens)
-
-    monkeypatch.setattr(linear, "skinny_linear_or_none", kernels)
-    monkeypatch.setattr(embed_head, "skinny_linear_or_none", kernels)
-    monkeypatch.setattr(linear, "SKINNY_DEVICE_TYPES", (device,))
-    monkeypatch.setattr(linear, "SKINNY_DTYPES", (torch.float32,))
+    # The engine plans the kernels as on a GPU, on this device and in float32 (token-exact here).
+    monkeypatch.setattr(kernel_plan, "SKINNY_DEVICE_TYPES", (device,))
+    monkeypatch.setattr(kernel_plan, "SKINNY_DTYPES", (torch.float32,))
     rows_seen, launch_rows = [], skinny_rows.launch_rows
 
     def spy(x, *args, **kwargs):

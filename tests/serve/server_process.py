@@ -53,15 +53,16 @@ def free_port() -> int:
 class Server:
     def __init__(self, model: str, *options: str, api_key: str | None = API_KEY,
                  startup_timeout: float = STARTUP_TIMEOUT_S, log_level: str = "warning",
-                 cpu: bool = True, launcher: tuple[str, ...] = ("-m", "nanovllm.serve")) -> None:
+                 cpu: bool = True, launcher: tuple[str, ...] = ("-m", "nanovllm.serve"),
+                 executable: str = sys.executable) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"nanovllm-serve-{self.port}.log")
         self.log = open(self.log_path, "w")
-        # launcher: what runs `nanovllm serve`'s CLI (scripts/serve_overhead.py puts a stand-in
-        # model step under it).
-        args = [sys.executable, *launcher, model, "--port", str(self.port),
+        # executable + launcher: what runs `nanovllm serve`'s CLI (scripts/serve_overhead.py puts a
+        # stand-in model step under it; the console script test runs `nanovllm serve`).
+        args = [executable, *launcher, model, "--port", str(self.port),
                 "--log-level", log_level,
                 "--graceful-timeout", "5", *options]
         if api_key:
@@ -85,11 +86,12 @@ class Server:
             time.sleep(0.2)
 
     def engine_pids(self) -> list[int]:
-        """The server's engine processes: its spawned children (not multiprocessing's resource tracker)."""
+        """The server's engine processes: its spawned children (not multiprocessing's resource tracker,
+        nor the tokenizer process)."""
         pids = []
         for pid in children(self.proc.pid):
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
+            with open(f"/proc/{pid}/cmdline", "rb") as f, open(f"/proc/{pid}/comm", "rb") as comm:
+                if b"spawn_main" in f.read() and not comm.read().startswith(b"nanovllm-tokenz"):
                     pids.append(pid)
         return pids
 
@@ -102,15 +104,17 @@ class Server:
             return f.read()
 
     def metrics(self) -> dict[str, float]:
-        """The nanovllm:* samples of /metrics, by name plus labels other than model_name."""
+        """The vllm:* and nanovllm:* samples of /metrics, by name plus labels other than model_name
+        (`vllm:request_success_total{finished_reason="abort"}`, `..._bucket{le="0.1"}`)."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         values = {}
         for line in text.splitlines():
-            if line.startswith("nanovllm:"):
+            if line.startswith(("vllm:", "nanovllm:")):
                 name, value = line.rsplit(" ", 1)
-                name = name.split("{")[0] + ("{" + name.split(",", 1)[0].split("{")[1] + "}"
-                                             if "finished_reason" in name else "")
-                values[name] = float(value)
+                base, _, labels = name.partition("{")
+                kept = [label for label in labels.rstrip("}").split(",")
+                        if label and not label.startswith("model_name=")]
+                values[base + ("{" + ",".join(kept) + "}" if kept else "")] = float(value)
         return values
 
     def terminate(self, timeout: float = 30) -> int:

@@ -1,4 +1,4 @@
-"""The server's engine process (nanovllm.serve.engine_core): a killed engine (with tensor-parallel
+"""The server's engine process (nanovllm.dp.engine_core): a killed engine (with tensor-parallel
 workers) fails the requests in flight at once, streamed or not, and /health reports it; the server
 then still exits cleanly and leaves no process or shared memory behind. An engine that stops answering
 with requests in flight is stopped by the watchdog, with the same outcome; an idle one is left alone.
@@ -112,12 +112,13 @@ def test_data_parallel_replicas_serve_and_leave_nothing_on_sigterm(qwen3_dir, re
             body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
                     "return_token_ids": True}
             reply = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60)
+            assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["token_ids"] == expected
         metrics = server.metrics()
         assert metrics["nanovllm:kv_cache_total_blocks"] == 2 * 512
         assert metrics["nanovllm:kv_cache_free_blocks"] == 2 * 512
-        assert metrics["nanovllm:request_success_total{finished_reason=\"length\"}"] == len(PROMPTS)
-        assert metrics["nanovllm:generation_tokens_total"] == len(PROMPTS) * MAX_TOKENS
+        assert metrics["vllm:request_success_total{finished_reason=\"length\"}"] == len(PROMPTS)
+        assert metrics["vllm:generation_tokens_total"] == len(PROMPTS) * MAX_TOKENS
     finally:
         assert server.terminate() == 0, server.output()
     assert wait_until_gone(processes) == []

@@ -97,7 +97,7 @@ def wait_idle(server, timeout=30):
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        if m["nanovllm:num_requests_running"] == 0 and m["nanovllm:num_requests_waiting"] == 0:
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
             return m
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
@@ -119,10 +119,10 @@ def test_dropped_client_frees_its_blocks_and_others_finish(server, client):
     assert "".join(c.choices[0].text for c in other) == other_expected
     after = wait_idle(server)
     assert after["nanovllm:kv_cache_free_blocks"] == after["nanovllm:kv_cache_total_blocks"]
-    aborted = "nanovllm:request_success_total{finished_reason=\"abort\"}"
+    aborted = "vllm:request_success_total{finished_reason=\"abort\"}"
     assert after[aborted] == before[aborted] + 1, (before, after)
     # The reference and the other (40 each), and far fewer than 1000 for the dropped one.
-    generated = after["nanovllm:generation_tokens_total"] - before["nanovllm:generation_tokens_total"]
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert 80 + 3 <= generated < 80 + 1000, (before, after)
 
 
@@ -137,14 +137,14 @@ TOO_LONG = " ".join(["hello"] * 1100)
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "greater than or equal"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "valid boolean"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "1"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
     ("/v1/completions", {"prompt": "hi", "bogus": 1}, 400, "bogus", "unknown field"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, None, "stop must be a non-empty string"),
     ("/v1/completions", {"max_tokens": 5}, 400, "prompt", "Field required"),
     ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
     ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, None, "outside the vocabulary"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
-    ("/v1/completions", {"prompt": TOO_LONG}, 400, None, "max_model_len"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, None, "best_of"),
+    ("/v1/completions", {"prompt": TOO_LONG}, 400, "prompt", "no room for a completion within max_model_len"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2000}, 400, None, "max_model_len"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "does not exist"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),

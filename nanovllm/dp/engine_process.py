@@ -1,4 +1,4 @@
-"""One engine process (nanovllm.serve.engine_core) seen from the HTTP process: it is spawned (not a
+"""One engine process (nanovllm.dp.engine_core) seen from the HTTP process: it is spawned (not a
 daemon: its LLM may start tensor-parallel workers, and a daemon cannot have children) with two one-way
 pipes, no sockets; messages to it go through a sender thread, so that a handler never blocks on a full
 pipe while the engine is inside a long step; `close()` stops it and removes whatever a killed engine
@@ -12,10 +12,8 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from nanovllm.dp.coordinator import spawned_with_devices
-from nanovllm.dp.replica import Placement, ReplicaInfo
-from nanovllm.dp.replica_set import clean_up_after
-from nanovllm.serve.engine_core import EngineStats, engine_main
+from nanovllm.dp.engine_core import EngineStats, engine_main
+from nanovllm.dp.replica import Placement, ReplicaInfo, clean_up_after, spawned_with_devices
 
 # After the stop message an engine gets this long to abort its requests and shut down, then this
 # long after SIGTERM (and again after SIGKILL).
@@ -32,13 +30,16 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, index: int, model: str, options: dict, placement: Placement | None) -> None:
+    def __init__(self, index: int, model: str, options: dict, placement: Placement | None,
+                 detailed: bool = False) -> None:
+        """detailed: the server's engine, whose updates carry engine_core.Details."""
         ctx = mp.get_context("spawn")
         inbox_reader, self.inbox = ctx.Pipe(duplex=False)
         self.outbox, outbox_writer = ctx.Pipe(duplex=False)
         self.index, self.placement = index, placement
         self.process = ctx.Process(target=engine_main, name=f"nanovllm-engine-{index}",
-                                   args=(index, model, options, placement, inbox_reader, outbox_writer))
+                                   args=(index, model, options, placement, inbox_reader, outbox_writer,
+                                         detailed))
         with spawned_with_devices(placement or Placement()):
             self.process.start()
         # Only the child holds these ends now: its exit is an EOF here.

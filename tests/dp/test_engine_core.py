@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.serve.engine_core import FINISH_REASONS, KEEPALIVE_S, EngineCore, _Tracked
+from nanovllm.dp.engine_core import FINISH_REASONS, KEEPALIVE_S, EngineCore, _Tracked
+from nanovllm.engine.llm_engine import SchedulerStats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,7 +41,7 @@ def test_steps_rejections_aborts_and_stop(qwen3_dir):
                   (12, [("abort", 2)])])  # after about ten steps
     outbox = Pipe([])
     try:
-        core = EngineCore(llm, outbox)
+        core = EngineCore(llm.engine, outbox)
         core.run(inbox)
     finally:
         llm.shutdown()
@@ -66,15 +67,13 @@ def test_steps_rejections_aborts_and_stop(qwen3_dir):
 
 
 def test_keepalive_while_steps_change_nothing_visible():
-    scheduler = SimpleNamespace(running=[1], waiting=[], num_preemptions=0,
-                                block_manager=SimpleNamespace(num_free_blocks=8))
-    seq = SimpleNamespace(is_finished=False, num_completion_tokens=0, num_prompt_tokens=3,
-                          token_ids=[1, 2, 3])
+    stats = SchedulerStats(num_running=1, num_waiting=0, num_free_blocks=8, num_total_blocks=8,
+                           num_preemptions=0)
+    engine = SimpleNamespace(stats=lambda: stats, completion_token_ids=lambda request_id, start: [])
     now = [0.0]
     outbox = Pipe([])
-    llm = SimpleNamespace(engine=SimpleNamespace(scheduler=scheduler))
-    core = EngineCore(llm, outbox, clock=lambda: now[0])
-    core.requests[0] = _Tracked(engine_request_id=0, seq=seq)
+    core = EngineCore(engine, outbox, clock=lambda: now[0])
+    core.requests[0] = _Tracked(engine_request_id=0)
     core.publish()  # the figures changed (from none): sent
     core.publish()  # nothing new, and too soon: not sent
     assert len(outbox.sent) == 1

@@ -1,4 +1,4 @@
-"""The per-step batch record: everything a step's forward pass and sampler need, as plain Python
+"""The step record: everything a step's forward pass and sampler need, as plain Python
 lists, built once on rank 0 from the scheduled sequences. It is what the tensor-parallel workers
 receive (pickled, without the sampling part: only rank 0 samples), and what the eager path, the
 CUDA-graph path and the sampler all read. Also what a step returns on rank 0 (StepOutput). Pure Python.
@@ -37,10 +37,19 @@ class ScheduledSequence(Protocol):
     uses_logits_processors: bool
     min_tokens_stop_ids: list[int]
     bad_words_token_ids: list[list[int]]
+    grammar: "TokenGrammar | None"
 
     def __len__(self) -> int: ...
 
     def prompt_logprob_span(self) -> tuple[int, int] | None: ...
+
+
+class TokenGrammar(Protocol):
+    """What the runner reads of a structured output's matcher (xgrammar.GrammarMatcher, built by
+    nanovllm.engine.structured_outputs): the tokens its grammar allows next, as bits of row `index`
+    of an int32 [rows, ceil(vocab / 32)] bitmask."""
+
+    def fill_next_token_bitmask(self, bitmask: object, index: int) -> object: ...
 
 
 @dataclass(slots=True)
@@ -53,6 +62,9 @@ class ProcessorRow:
     penalties: tuple[float, float, float] | None  # (repetition, frequency, presence); None: neutral
     prompt_token_ids: list[int]  # the penalties' "seen" tokens ([] without penalties)
     output_token_ids: list[int]
+    # Structured outputs: the sequence's matcher (rank 0 only, like the whole SamplingBatch), read-only
+    # here; the engine advances it once the sampled token is accepted.
+    grammar: TokenGrammar | None = None
 
 
 @dataclass(slots=True)
@@ -149,7 +161,7 @@ def _processors(seq: ScheduledSequence) -> ProcessorRow | None:
                  else None)
     return ProcessorRow(p.allowed_token_ids, _banned_tokens(seq), p.logit_bias, penalties,
                         seq.token_ids[:seq.num_prompt_tokens] if penalties else [],
-                        seq.completion_token_ids if penalties else [])
+                        seq.completion_token_ids if penalties else [], seq.grammar)
 
 
 def sampling_batch(seqs: list[ScheduledSequence]) -> SamplingBatch:

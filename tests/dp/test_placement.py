@@ -1,36 +1,10 @@
-"""How data-parallel work is split and placed: by tokens, deterministically, in input order; replica i
-on its own devices, and only those."""
+"""Where data-parallel replicas run: replica i on its own devices, and only those."""
 
 import os
 
 import pytest
 
-from nanovllm.dp.balance import replica_cpus, replica_devices, split_by_tokens
-from nanovllm.dp.coordinator import spawned_with_devices
-from nanovllm.dp.replica import Placement
-
-
-def test_split_balances_tokens_not_counts():
-    # One long request weighs as much as the ten short ones: a split by count would give 6 and 5.
-    costs = [1000] + [100] * 10
-    parts = split_by_tokens(costs, 2)
-    assert parts == [[0], list(range(1, 11))]
-    assert [sum(costs[i] for i in part) for part in parts] == [1000, 1000]
-
-
-def test_split_keeps_input_order_and_covers_every_request_once():
-    costs = [7, 3, 9, 1, 4, 4, 8, 2, 6]
-    parts = split_by_tokens(costs, 3)
-    assert sorted(i for part in parts for i in part) == list(range(len(costs)))
-    assert all(part == sorted(part) for part in parts)
-    loads = [sum(costs[i] for i in part) for part in parts]
-    assert max(loads) - min(loads) <= max(costs)
-    assert split_by_tokens(costs, 3) == parts  # deterministic
-
-
-def test_more_replicas_than_requests_leaves_some_idle():
-    assert split_by_tokens([5, 5], 3) == [[0], [1], []]
-    assert split_by_tokens([4], 1) == [[0]]
+from nanovllm.dp.replica import Placement, replica_cpus, replica_devices, spawned_with_devices
 
 
 def test_replica_i_gets_devices_i_times_t_onwards():

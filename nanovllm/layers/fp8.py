@@ -1,0 +1,234 @@
+"""fp8 (e4m3) weights: `Fp8LinearMethod` for the linear layers, and the scales of MoE experts
+(layers/fused_moe.py), for the three ways an fp8 model arrives (utils/config_checks.Fp8Scheme):
+
+- a block-wise checkpoint (Qwen's and DeepSeek's FP8 layout): `weight_scale_inv` [ceil(N/128), ceil(K/128)],
+  one scale per 128x128 weight block; activations scaled per token and group of 128 inputs;
+- a per-tensor or per-channel checkpoint (vLLM's "fp8" without weight_block_size): `weight_scale` [] or [N];
+  activations scaled per token;
+- `quantization="fp8"` on a bf16/fp32 checkpoint: weights quantized at load, per output channel.
+
+After loading every layer holds one layout:
+
+    weight        float8_e4m3fn [N, K]
+    weight_scale  float32 [N, ceil(K / group)]    weight[n, k] is weight[n, k] * weight_scale[n, k // group]
+
+group: the block's columns, or K (one scale per output channel). A block scale is kept with its row
+repeated for each output row of its block (3% of the weight's bytes at 128x128): every tensor-parallel layer
+then shards and fuses it exactly as it does the weight's rows, at any offset of q/k/v or gate/up.
+
+The matmul is a dequantizing reference, on the CPU and the GPU alike: the activations are quantized to e4m3
+per token (group) and back, the weight dequantized exactly, and both multiplied in the model's dtype: the
+rounding the W8A8 GPU kernels (the next step) will do, at the cost of a dequantized weight per call."""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.linear_methods import Bucket, LinearMethod
+from nanovllm.utils.config_checks import Fp8Scheme
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# The smallest amax a scale is taken from: an all-zero group gets a tiny scale, not a division by zero
+# (vLLM's per-token-group quantization uses the same floor).
+MIN_AMAX = 1e-10
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (e4m3 [..., K], float32 scales [..., ceil(K / group)]): each group of `group` values
+    along the last dim scaled so that its largest magnitude becomes FP8_MAX."""
+    k = x.shape[-1]
+    num_groups = math.ceil(k / group)
+    xf = F.pad(x.float(), (0, num_groups * group - k)).unflatten(-1, (num_groups, group))
+    scale = xf.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.flatten(-2)[..., :k], scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """The exact float32 values of e4m3 q [..., K] with scales [..., ceil(K / group)]."""
+    return q.float() * scale.repeat_interleave(group, dim=-1)[..., : q.shape[-1]]
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x through e4m3 and back, per token and group of `group` inputs, in x's dtype: the rounding of a
+    W8A8 kernel's dynamic activation quantization."""
+    return dequantize(*quantize_groups(x, group), group).to(x.dtype)
+
+
+def fp8_dequant_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight [N, K], weight_scale [N, ceil(K / group)])^T (+ bias), the
+    activations quantized per token and group first; in x's dtype."""
+    w = dequantize(weight, weight_scale, group).to(x.dtype)
+    return F.linear(quantize_activations(x, group), w, bias)
+
+
+def _check_block_split(what: str, size: int, block: int, tp_size: int, axis: str) -> None:
+    if tp_size > 1 and size % block:
+        raise ValueError(f"tensor_parallel_size={tp_size} splits the fp8 checkpoint's weight-scale blocks: "
+                         f"{what} holds {size} {axis} per rank, not a multiple of the block's {block}; use "
+                         "a tensor_parallel_size that keeps every block on one rank")
+
+
+def _column_shards(layer: nn.Module, output_size: int) -> list[int]:
+    """The output rows each checkpoint tensor of a column-parallel layer puts on one rank."""
+    if hasattr(layer, "output_sizes"):  # MergedColumnParallelLinear
+        return [size // layer.tp_size for size in layer.output_sizes]
+    if hasattr(layer, "num_kv_heads"):  # QKVParallelLinear
+        return [layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim]
+    return [output_size]
+
+
+def block_rows_view(rows_of: Callable[[object], int], block_rows: int) -> Callable[..., torch.Tensor]:
+    """A block scale's checkpoint_view (utils/weight_tracker.py): [..., ceil(rows/block), C] ->
+    [..., rows, C], each block's row repeated for its output rows; rows_of(shard_id) -> rows."""
+
+    def view(loaded: torch.Tensor, shard_id: object = None) -> torch.Tensor:
+        rows = rows_of(shard_id)
+        num_blocks = math.ceil(rows / block_rows)
+        if loaded.dim() < 2 or loaded.shape[-2] != num_blocks:
+            raise ValueError(f"fp8 block scale of shape {tuple(loaded.shape)} does not fit a weight of "
+                             f"{rows} rows in blocks of {block_rows} ({num_blocks} block rows)")
+        return loaded.float().repeat_interleave(block_rows, dim=-2)[..., :rows, :]
+
+    return view
+
+
+def channel_view(rows_of: Callable[[object], int], stacked: Callable[[object], bool] = lambda _: False,
+                 keep_dim: bool = False) -> Callable[..., torch.Tensor]:
+    """A per-tensor or per-channel scale's checkpoint_view: [] / [1] / [rows] / [rows, 1] (with a
+    leading experts dim when stacked(shard_id)) -> [rows] ([rows, 1] with keep_dim)."""
+
+    def view(loaded: torch.Tensor, shard_id: object = None) -> torch.Tensor:
+        rows = rows_of(shard_id)
+        lead = tuple(loaded.shape[:1]) if stacked(shard_id) else ()
+        flat = loaded.float().reshape(*lead, -1)
+        if flat.shape[-1] == 1:
+            flat = flat.expand(*lead, rows)
+        elif flat.shape[-1] != rows:
+            raise ValueError(f"fp8 weight_scale of shape {tuple(loaded.shape)} is neither per tensor nor per "
+                             f"channel of a weight of {rows} rows")
+        return (flat.unsqueeze(-1) if keep_dim else flat).contiguous()
+
+    return view
+
+
+class Fp8LinearMethod(LinearMethod):
+    """fp8 weights and float32 scales (the module docstring's layout); every call through the
+    dequantizing reference until the W8A8 GPU kernels join this table."""
+
+    BUCKETS = (Bucket(None, fp8_dequant_linear),)
+
+    def __init__(self, scheme: Fp8Scheme, pdl: bool = False) -> None:
+        super().__init__(pdl)
+        self.scheme = scheme
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
+                       weight_loader: Callable[..., None]) -> None:
+        block, tp_size = self.scheme.block, layer.tp_size
+        dtype = FP8 if self.scheme.serialized else None  # None: the model's, quantized after loading
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        layer.weight.weight_loader = weight_loader
+        if not self.scheme.serialized:
+            return
+
+        def rows_of(shard_id: object) -> int:
+            return layer.checkpoint_shapes(scale)[shard_id][0]
+
+        if block is None:
+            scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32), requires_grad=False)
+            scale.checkpoint_view = channel_view(rows_of)
+            layer.weight_scale = scale
+        else:
+            name = type(layer).__name__
+            if layer.tp_dim == 0:
+                for size in _column_shards(layer, output_size):
+                    _check_block_split(name, size, block[0], tp_size, "output rows")
+            elif layer.tp_dim == 1:
+                _check_block_split(name, input_size, block[1], tp_size, "input columns")
+            scale = nn.Parameter(torch.empty(output_size, math.ceil(input_size / block[1]),
+                                             dtype=torch.float32), requires_grad=False)
+            scale.checkpoint_view = block_rows_view(rows_of, block[0])
+            layer.weight_scale_inv = scale
+        scale.weight_loader = weight_loader
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not self.scheme.serialized:
+            weight, scale = quantize_groups(layer.weight.data, layer.weight.shape[1])
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+        elif self.scheme.block is None:
+            scale = layer.weight_scale.data.unsqueeze(1)
+        else:
+            scale = layer.weight_scale_inv.data
+            del layer.weight_scale_inv
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def group(self, layer: nn.Module) -> int:
+        return self.scheme.block[1] if self.scheme.block is not None else layer.weight.shape[1]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_dequant_linear(x, layer.weight, layer.weight_scale, self.group(layer), bias)
+
+
+# Expert weights (layers/fused_moe.py's MoEExperts): w13 [E, 2I, H] and w2 [E, H, I], scales as above.
+def create_expert_weights(experts: nn.Module, scheme: Fp8Scheme) -> None:
+    """Register the stacked expert weights (fp8 when the checkpoint's are) and their scales, loaded through
+    experts.weight_loader; `expert_proj` tells the loader which projection a parameter belongs to."""
+    e, h, i, tp_size = experts.num_experts, experts.hidden_size, experts.intermediate_size, experts.tp_size
+    dtype = FP8 if scheme.serialized else None
+    shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
+    for proj, shape in shapes.items():
+        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        param.weight_loader, param.expert_proj = experts.weight_loader, proj
+        setattr(experts, f"{proj}_weight", param)
+    if not scheme.serialized:
+        return
+
+    def rows_of(shard_id: object) -> int:
+        return experts.checkpoint_rows(shard_id[1])
+
+    def stacked(shard_id: object) -> bool:
+        return shard_id[0] is None
+
+    for proj, (_, rows, cols) in shapes.items():
+        if scheme.block is None:
+            scale = nn.Parameter(torch.empty(e, rows, 1, dtype=torch.float32), requires_grad=False)
+            scale.checkpoint_view, scale.sharded_cols = channel_view(rows_of, stacked, keep_dim=True), False
+            name = f"{proj}_weight_scale"
+        else:
+            bn, bk = scheme.block
+            _check_block_split("each expert", i, bn if proj == "w13" else bk, tp_size,
+                               "intermediate rows" if proj == "w13" else "intermediate columns")
+            scale = nn.Parameter(torch.empty(e, rows, math.ceil(cols / bk), dtype=torch.float32),
+                                 requires_grad=False)
+            scale.checkpoint_view = block_rows_view(rows_of, bn)
+            name = f"{proj}_weight_scale_inv"
+        scale.weight_loader, scale.expert_proj = experts.weight_loader, proj
+        setattr(experts, name, scale)
+
+
+def process_expert_weights(experts: nn.Module, scheme: Fp8Scheme) -> None:
+    """The loaded experts in the module docstring's layout: w13_weight, w2_weight fp8 and w13_weight_scale,
+    w2_weight_scale float32."""
+    for proj in ("w13", "w2"):
+        weight = getattr(experts, f"{proj}_weight")
+        if not scheme.serialized:
+            q, scale = quantize_groups(weight.data, weight.shape[2])
+            setattr(experts, f"{proj}_weight", nn.Parameter(q, requires_grad=False))
+        elif scheme.block is not None:
+            scale = getattr(experts, f"{proj}_weight_scale_inv").data
+            delattr(experts, f"{proj}_weight_scale_inv")
+        else:
+            continue
+        setattr(experts, f"{proj}_weight_scale", nn.Parameter(scale, requires_grad=False))
+
+
+def expert_groups(experts: nn.Module, scheme: Fp8Scheme) -> tuple[int, int]:
+    """The scale groups of w13 and w2 along their inputs."""
+    if scheme.block is not None:
+        return scheme.block[1], scheme.block[1]
+    return experts.w13_weight.shape[2], experts.w2_weight.shape[2]

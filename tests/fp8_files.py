@@ -1,0 +1,70 @@
+"""Tiny fp8 checkpoints written from a tiny float32 one (tests/conftest.py make_model_dir), in the layouts
+Hugging Face FP8 models use: block-wise (`weight_scale_inv` per block, Qwen3-*-FP8's) and per-channel or
+per-tensor (`weight_scale`, vLLM's "fp8"); and the float32 checkpoint of the very weights they dequantize to,
+so that a test can tell the weights' rounding from the activations'."""
+
+import json
+import math
+import os
+import re
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+# The decoder's linear weights (dense and experts'); embeddings, norms, the LM head and routers stay float32.
+QUANTIZED = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")
+
+
+def quantize_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, weight_scale_inv [ceil(N/bn), ceil(K/bk)]): each block's amax / 448."""
+    (n, k), (bn, bk) = w.shape, block
+    nb, kb = math.ceil(n / bn), math.ceil(k / bk)
+    padded = torch.nn.functional.pad(w, (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
+    scale = padded.abs().amax(dim=(1, 3)).clamp(min=1e-10) / FP8_MAX
+    q = (padded / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(nb * bn, kb * bk)[:n, :k].contiguous(), scale
+
+
+def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    n, k = q.shape
+    expanded = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return q.float() * expanded
+
+
+def write_fp8_checkpoint(src: str, dst: str, layout: str, block: tuple[int, int] = (128, 128),
+                         dequantized: str | None = None) -> None:
+    """Copy the float32 checkpoint folder `src` to `dst` with its linear weights in fp8. layout: "block"
+    (weight_scale_inv per block of `block`), "channel" (weight_scale [N]) or "tensor" (weight_scale []).
+    dequantized: also write, there, the float32 checkpoint of the weights the fp8 ones stand for."""
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    out, exact = {}, {}
+    for name, w in tensors.items():
+        if not QUANTIZED.fullmatch(name):
+            out[name] = exact[name] = w
+            continue
+        if layout == "block":
+            q, scale = quantize_block(w, block)
+            out[name], out[name + "_scale_inv"] = q, scale
+            exact[name] = dequantize_block(q, scale, block)
+            continue
+        amax = w.abs().amax(dim=1) if layout == "channel" else w.abs().amax()
+        scale = amax.clamp(min=1e-10) / FP8_MAX
+        q = (w / (scale[:, None] if layout == "channel" else scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        out[name], out[name + "_scale"] = q, scale
+        exact[name] = q.float() * (scale[:, None] if layout == "channel" else scale)
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+             "modules_to_not_convert": ["lm_head"]}
+    if layout == "block":
+        quant["weight_block_size"] = list(block)
+    for folder, weights, extra in ((dst, out, {"quantization_config": quant}), (dequantized, exact, {})):
+        if folder is None:
+            continue
+        shutil.copytree(src, folder)
+        save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({**config, **extra}, f)

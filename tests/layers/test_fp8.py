@@ -1,0 +1,117 @@
+"""fp8 numerics and checkpoints' refusals (layers/fp8.py, utils/config_checks.py, utils/weight_tracker.py):
+e4m3 rounding per group, the block-wise linear layer equal to dequantized weights times rounded activations,
+and every quantization nanovllm does not implement refused before any step, naming what it is."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import make_model_dir
+from fp8_files import dequantize_block, quantize_block, write_fp8_checkpoint
+from safetensors.torch import load_file, save_file
+
+from nanovllm import LLM
+from nanovllm.layers.fp8 import Fp8LinearMethod, dequantize, quantize_activations, quantize_groups
+from nanovllm.layers.linear import QKVParallelLinear
+from nanovllm.utils.config_checks import Fp8Scheme
+from nanovllm.utils.weight_tracker import WeightTracker
+
+ENGINE = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512)
+
+
+def test_groups_scale_to_the_e4m3_range_and_round_trip_within_its_precision():
+    x = torch.randn(5, 300) * torch.logspace(-3, 3, 300)
+    q, scale = quantize_groups(x, 128)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 3)
+    # each group's largest magnitude lands on the top of the e4m3 range
+    padded = torch.nn.functional.pad(q.float().abs(), (0, 84)).unflatten(-1, (3, 128))
+    assert torch.equal(padded.amax(-1), torch.full((5, 3), 448.0))
+    back = dequantize(q, scale, 128)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for values in the normal range of their group
+    big = x.abs() > scale.repeat_interleave(128, -1)[:, :300] * 2**-6
+    assert ((back - x).abs() <= x.abs() * 2**-4)[big].all()
+    assert torch.equal(quantize_activations(torch.zeros(2, 8), 8), torch.zeros(2, 8))
+
+
+def test_block_linear_is_dequantized_weight_times_rounded_activations():
+    """q/k/v with 16x16 blocks whose shards start mid-block in the fused weight (q 40 rows, k/v 24)."""
+    layer = QKVParallelLinear(32, 8, 5, 3, quant_method=Fp8LinearMethod(Fp8Scheme((16, 16), True)))
+    model = torch.nn.ModuleDict({"attn": torch.nn.ModuleDict({"qkv_proj": layer})})
+    tracker, exact = WeightTracker(model), []
+    tracker.packed = {f"{part}_proj": ("qkv_proj", part) for part in "qkv"}
+    for part, rows in (("q", 40), ("k", 24), ("v", 24)):
+        q, scale = quantize_block(torch.randn(rows, 32), (16, 16))
+        tracker.load(f"attn.{part}_proj.weight", q, "f")
+        tracker.load(f"attn.{part}_proj.weight_scale_inv", scale, "f")
+        exact.append(dequantize_block(q, scale, (16, 16)))
+    tracker.check_complete("f")
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(7, 32)
+    expected = quantize_activations(x, 16) @ torch.cat(exact).T
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8_refusals")
+    make_model_dir(str(root / "fp32"))
+    write_fp8_checkpoint(str(root / "fp32"), str(root / "block"), "block")
+    return root
+
+
+def with_config(src: str, dst: str, **changes) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {**config["quantization_config"], **changes}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(quant_method="awq"), r"quant_method='awq'.*implements 'fp8'"),
+    (dict(activation_scheme="static"), r"activation_scheme 'static' \(static input_scale"),
+    (dict(kv_cache_scheme="fp8"), r"fields \['kv_cache_scheme'\]"),
+    (dict(weight_block_size=[128]), r"weight_block_size must be two positive integers"),
+    (dict(modules_to_not_convert=["model.layers.0.self_attn.q_proj"]), r"leaves .*q_proj.* unquantized"),
+])
+def test_unimplemented_quantization_configs_are_refused(tiny, tmp_path, changes, match):
+    path = with_config(str(tiny / "block"), str(tmp_path / "changed"), **changes)
+    with pytest.raises(ValueError, match=match):
+        LLM(path, **ENGINE)
+
+
+def test_unknown_quantization_option_and_a_conflicting_one_are_refused(tiny):
+    with pytest.raises(ValueError, match=r"quantization must be one of \[None, 'fp8'\], got 'int8'"):
+        LLM(str(tiny / "fp32"), **ENGINE, quantization="int8")
+    with pytest.raises(TypeError, match="option quantization must be str or None"):
+        LLM(str(tiny / "fp32"), **ENGINE, quantization=8)
+
+
+def test_int8_tensors_are_refused_naming_the_tensor(tiny, tmp_path):
+    path = str(tmp_path / "int8")
+    shutil.copytree(tiny / "fp32", path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].to(torch.int8)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor '{name}' is stored as torch.int8, a quantized format"):
+        LLM(path, **ENGINE)
+    with pytest.raises(ValueError, match=rf"tensor '{name}' is stored as torch.int8"):
+        LLM(path, **ENGINE, quantization="fp8")
+
+
+def test_a_scale_of_the_wrong_block_count_is_refused(tiny, tmp_path):
+    path = str(tmp_path / "bad_scale")
+    shutil.copytree(tiny / "block", path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    tensors[name] = torch.ones(3, 1)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"'{name}'.*does not fit a weight of 128 rows in blocks of 128"):
+        LLM(path, **ENGINE)
