@@ -12,6 +12,7 @@ tokenizer thread: a large prompt delays only the requests that arrive behind it.
 import asyncio
 import itertools
 import multiprocessing
+import signal
 from concurrent.futures import ProcessPoolExecutor
 
 from pydantic import BaseModel, ValidationError
@@ -32,6 +33,7 @@ from nanovllm.serve.protocol import (
 )
 from nanovllm.serve.request_stream import ServerRequest
 from nanovllm.serve.tool_calls import tool_constraint
+from nanovllm.utils.parent_watch import exit_with_parent
 from nanovllm.utils.tokenizer import chat_token_ids, load_engine_tokenizer
 
 # The largest request body (a 413 past it): 4x the JSON of a 128K-token prompt sent as token ids
@@ -55,6 +57,10 @@ TOKENIZER_PROCESS_NAME = b"nanovllm-tokenz"  # comm holds 15 bytes
 
 def _start_worker(config: Config, num_kvcache_blocks: int, model_name: str, auto_tool_choice: bool) -> None:
     global _worker
+    # Ctrl-C reaches the whole process group: stopping is the HTTP process's call. A killed server must
+    # not leave its tokenizer behind.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent("tokenizer process")
     try:
         import ctypes
 

@@ -137,3 +137,14 @@ def test_an_engine_that_fails_to_start_ends_serve_with_its_error(qwen3_dir, tmp_
     assert last.startswith("nanovllm serve: the engine failed to start: engine process 0"), done.stderr
     assert "exited with code 1" in last and "model.safetensors" in last, last
 
+
+
+def test_a_server_killed_by_sigkill_leaves_no_process_behind(qwen3_dir):
+    """SIGKILL gives the HTTP process no chance to stop anything: its engine process and its tokenizer
+    process notice that their parent is gone and leave by themselves."""
+    server = Server(qwen3_dir, *OPTIONS)
+    children = descendants(server.proc.pid)
+    assert len(server.engine_pids()) == 1 and len(children) >= 2  # the engine and the tokenizer, at least
+    server.proc.kill()
+    server.proc.wait()
+    assert wait_until_gone(children) == []
