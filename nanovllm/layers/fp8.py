@@ -16,9 +16,11 @@ group: the block's columns, or K (one scale per output channel). A block scale i
 repeated for each output row of its block (3% of the weight's bytes at 128x128): every tensor-parallel layer
 then shards and fuses it exactly as it does the weight's rows, at any offset of q/k/v or gate/up.
 
-The matmul is a dequantizing reference, on the CPU and the GPU alike: the activations are quantized to e4m3
-per token (group) and back, the weight dequantized exactly, and both multiplied in the model's dtype: the
-rounding the W8A8 GPU kernels (the next step) will do, at the cost of a dequantized weight per call."""
+`Fp8LinearMethod` is the dequantizing reference (the CPU's, and older GPUs'): the activations quantized to
+e4m3 per token (group) and back, the weight dequantized exactly, both multiplied in the model's dtype.
+`Fp8TritonLinearMethod` (CUDA, fp8 tensor cores: sm_89+) runs the Triton kernels instead: up to 16 rows the
+W8A16 GEMV (kernels/fp8_gemv.py: the weight streamed once in e4m3, activations unrounded), from 17 the W8A8
+GEMM (kernels/fp8_gemm.py: the rounding of the reference, on fp8 tensor cores)."""
 
 import math
 from collections.abc import Callable
@@ -60,11 +62,32 @@ def quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def fp8_dequant_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                       bias: torch.Tensor | None) -> torch.Tensor:
+                       bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     """x [M, K] @ dequantize(weight [N, K], weight_scale [N, ceil(K / group)])^T (+ bias), the
     activations quantized per token and group first; in x's dtype."""
     w = dequantize(weight, weight_scale, group).to(x.dtype)
     return F.linear(quantize_activations(x, group), w, bias)
+
+
+def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                           bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight, weight_scale)^T (+ bias) in float32, x unrounded (W8A16), in x's
+    dtype: what kernels/fp8_gemv.py computes."""
+    return F.linear(x.float(), dequantize(weight, weight_scale, group),
+                    None if bias is None else bias.float()).to(x.dtype)
+
+
+# The GPU kernels, under the names the kernel table prints (imported when first called: no Triton here).
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+             bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    from nanovllm.kernels.fp8_gemv import fp8_gemv_linear
+    return fp8_gemv_linear(x, weight, weight_scale, group, bias, pdl)
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+             bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    from nanovllm.kernels.fp8_gemm import w8a8_linear
+    return w8a8_linear(x, weight, weight_scale, group, bias)  # a plain launch: many rows gain little by PDL
 
 
 def _check_block_split(what: str, size: int, block: int, tp_size: int, axis: str) -> None:
@@ -119,7 +142,10 @@ def channel_view(rows_of: Callable[[object], int], stacked: Callable[[object], b
 
 class Fp8LinearMethod(LinearMethod):
     """fp8 weights and float32 scales (the module docstring's layout); every call through the
-    dequantizing reference until the W8A8 GPU kernels join this table."""
+    dequantizing reference (the CPU's method, and GPUs' without fp8 tensor cores). Its decode calls round
+    the activations too, unlike the GPU's W8A16 GEMV: without that rounding (fp8_weight_only_linear up to
+    16 rows) the tiny model's greedy tokens left W8A8 transformers' at the fourth token
+    (tests/models/test_fp8_checkpoints.py), so the CPU keeps the one rounding those tests compare with."""
 
     BUCKETS = (Bucket(None, fp8_dequant_linear),)
 
@@ -171,7 +197,37 @@ class Fp8LinearMethod(LinearMethod):
         return self.scheme.block[1] if self.scheme.block is not None else layer.weight.shape[1]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_dequant_linear(x, layer.weight, layer.weight_scale, self.group(layer), bias)
+        at, rows = self._at, x.shape[0]
+        kernel = (at[rows] if rows < len(at) else at[-1]).plain
+        return kernel(x, layer.weight, layer.weight_scale, self.group(layer), bias, self.pdl)
+
+
+class Fp8TritonLinearMethod(Fp8LinearMethod):
+    """Fp8LinearMethod on CUDA GPUs with fp8 tensor cores (sm_89+: FP8_MIN_CAPABILITY): decode-sized calls
+    through the W8A16 GEMV (the e4m3 weight streamed once: half a bf16 weight's bytes), larger ones through
+    the W8A8 block-scaled GEMM. The 16-row boundary is the GEMV's limit, not a measurement: the GPU figures
+    are not measured yet (no device time in the session that wrote the kernels). BENCHMARKS.md's "Qwen3-8B"
+    table needs fp8-weight rows for them (Qwen3-8B-FP8: one stream 512 in / 1,024 out against a floor of
+    half the bf16 row's ~3.5 ms weight read, 16 streams, bench.py throughput), and docs/performance-notes.md
+    the kernels' per-shape timings against the dequantizing reference and the bf16 kernels."""
+
+    BUCKETS = (Bucket(16, fp8_gemv), Bucket(None, fp8_gemm))  # 16: kernels/fp8_gemv.MAX_ROWS
+
+
+# fp8 e4m3 tensor-core MMA (tl.dot of e4m3 operands) needs Ada (sm_89) or Hopper (sm_90) and later.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_linear_method(scheme: Fp8Scheme, device: torch.device, pdl: bool = False,
+                      capability: tuple[int, int] | None = None) -> Fp8LinearMethod:
+    """The fp8 method for `device`: the Triton kernels' on a CUDA GPU of FP8_MIN_CAPABILITY or later (its
+    capability read from the device when None), else the dequantizing reference."""
+    if device.type != "cuda":
+        return Fp8LinearMethod(scheme, pdl)
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    method = Fp8TritonLinearMethod if tuple(capability) >= FP8_MIN_CAPABILITY else Fp8LinearMethod
+    return method(scheme, pdl)
 
 
 # Expert weights (layers/fused_moe.py's MoEExperts): w13 [E, 2I, H] and w2 [E, H, I], scales as above.

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.layers.fp8 import Fp8LinearMethod
+from nanovllm.layers.fp8 import fp8_linear_method
 from nanovllm.layers.linear_methods import (
     Bucket,
     LinearMethod,
@@ -58,7 +58,8 @@ class KernelPlan:
             scheme = Fp8Scheme(block=None, serialized=False)
         if scheme is None:
             return plan
-        return cls(Fp8LinearMethod(scheme, plan.linear.pdl), plan.lm_head, plan.linear, scheme)
+        return cls(fp8_linear_method(scheme, device, plan.linear.pdl, capability), plan.lm_head, plan.linear,
+                   scheme)
 
     @classmethod
     def _unquantized(cls, device: torch.device, dtype: torch.dtype, skinny_gemm: bool,

@@ -24,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
     decode_attention = decode_launch = decode_rope = fused_moe = moe_routing = norm_act = None
     decode_inputs = prefill_attention = rope_store = sample_race = skinny_gemm = skinny_rows = split_k = None
-    gemv_rows = None
+    gemv_rows = fp8_gemm = fp8_gemv = None
 else:
     import nanovllm.kernels
     from nanovllm.kernels import (
@@ -32,6 +32,8 @@ else:
         decode_inputs,
         decode_launch,
         decode_rope,
+        fp8_gemm,
+        fp8_gemv,
         fused_moe,
         gemv_rows,
         moe_routing,
@@ -78,6 +80,8 @@ FLOAT_SCALARS = {"eps", "scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_
 # Cases reading or writing an fp8 (e4m3) KV cache: their cache pointers hold fp8.
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 ROPE_SHAPES = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128)
+# fp8 weights (layers/fp8.py's layout): e4m3 [N, K] and float32 scales; the W8A8 GEMM's x is e4m3 too.
+FP8_WEIGHT = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}
 DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=128,
               COMBINE_HEADS=2, COMBINE_ROWS=16, FP8_TILES="cast", KV_PER_PROG=1)
 
@@ -216,6 +220,26 @@ def cases() -> dict:
         "gemv-rows-split": (gemv_rows._gemv_rows_kernel,
                             dict(ROWS=4, BLOCK_N=16, BLOCK_K=64, HAS_BIAS=True, WRITE_PARTIAL=True,
                                  NUM_STAGES=4, PROLOGUE=gemv_rows.PLAIN.value, PDL=False, PRELOAD=1)),
+        # fp8 linear layers (layers/fp8.py): activations quantized per token and 128-group, the W8A8 GEMM of
+        # a 128x128 block checkpoint and of a per-channel one (one K-group), and the W8A16 decode GEMV.
+        "fp8-quantize-rows": (fp8_gemm._quantize_rows_kernel, dict(BLOCK=128),
+                              {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
+        "fp8-w8a8-gemm-block": (fp8_gemm._w8a8_gemm_kernel,
+                                dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, ONE_GROUP=False, HAS_BIAS=True,
+                                     NUM_STAGES=3),
+                                dict(FP8_WEIGHT, x_ptr="*fp8e4nv", x_scale_ptr="*fp32"), dict(num_warps=8)),
+        "fp8-w8a8-gemm-channel": (fp8_gemm._w8a8_gemm_kernel,
+                                  dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, ONE_GROUP=True, HAS_BIAS=False,
+                                       NUM_STAGES=3),
+                                  dict(FP8_WEIGHT, x_ptr="*fp8e4nv", x_scale_ptr="*fp32"), dict(num_warps=4)),
+        "fp8-gemv-block-pdl": (fp8_gemv._fp8_gemv_kernel,
+                               dict(ROWS_=16, BLOCK_N=32, BLOCK_K=128, ONE_GROUP=False, HAS_BIAS=True,
+                                    NUM_STAGES=4, DOT_PRECISION="tf32", PDL=True),
+                               FP8_WEIGHT, dict(num_warps=4, launch_pdl=True)),
+        "fp8-gemv-channel": (fp8_gemv._fp8_gemv_kernel,
+                             dict(ROWS_=16, BLOCK_N=64, BLOCK_K=256, ONE_GROUP=True, HAS_BIAS=False,
+                                  NUM_STAGES=4, DOT_PRECISION="tf32", PDL=False),
+                             FP8_WEIGHT, dict(num_warps=4)),
         "moe-topk-softmax": (moe_routing._topk_softmax_kernel,
                              dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=32, RENORMALIZE=True)),
         "moe-count": (fused_moe._count_kernel, dict(E_PAD=128, BLOCK_S=32)),
@@ -305,7 +329,9 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
               "moe-topk-softmax", "race-chunk", "race-chunk-greedy", "race-pick", "race-pick-scatter",
-              "decode-inputs", "gemv-rows-pdl", "gemv-rows-silu-mul", "gemv-rows-split")
+              "decode-inputs", "gemv-rows-pdl", "gemv-rows-silu-mul", "gemv-rows-split",
+              "fp8-quantize-rows", "fp8-w8a8-gemm-block", "fp8-w8a8-gemm-channel", "fp8-gemv-block-pdl",
+              "fp8-gemv-channel")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,14 @@ from fp8_files import dequantize_block, quantize_block, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM
-from nanovllm.layers.fp8 import Fp8LinearMethod, dequantize, quantize_activations, quantize_groups
+from nanovllm.layers.fp8 import (
+    Fp8LinearMethod,
+    Fp8TritonLinearMethod,
+    dequantize,
+    fp8_linear_method,
+    quantize_activations,
+    quantize_groups,
+)
 from nanovllm.layers.linear import QKVParallelLinear
 from nanovllm.utils.config_checks import Fp8Scheme
 from nanovllm.utils.weight_tracker import WeightTracker
@@ -51,6 +58,20 @@ def test_block_linear_is_dequantized_weight_times_rounded_activations():
     x = torch.randn(7, 32)
     expected = quantize_activations(x, 16) @ torch.cat(exact).T
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device, capability, method", [
+    ("cuda", (9, 0), Fp8TritonLinearMethod),  # Hopper: fp8 tensor cores
+    ("cuda", (8, 9), Fp8TritonLinearMethod),  # Ada
+    ("cuda", (8, 0), Fp8LinearMethod),  # Ampere: no fp8 MMA, the dequantizing reference
+    ("cpu", None, Fp8LinearMethod),
+])
+def test_fp8_kernels_run_on_gpus_with_fp8_tensor_cores(device, capability, method):
+    chosen = fp8_linear_method(Fp8Scheme((128, 128), True), torch.device(device), True, capability)
+    assert type(chosen) is method and chosen.pdl
+    names = [chosen.bucket(rows).plain.__name__ for rows in (1, 16, 17, 4096)]
+    gpu = method is Fp8TritonLinearMethod
+    assert names == (["fp8_gemv"] * 2 + ["fp8_gemm"] * 2 if gpu else ["fp8_dequant_linear"] * 4)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,174 @@
+"""W8A8 block-scaled GEMM for many rows (prefill, large decode batches), fp8 e4m3 on both operands:
+
+    x_fp8, x_scale = quantize per token and group of GROUP inputs      x_scale [M, ceil(K / GROUP)]
+    out[m, n] = sum over K tiles kb of (x_fp8 @ w_fp8^T)[m, n] * x_scale[m, kb] * w_scale[n, kb] (+ bias)
+
+in float32, stored in the model's dtype. The weight layout is layers/fp8.py's: w_fp8 [N, K] and w_scale
+[N, ceil(K / GROUP)], one scale row per weight row, so a 128x128 block checkpoint (GROUP = 128) and a
+per-channel or per-tensor one (GROUP = K, one K-group) run the same kernel; with one group the scales
+multiply the finished sums once instead of every tile's.
+
+The activations are quantized by a small kernel first (`quantize_rows`: per token and group, scale =
+max(amax, MIN_AMAX) / 448, x / scale rounded to nearest-even e4m3), the rounding layers/fp8.py's
+reference does. The products run on fp8 tensor cores (tl.dot of e4m3 operands: wgmma on sm_90, mma on
+sm_89), float32 accumulation; a K tile never straddles two scale groups (BLOCK_K divides GROUP, or the
+whole K is one group). Sizes come from shapes alone (no host sync), so calls are CUDA-graph capturable.
+GPU timings: not measured yet."""
+
+import torch
+import triton
+import triton.language as tl
+
+# layers/fp8.py's numerics (a kernel module must not import layers/): the e4m3 range and the smallest
+# amax a scale is taken from, so that an all-zero group gets a tiny scale, not a division by zero.
+FP8_MAX = tl.constexpr(448.0)
+MIN_AMAX = tl.constexpr(1e-10)
+FP8_DTYPE = torch.float8_e4m3fn
+# Elements of a group the quantizing kernel reads at once; a longer group (per-token: all of K) loops.
+QUANT_BLOCK = 1024
+# GEMM tiles: 128 columns of K is one scale group of a 128x128 block checkpoint, and a 128-row fp8 tile is
+# 16 KB; three stages of both operands (96 KB at 128x128) fit Hopper's shared memory with room to spare.
+GEMM_BLOCK_K = 128
+GEMM_NUM_STAGES = 3
+# float32 values whose units are integers are rounded to nearest-even by adding and subtracting this.
+ROUND_MAGIC = tl.constexpr(1.5 * 2**23)
+
+
+@triton.jit
+def round_to_e4m3_grid(v):
+    """v (float32, |v| <= 448) rounded to nearest-even e4m3 in float32 arithmetic, so that the cast after
+    it is exact. The cast alone would do on the GPU (cvt.rn); Triton's interpreter truncates a mantissa
+    carry (127 -> 64, not 128), and one code path keeps the tests and the GPU in step. The e4m3 step
+    of v is 2^(e - 3) for its exponent e, and 2^-9 below the normal range (e < -6)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    step_exp = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32), 127 - 6) - 3  # biased exponent of the step
+    step = (step_exp << 23).to(tl.float32, bitcast=True)
+    inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
+    rounded = ((tl.abs(v) * inv_step + ROUND_MAGIC) - ROUND_MAGIC) * step
+    # v's sign put back: a negative value rounded to zero stays -0, as the cast makes it.
+    return (rounded.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, num_groups, GROUP, BLOCK: tl.constexpr):
+    """One program per (row, group): the group's amax, then its values scaled and rounded to e4m3."""
+    m = tl.program_id(0)
+    g = tl.program_id(1)
+    start = g * GROUP
+    end = tl.minimum(start + GROUP, K)
+    row = x_ptr + m.to(tl.int64) * stride_xm
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(start, end, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(row + offs, mask=offs < end, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
+    tl.store(scale_ptr + m * num_groups + g, scale)
+    for k in range(start, end, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(row + offs, mask=offs < end, other=0.0).to(tl.float32)
+        # div_rn: IEEE division as torch's reference does (the default '/' is approximate on the GPU).
+        q = round_to_e4m3_grid(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+        tl.store(q_ptr + m.to(tl.int64) * K + offs, q.to(q_ptr.dtype.element_ty), mask=offs < end)
+
+
+def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dim contiguous) -> (e4m3 [M, K] contiguous, float32 scales [M, ceil(K / group)]),
+    as layers/fp8.quantize_groups rounds it."""
+    m, k = x.shape
+    num_groups = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
+    if m and k:
+        block = min(QUANT_BLOCK, triton.next_power_of_2(min(group, k)))
+        _quantize_rows_kernel[(m, num_groups)](x, q, scale, k, x.stride(0), num_groups, group, BLOCK=block)
+    return q, scale
+
+
+@triton.jit(do_not_specialize=["M"])  # one build for every row count
+def _w8a8_gemm_kernel(
+    x_ptr,  # [M, K] e4m3, contiguous
+    x_scale_ptr,  # [M, num_groups] float32, contiguous
+    w_ptr,  # [N, K] e4m3, rows stride_wn apart
+    w_scale_ptr,  # [N, num_groups] float32, contiguous
+    bias_ptr,  # [N] in the output's dtype
+    out_ptr,  # [M, N], rows stride_om apart
+    M,
+    N,
+    K,
+    stride_wn,
+    stride_om,
+    num_groups,
+    GROUP,  # inputs per scale group (a multiple of BLOCK_K, or >= K when ONE_GROUP)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ONE_GROUP: tl.constexpr,  # per-channel / per-tensor: the scales multiply the finished sums
+    HAS_BIAS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    # Rows past M and columns past N read the last real ones (never stored): loads need only K masks.
+    real_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    real_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_rows = x_ptr + real_m[:, None] * K  # [BLOCK_M, 1]
+    w_rows = w_ptr + real_n[:, None] * stride_wn  # [BLOCK_N, 1]
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = (k + offs_k < K)[None, :]
+        a = tl.load(x_rows + (k + offs_k)[None, :], mask=k_mask, other=0.0)  # [BLOCK_M, BLOCK_K] e4m3
+        b = tl.load(w_rows + (k + offs_k)[None, :], mask=k_mask, other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
+        if ONE_GROUP:
+            acc = tl.dot(a, tl.trans(b), acc)
+        else:
+            g = k // GROUP
+            xs = tl.load(x_scale_ptr + real_m * num_groups + g)
+            ws = tl.load(w_scale_ptr + real_n * num_groups + g)
+            acc += tl.dot(a, tl.trans(b)) * (xs[:, None] * ws[None, :])
+    if ONE_GROUP:
+        acc = acc * tl.load(x_scale_ptr + real_m * num_groups)[:, None] * \
+            tl.load(w_scale_ptr + real_n * num_groups)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + real_n).to(tl.float32)[None, :]
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemm_config(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) from the row count: 64-row tiles (one warpgroup) up to 64 rows, else
+    128x128 over two. Not tuned yet: the GPU measurement is to come."""
+    return (64, 128, 4) if m <= 64 else (128, 128, 8)
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight [N, K] e4m3, weight_scale [N, ceil(K / group)])^T (+ bias), x
+    quantized per token and group of `group` inputs first; in x's dtype, float32 accumulation."""
+    (m, k), n = x.shape, weight.shape[0]
+    num_groups = triton.cdiv(k, group)
+    if weight.shape[1] != k or weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
+        raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} must be [N, {k}] {FP8_DTYPE} with a "
+                         "contiguous last dim")
+    if weight_scale.shape != (n, num_groups) or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} {weight_scale.dtype} must be float32 "
+                         f"({n}, {num_groups}) for groups of {group}")
+    one_group = num_groups == 1
+    if not one_group and group % GEMM_BLOCK_K:
+        raise ValueError(f"scale groups of {group} inputs are not a multiple of the K tile {GEMM_BLOCK_K}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    x_q, x_scale = quantize_rows(x, group)
+    block_m, block_n, num_warps = gemm_config(m)
+    _w8a8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x_q, x_scale, weight, weight_scale.contiguous(), bias if bias is not None else out, out,
+        m, n, k, weight.stride(0), out.stride(0), num_groups, group,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GEMM_BLOCK_K, ONE_GROUP=one_group,
+        HAS_BIAS=bias is not None, NUM_STAGES=GEMM_NUM_STAGES, num_warps=num_warps,
+    )
+    return out

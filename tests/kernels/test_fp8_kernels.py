@@ -1,0 +1,113 @@
+"""The fp8 linear kernels against layers/fp8.py's references, on CPU tensors through the Triton interpreter
+(or on CUDA when TRITON_INTERPRET=0): the activation quantizer bit for bit, the W8A8 GEMM
+(kernels/fp8_gemm.py) against the dequantizing reference and the W8A16 GEMV (kernels/fp8_gemv.py) against
+the unrounded one, at 128x128 blocks and per channel, partial blocks, 1-64 rows and a bias; and
+Fp8TritonLinearMethod's buckets on a layer."""
+
+import pytest
+import torch
+from conftest import triton_test_device
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels.fp8_gemm import quantize_rows, w8a8_linear  # noqa: E402
+from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear  # noqa: E402
+from nanovllm.layers.fp8 import (  # noqa: E402
+    Fp8TritonLinearMethod,
+    fp8_dequant_linear,
+    fp8_weight_only_linear,
+    quantize_groups,
+)
+from nanovllm.layers.linear import ReplicatedLinear  # noqa: E402
+from nanovllm.utils.config_checks import Fp8Scheme  # noqa: E402
+
+DEVICE = triton_test_device()
+# float32: the kernels and the references round alike (the same e4m3 values, exact products of them), only
+# the order of the float32 sums differs, on outputs of magnitude ~1. 16-bit: the references multiply the
+# dequantized weight rounded to the model's dtype, the kernels the exact one in float32.
+TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# (N, K, group): 128x128 blocks with partial blocks along N and K; per channel (group = K) with a K that is
+# no multiple of the 128 K tile; two whole blocks.
+LAYOUTS = [(200, 300, 128), (96, 200, 200), (128, 256, 128)]
+
+
+def make(m: int, n: int, k: int, group: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    # x scaled so that outputs are O(1); its rows' magnitudes spread so that the per-token scales differ.
+    x = torch.randn(m, k, generator=gen) / k**0.5 * torch.logspace(-1, 1, m)[:, None]
+    weight, scale = quantize_groups(torch.randn(n, k, generator=gen), group)
+    bias = torch.randn(n, generator=gen)
+    return x.to(DEVICE, dtype), weight.to(DEVICE), scale.to(DEVICE), bias.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("group", [128, 300])
+def test_quantize_rows_is_the_reference_bit_for_bit(group):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 300, generator=gen) * torch.logspace(-6, 3, 300)  # e4m3 subnormals included
+    x[2] = 0.0  # an all-zero row: the MIN_AMAX floor
+    x[3, :4] = torch.tensor([127.0, -126.5, 0.0625, 1e-9]) * 1e-3
+    x = x.to(DEVICE)
+    q, scale = quantize_rows(x, group)
+    ref_q, ref_scale = quantize_groups(x, group)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, group", LAYOUTS)
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+def test_w8a8_gemm_matches_the_dequantizing_reference(m, n, k, group, dtype):
+    x, weight, scale, bias = make(m, n, k, group, dtype)
+    out = w8a8_linear(x, weight, scale, group, bias if m % 2 else None)
+    expected = fp8_dequant_linear(x.float(), weight, scale, group, bias.float() if m % 2 else None)
+    assert out.dtype == dtype and out.shape == (m, n)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+def test_w8a8_gemm_takes_a_strided_x():
+    x, weight, scale, bias = make(5, 96, 256, 128, torch.float32)
+    wide = torch.cat([x, x], dim=1)[:, 256:]  # rows 512 apart
+    torch.testing.assert_close(w8a8_linear(wide, weight, scale, 128, bias),
+                               fp8_dequant_linear(x, weight, scale, 128, bias), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, group", LAYOUTS)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_gemv_matches_the_dequantized_weight_on_unrounded_activations(m, n, k, group, dtype):
+    x, weight, scale, bias = make(m, n, k, group, dtype)
+    out = fp8_gemv_linear(x, weight, scale, group, bias if m % 2 else None)
+    expected = fp8_weight_only_linear(x.float(), weight, scale, group, bias.float() if m % 2 else None)
+    assert out.dtype == dtype and out.shape == (m, n)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+    # and it is not the W8A8 rounding: the test can tell the two apart
+    rounded = fp8_dequant_linear(x.float(), weight, scale, group, bias.float() if m % 2 else None)
+    assert (rounded - expected).abs().max() > 10 * tol
+
+
+def test_the_kernels_refuse_what_they_cannot_tile():
+    x, weight, scale, _ = make(MAX_ROWS + 1, 64, 384, 192, torch.float32)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        fp8_gemv_linear(x, weight, scale, 192)
+    with pytest.raises(ValueError, match="not a multiple of the K tile 128"):
+        w8a8_linear(x, weight, scale, 192)
+    with pytest.raises(ValueError, match=r"weight_scale \(64, 2\)"):
+        w8a8_linear(x, weight, scale[:, :2], 128)
+
+
+def test_the_triton_method_takes_the_gemv_to_16_rows_then_the_gemm():
+    method = Fp8TritonLinearMethod(Fp8Scheme((128, 128), True))
+    layer = ReplicatedLinear(300, 200, bias=True, quant_method=method)
+    _, weight, scale, bias = make(1, 200, 300, 128, torch.float32)
+    layer.weight = torch.nn.Parameter(weight.cpu(), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale.cpu(), requires_grad=False)
+    layer.bias.data.copy_(bias.cpu())
+    layer.to(DEVICE)
+    assert [method.bucket(r).plain.__name__ for r in (1, 16, 17)] == ["fp8_gemv", "fp8_gemv", "fp8_gemm"]
+    for rows, reference in ((16, fp8_weight_only_linear), (17, fp8_dequant_linear)):
+        x = make(rows, 200, 300, 128, torch.float32, seed=rows)[0]
+        torch.testing.assert_close(layer(x), reference(x, layer.weight, layer.weight_scale, 128, layer.bias),
+                                   rtol=1e-4, atol=1e-4)
