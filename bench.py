@@ -5,6 +5,7 @@ the timed one. Prints one line: "Total: ...tok, Time: ...s, Throughput: ...tok/s
     python bench.py [--model PATH] [--num-seqs 256] [--max-input-len 1024] [--max-output-len 1024]
     python bench.py --model configs/Qwen3-0.6B --load-format dummy   # random weights from config.json
     python bench.py --model model.gguf --num-seqs 8 --max-input-len 64 --max-output-len 64   # on a CPU
+    python bench.py ... --quantization fp8 --kv-cache-dtype fp8       # fp8 weights and KV cache
     python bench.py ... -dp 2                                        # two replicas (nanovllm.dp)
 
 The lengths are checked before the model loads: --min-len (default 100) is lowered to the maximum
@@ -12,6 +13,7 @@ lengths when they are shorter, and an explicit --min-len above them is an error.
 """
 
 import argparse
+import json
 import os
 import time
 from random import randint, seed
@@ -56,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kvcache-block-size", type=int, default=256)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: an e4m3 KV cache, twice the tokens of bf16 (Triton backend)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: quantize a bf16 checkpoint's linear weights to fp8 at load (per-channel "
+                             "scales); an fp8 checkpoint is read as fp8 without it")
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='speculative decoding, as vLLM\'s option: JSON such as \'{"method": "ngram", '
+                             '"num_speculative_tokens": 3}\' (README, "Speculative decoding")')
     parser.add_argument("--mixed-batches", action=argparse.BooleanOptionalAction, default=True,
                         help="decode and new prompts in one forward pass (--no-mixed-batches: nano-vllm's "
                              "prefill-first steps)")
@@ -104,7 +112,7 @@ def main() -> None:
               max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, kvcache_block_size=args.kvcache_block_size,
               kv_cache_dtype=args.kv_cache_dtype, mixed_batches=args.mixed_batches,
-              skip_tokenizer_init=args.load_format == "dummy")
+              quantization=args.quantization, speculative_config=args.speculative_config, skip_tokenizer_init=args.load_format == "dummy")
     prompt_token_ids, sampling_params = make_workload(
         args.num_seqs, llm.config.hf_config.vocab_size, args.min_input_len, args.max_input_len,
         args.min_output_len, args.max_output_len)

@@ -14,6 +14,12 @@ from dataclasses import dataclass, field, fields
 
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.speculative.config import (
+    SpeculativeConfig,
+    check_draft_vocab_size,
+    draft_options,
+    parse_speculative_config,
+)
 from nanovllm.utils.config_checks import check_model_config, check_option_types, check_parallel_layout
 from nanovllm.utils.device import cuda_available, gpu_total_memory
 from nanovllm.utils.embedded_model import EMBEDDED_INSTALL, EMBEDDED_NAME, embedded_model_path
@@ -123,6 +129,11 @@ class Config:
     # "fp8": quantize a bf16/fp32 checkpoint's linear weights to fp8 at load (vLLM's option); None: as the
     # checkpoint is (an FP8 checkpoint's quantization_config is read without it; layers/fp8.py).
     quantization: str | None = None
+    # Speculative decoding, vLLM's dict ({"method": "ngram", "num_speculative_tokens": 3, ...}; see
+    # nanovllm.speculative.config); a SpeculativeConfig once the Config is built. Steps that may carry
+    # drafts run the synchronous loop; above disable_by_batch_size running requests, none do, and
+    # async_scheduling applies.
+    speculative_config: dict | SpeculativeConfig | None = None
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: str | None = field(init=False, default=None)  # the GGUF file, when the model is one
     # That file parsed, once: config, tokenizer and weights all come from it.
@@ -133,6 +144,8 @@ class Config:
     # engine that reads it import no torch).
     model_dtype: str = field(init=False, default="float32")  # from `dtype`
     cache_dtype: str = field(init=False, default="float32")  # from `kv_cache_dtype`
+    # The draft model's own Config, for speculative_config's "model" (nanovllm.speculative.draft).
+    draft_config: "Config | None" = field(init=False, default=None, repr=False)
 
     @classmethod
     def from_options(cls, model: str, **options) -> "Config":
@@ -153,6 +166,7 @@ class Config:
                 setattr(self, name, os.fspath(getattr(self, name)))
         check_option_types(self)
         self._check_ranges()
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         self.device_type = self._resolve_device()
         self._check_tokenizer_path()
         self.gguf_path = self._find_gguf()
@@ -191,6 +205,9 @@ class Config:
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
         if self.max_num_seqs is None:
             self.max_num_seqs = MAX_NUM_SEQS_LARGE_GPU if self._large_gpu() else MAX_NUM_SEQS
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            self.draft_config = Config(self.speculative_config.model, **draft_options(self))
+            check_draft_vocab_size(self, self.draft_config)  # before any weights load
 
     def _large_gpu(self) -> bool:
         if self.device_type != "cuda":

@@ -84,11 +84,25 @@ class CompletionOutput(dict):
         return self.get("finish_reason") is not None
 
 
+class RequestMetrics(dict):
+    """vLLM's RequestOutput.metrics, as far as nanovllm keeps them: speculative decoding's figures,
+    summed over the request's completions (all 0 without speculation), and a dict of the same keys."""
+
+    __slots__ = ()
+    num_drafts = _key("num_drafts", "steps that verified drafts for it")
+    num_draft_tokens = _key("num_draft_tokens", "draft tokens verified for it")
+    num_accepted_tokens = _key("num_accepted_tokens", "draft tokens accepted: output tokens it got for free")
+
+    @classmethod
+    def zero(cls) -> "RequestMetrics":
+        return cls(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
+
+
 class RequestOutput(dict):
     """A finished request: vLLM's RequestOutput (request_id, prompt, prompt_token_ids, prompt_logprobs,
     outputs, finished, num_cached_tokens), and nano-vllm's dict: the first completion's fields at the top
     level (FIRST_COMPLETION_KEYS), "prompt_token_ids", "prompt_logprobs", "num_cached_tokens", "outputs",
-    and, only when the request failed inside a step, "error" (the exception's type and text).
+    "metrics", and, only when the request failed inside a step, "error" (the exception's type and text).
 
     `request_id` is the id add_request returned (an int; vLLM's are strings its caller chooses);
     `prompt` is the prompt's text (the chat template's output for `chat`), None for token ids. Both are
@@ -101,6 +115,7 @@ class RequestOutput(dict):
     outputs = _key("outputs", "all n completions (CompletionOutput), in index order")
     num_cached_tokens = _key("num_cached_tokens", "prompt tokens served by the prefix cache at the latest "
                              "admission (completion 0)")
+    metrics = _key("metrics", "RequestMetrics: speculative decoding's drafts and accepted tokens")
 
     def __init__(self, *args, request_id: int | None = None, prompt: str | None = None, **fields) -> None:
         super().__init__(*args, **fields)
@@ -127,6 +142,6 @@ class RequestOutput(dict):
                  "cumulative_logprob": None}
         first.update((k, output[k]) for k in FIRST_COMPLETION_KEYS if k in output)
         full = cls(first, prompt_token_ids=[], prompt_logprobs=None, num_cached_tokens=0,
-                   outputs=[CompletionOutput(first, index=0)])
+                   outputs=[CompletionOutput(first, index=0)], metrics=RequestMetrics.zero())
         full.update(output)
         return full

@@ -246,6 +246,13 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def reads_output_tokens(self) -> bool:
+        """Whether this row's logits processors are built from the values of the tokens generated so far
+        (penalties, bad words): overlap scheduling then waits for a step's tokens before it builds the
+        next step. A structured output's grammar reads them only when it samples (engine/overlap.py)."""
+        return self.uses_penalties or bool(self.bad_words)
+
+    @property
     def uses_logits_processors(self) -> bool:
         # Structured outputs count: their rows fill a token bitmask on the host each step, from the
         # tokens so far, as the processors' rows build their tensors.

@@ -38,3 +38,23 @@ def test_help_shows_the_whole_description_and_gguf(capsys):
     help_text = capsys.readouterr().out
     assert "Throughput: ...tok/s" in help_text and "an explicit --min-len above them is an error" in help_text
     assert "{auto,safetensors,gguf,dummy}" in help_text
+
+
+@pytest.mark.parametrize("options", [
+    ["--quantization", "fp8"],
+    ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+], ids=["fp8-weights", "ngram"])
+def test_bench_runs_as_typed(qwen3_dir, options):
+    """`python bench.py ... --quantization fp8` (on a CPU: the dequantizing reference path) and with
+    speculative decoding, end to end on a tiny model, printing its one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(bench.__file__).parent
+    done = subprocess.run([sys.executable, "bench.py", "--model", qwen3_dir, "--num-seqs", "3",
+                           "--max-input-len", "12", "--max-output-len", "6", "--max-model-len", "128",
+                           "--kvcache-block-size", "16", *options],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Throughput:" in done.stdout and "Total: " in done.stdout

@@ -14,14 +14,15 @@ LAYERS = [
     ("serve", "integrations", "eval"),
     ("__init__", "llm", "text_stream"),
     ("dp",),
-    ("engine",),
+    ("engine", "speculative"),
     ("distributed",),
     ("runner",),
     ("models",),
     ("layers",),
     ("attention",),
     ("kernels",),
-    ("config", "sampling_params", "outputs"),
+    # speculative.config: the parsed speculative_config option, a part of Config.
+    ("config", "sampling_params", "outputs", "speculative.config"),
     ("utils",),
 ]
 # The engine's interface to the device side: the step record and the Executor protocol. They import
@@ -36,8 +37,13 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> int:
-    part = module.split(".")[1] if "." in module else "__init__"
-    return next(i for i, names in enumerate(LAYERS) if part in names)
+    """A module's layer: its own entry (`speculative.config`) where LAYERS has one, else its package's."""
+    parts = module.split(".")[1:] or ["__init__"]
+    for part in (".".join(parts[:2]), parts[0]):
+        layer = next((i for i, names in enumerate(LAYERS) if part in names), None)
+        if layer is not None:
+            return layer
+    raise AssertionError(f"module {module} has no layer in LAYERS")
 
 
 def package_imports() -> dict[str, set[str]]:

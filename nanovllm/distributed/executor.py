@@ -36,7 +36,8 @@ class TPExecutor:
     def run(self, batch: StepBatch) -> StepOutput:
         return self.workers.run(self.runner, batch)
 
-    def launch(self, batch: StepBatch, previous: PendingStep | None) -> PendingStep:
+    def launch(self, batch: StepBatch, previous: PendingStep | None, defer_sampling: bool = False
+               ) -> PendingStep:
         raise NotImplementedError("overlap scheduling runs on a single rank (Config.async_scheduling)")
 
     def check_sampling(self, sampling: SamplingBatch) -> None:

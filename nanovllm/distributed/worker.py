@@ -68,11 +68,11 @@ def threads_per_rank(world_size: int) -> int:
 
 def channel_size(config: Config) -> int:
     """Bytes of the largest StepBatch as the workers get it (no sampling part): per token its id,
-    position, slot and prompt-logprob target (at most max_num_batched_tokens of them), per sequence its
-    block table (at most max_model_len / block_size entries), its lengths and its prompt-logprob span
-    (at most max_num_seqs of them)."""
+    position, slot, prompt-logprob target and, speculating, the draft it is (at most
+    max_num_batched_tokens of them), per sequence its block table (at most max_model_len / block_size
+    entries), its lengths and its prompt-logprob span (at most max_num_seqs of them)."""
     max_blocks = math.ceil(config.max_model_len / config.kvcache_block_size)
-    num_ints = 4 * config.max_num_batched_tokens + config.max_num_seqs * (max_blocks + 8)
+    num_ints = 5 * config.max_num_batched_tokens + config.max_num_seqs * (max_blocks + 8)
     return num_ints * PICKLED_INT_BYTES + config.max_num_seqs * PICKLED_SEQ_OVERHEAD + CHANNEL_SLACK_BYTES
 
 

@@ -18,7 +18,7 @@ and remove what they held."""
 import weakref
 from collections.abc import Container, Iterable
 from dataclasses import dataclass
-from itertools import count
+from itertools import count, zip_longest
 from multiprocessing.connection import wait
 
 from nanovllm.config import Config
@@ -28,6 +28,7 @@ from nanovllm.engine.llm_engine import SchedulerStats, StepResult
 from nanovllm.engine.validation import Prompt, check_request
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.speculative.decoding import SpecDecodeStats
 from nanovllm.utils.tokenizer import load_engine_tokenizer
 
 SPAWN_HINT = ("Replicas are started with the 'spawn' method, which re-imports your main script: create the "
@@ -164,10 +165,17 @@ class DataParallelEngine:
     def stats(self) -> SchedulerStats:
         """The replicas' figures as of their latest step messages, summed."""
         stats = [replica.stats for replica in self.replicas]
+        spec = None
+        if self.config.speculative_config is not None:
+            per_pos = tuple(map(sum, zip_longest(*(s.num_spec_accepted_tokens_per_pos for s in stats),
+                                                 fillvalue=0)))
+            spec = SpecDecodeStats(sum(s.num_spec_drafts for s in stats),
+                                   sum(s.num_spec_draft_tokens for s in stats),
+                                   sum(s.num_spec_accepted_tokens for s in stats), per_pos)
         return SchedulerStats(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
                               sum(s.num_free_blocks for s in stats),
                               sum(replica.info.num_kvcache_blocks for replica in self.replicas),
-                              sum(s.num_preemptions for s in stats))
+                              sum(s.num_preemptions for s in stats), spec)
 
     # ---- lifetime ----
     def _check_running(self) -> None:

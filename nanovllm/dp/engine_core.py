@@ -66,6 +66,11 @@ class EngineStats:
     # those found there (block_manager.num_cache_hit_tokens: re-admissions after preemption count too).
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    # Speculative decoding (nanovllm.speculative.decoding.SpecDecodeStats), 0 and () when it is off.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -206,11 +211,14 @@ class EngineCore:
     def stats(self) -> EngineStats:
         now = self.engine.stats()
         block_manager = getattr(getattr(self.engine, "scheduler", None), "block_manager", None)
+        spec = getattr(now, "spec_decode", None)
+        spec_figures = () if spec is None else (spec.num_drafts, spec.num_draft_tokens,
+                                                spec.num_accepted_tokens, spec.num_accepted_tokens_per_pos)
         return EngineStats(now.num_running, now.num_waiting, now.num_free_blocks, now.num_preemptions,
                            self.num_prompt_tokens, self.num_generation_tokens,
                            tuple(self.finish_reasons[reason] for reason in FINISH_REASONS),
                            self.num_prefill_tokens, self.num_decode_tokens, self.num_prefix_cache_queries,
-                           getattr(block_manager, "num_cache_hit_tokens", 0))
+                           getattr(block_manager, "num_cache_hit_tokens", 0), *spec_figures)
 
 
 def engine_main(index: int, model: str, options: dict, placement: Placement | None, inbox: Connection,

@@ -96,14 +96,16 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def append_slot(self, seq: Sequence) -> bool:
+    def append_slot(self, seq: Sequence, num_extra: int = 0) -> bool:
         """Make seq's block table cover all its tokens before a decode step (one block at most: only
-        its last token lacks KV). False, changing nothing, when that block is needed and none is free."""
-        if len(seq.block_table) * self.block_size >= len(seq.token_ids):
+        its last token lacks KV), and num_extra slots beyond them (the drafts a speculative step
+        verifies). False, changing nothing, when blocks are needed and too few are free."""
+        num_needed = -(-(len(seq.token_ids) + num_extra) // self.block_size) - len(seq.block_table)
+        if num_needed <= 0:
             return True
-        if not self.free_blocks:
+        if num_needed > len(self.free_blocks):
             return False
-        seq.block_table.append(self._take_free_block())
+        seq.block_table.extend(self._take_free_block() for _ in range(num_needed))
         return True
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
@@ -129,3 +131,4 @@ class BlockManager:
                 self.free_blocks[block_id] = None
         seq.block_table, seq.block_hashes = [], []
         seq.num_computed_tokens = 0  # num_cached_tokens stays: it reports the last admission
+        seq.num_draft_computed_tokens = 0  # the draft model's cache is recomputed with the target's

@@ -16,6 +16,11 @@ from nanovllm.engine.step import SamplingBatch, StepBatch, StepOutput
 class PendingStep(Protocol):
     """A launched step whose sampled tokens are on their way to the host."""
 
+    def sample(self) -> None:
+        """Queue the step's sampling where its launch deferred it (Executor.launch's defer_sampling);
+        nothing otherwise. `wait` calls it first."""
+        ...
+
     def wait(self) -> StepOutput:
         """Block until the step's tokens (and the logprobs its rows asked for) are on the host."""
         ...
@@ -42,9 +47,12 @@ class Executor(Protocol):
         """Run one step on every rank and wait for it; rank 0's sampled tokens."""
         ...
 
-    def launch(self, batch: StepBatch, previous: PendingStep | None) -> PendingStep:
+    def launch(self, batch: StepBatch, previous: PendingStep | None, defer_sampling: bool = False
+               ) -> PendingStep:
         """Queue one step without waiting for it (world_size 1 only). The batch's prev_token_* inputs
-        are read on the device from `previous`, the step launched before it."""
+        are read on the device from `previous`, the step launched before it. defer_sampling: queue the
+        forward pass only, and sample at the PendingStep's `sample()`: what sampling reads on the host
+        (a structured output's matcher) may take the previous step's tokens meanwhile."""
         ...
 
     def check_sampling(self, sampling: SamplingBatch) -> None:

@@ -14,7 +14,9 @@ A request is its n sequences (SamplingParams.n completions, requests.py), finish
 together; its id is its first sequence's. A request whose part of a step fails ends alone with
 finish_reason "error" (failures.py). With async_scheduling (on by default with CUDA and one rank)
 `step` launches a step before it waits for the previous one's tokens (overlap.py), so a request's
-output comes one step later.
+output comes one step later. With speculative_config, each step's sequences that decode next get
+drafts after it, and the next step verifies them (nanovllm.speculative.decoding): such steps run the
+synchronous loop, the overlap loop only while more than disable_by_batch_size requests run (no drafts).
 
 Threads: one engine may be driven from several threads at once (generate, stream, the server's loop):
 a lock serializes the calls, and each caller takes exactly its own requests' outputs by id, whichever
@@ -44,6 +46,8 @@ from nanovllm.engine.structured_outputs import GrammarCompiler
 from nanovllm.engine.validation import Prompt, check_request
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.speculative.decoding import SpecDecodeStats, SpeculativeDecoding
+from nanovllm.speculative.proposer import make_proposer
 from nanovllm.utils.log import ensure_default_handler, logger, startup_line
 from nanovllm.utils.tokenizer import load_engine_tokenizer
 
@@ -72,6 +76,7 @@ class SchedulerStats:
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int  # since start
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: it is off)
 
 
 class LLMEngine:
@@ -95,6 +100,9 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, config.hf_config.vocab_size,
                                              self.eos_token_ids)
             self._overlap: OverlapLoop | None = None
+            self._spec: SpeculativeDecoding | None = None  # speculative decoding (nanovllm.speculative)
+            if config.speculative_config is not None:
+                self._spec = SpeculativeDecoding(config, make_proposer(config, self.num_kvcache_blocks))
             if config.async_scheduling and self.executor.world_size == 1:
                 self._overlap = OverlapLoop(self.scheduler, self.executor, self._run_sync,
                                             self._finish_requests)
@@ -195,9 +203,14 @@ class LLMEngine:
             if self.scheduler.is_finished():
                 return StepResult(0, 0)
             self._check_running()
-            if self._overlap is not None:
+            spec, overlap = self._spec, self._overlap
+            if overlap is not None and (spec is None or not spec.verifies_next(self.scheduler.running)):
                 num_tokens, is_prefill = self._overlap.step()
             else:
+                if overlap is not None:
+                    overlap.drain()  # its tokens first: drafts follow a sequence's last token
+                    if self.scheduler.is_finished():
+                        return StepResult(0, 0)
                 seqs, is_prefill = self.scheduler.schedule()
                 num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
                 self._run_sync(seqs, is_prefill)
@@ -211,16 +224,24 @@ class LLMEngine:
             failed = failures.sampling_failures(
                 seqs, lambda part: executor.check_sampling(sampling_batch(part)))
             seqs = [seqs[i] for i in self._fail(seqs, failed)]
+        spec = self._spec
+        verify = spec is not None and any(seq.spec_token_ids for seq in seqs)
+        run_model = self._run_verify if verify else self._run_model
         try:
-            token_ids = self._run_model(seqs, is_prefill) if seqs else []
+            token_ids = run_model(seqs, is_prefill) if seqs else []
         except Exception:
             if executor.world_size > 1:
                 self.shutdown()  # the workers are gone already; free rank 0's share as well
                 raise
-            token_ids, failed = failures.rerun_one_by_one(self._run_model, seqs, is_prefill)
+            token_ids, failed = failures.rerun_one_by_one(run_model, seqs, is_prefill)
             kept = self._fail(seqs, failed)
             seqs, token_ids = [seqs[i] for i in kept], [token_ids[i] for i in kept]
-        self._finish_requests(self.scheduler.postprocess(seqs, token_ids))
+        if verify:
+            self._finish_requests(self.scheduler.postprocess_verified(seqs, token_ids))
+        else:
+            self._finish_requests(self.scheduler.postprocess(seqs, token_ids))
+        if spec is not None:
+            spec.propose(self.scheduler.running, self.scheduler.block_manager.append_slot)
 
     def _fail(self, seqs: list[Sequence], failed: dict[int, str]) -> list[int]:
         """End each request with a failed sequence (all its completions, finish_reason "error", the
@@ -236,6 +257,11 @@ class LLMEngine:
         batch = build_batch(seqs, is_prefill)
         return record_step(seqs, batch.sample_rows, self.executor.run(batch))
 
+    def _run_verify(self, seqs: list[Sequence], is_prefill: bool) -> list:
+        """_run_model for a step in which some sequences verify drafts: what each emitted."""
+        batch = build_batch(seqs, is_prefill)
+        return self._spec.record(seqs, batch, self.executor.run(batch))
+
     def is_finished(self) -> bool:
         """True when no request is queued or running."""
         with self._lock:
@@ -245,8 +271,8 @@ class LLMEngine:
         with self._lock:
             scheduler = self.scheduler
             return SchedulerStats(len(scheduler.running), len(scheduler.waiting),
-                               scheduler.block_manager.num_free_blocks, self.num_kvcache_blocks,
-                               scheduler.num_preemptions)
+                                  scheduler.block_manager.num_free_blocks, self.num_kvcache_blocks,
+                                  scheduler.num_preemptions, self._spec and self._spec.stats())
 
     # ---- lifetime ----
     def _check_running(self) -> None:
@@ -260,4 +286,7 @@ class LLMEngine:
         self._overlap = None  # a step in flight is dropped with the model
         if self._running:
             self._running = False
+            spec, self._spec = getattr(self, "_spec", None), None
+            if spec is not None:
+                spec.shutdown()
             self.executor.shutdown()

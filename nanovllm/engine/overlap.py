@@ -18,9 +18,12 @@ token for token the synchronous loop's.
   sequence holds a pending token: streams and outputs only ever see sampled tokens.
 
 What needs step n's tokens on the host to build step n+1 waits for step n first (that step is not
-overlapped): logits processors (penalties, bad words, min_tokens, logit_bias, allowed ids) and prompt
-logprobs. A step whose launch fails is re-run on the synchronous path, which isolates the failing
-request (failures.py). When nothing is left queued, a step in flight holds only finished sequences and
+overlapped): penalties and bad words (their processors are built from the tokens' values) and prompt
+logprobs. A structured output's rows need step n's tokens only to fill step n+1's bitmask, which happens
+when step n+1 samples: its forward pass is launched as usual, and its sampling is queued once step n is
+postprocessed (its matchers have taken their tokens then), while the device still runs the forward.
+A step whose launch fails is re-run on the synchronous path, which isolates the failing request
+(failures.py). When nothing is left queued, a step in flight holds only finished sequences and
 is dropped without waiting. Single rank only (Config.async_scheduling). Pure Python: what a step
 leaves on the device stays inside the executor's PendingStep."""
 
@@ -44,6 +47,7 @@ class InFlightStep:
     output: PendingStep
     # Some sequence builds its next step from this step's tokens on the host: wait for them first.
     needs_host_tokens: bool
+    is_prefill: bool
 
 
 def feed_previous_tokens(batch: StepBatch, seqs: list[Sequence], prev: InFlightStep) -> None:
@@ -98,6 +102,8 @@ class OverlapLoop:
                 self._postprocess(prev)
         if failed:
             self.run_sync([seq for seq in seqs if not seq.is_finished], is_prefill)
+        elif self.in_flight is not None:
+            self._sample(self.in_flight)
         self.drop_if_idle()
         return num_tokens, is_prefill
 
@@ -119,6 +125,25 @@ class OverlapLoop:
         finally:
             running.extend(finishing)
 
+    def drain(self) -> None:
+        """Finish the step in flight, if any (commit, wait, postprocess): the synchronous loop takes
+        over from here (speculative decoding's steps)."""
+        prev, self.in_flight = self.in_flight, None
+        if prev is not None:
+            self._commit(prev)
+            self._postprocess(prev)
+
+    def _sample(self, step: InFlightStep) -> None:
+        """Queue the sampling of the step just launched (a no-op unless its launch deferred it); one that
+        fails is re-run synchronously, as a failed launch is."""
+        try:
+            step.output.sample()
+        except Exception:
+            logger.exception("sampling a step of %d sequences failed; running it synchronously",
+                             len(step.seqs))
+            self.in_flight = None
+            self.run_sync([seq for seq in step.seqs if not seq.is_finished], step.is_prefill)
+
     def drop_if_idle(self) -> None:
         """Forget the step in flight when nothing is queued: each of its sequences finished or was
         aborted, so no token of it is wanted. Not waited for: whatever reuses its memory or KV blocks
@@ -130,9 +155,10 @@ class OverlapLoop:
         batch = build_batch(seqs, is_prefill)
         if prev is not None:
             feed_previous_tokens(batch, seqs, prev)
-        output = self.executor.launch(batch, prev.output if prev is not None else None)
-        needs_host_tokens = any(seq.uses_logits_processors or seq.needs_prompt_logprobs for seq in seqs)
-        return InFlightStep(seqs, batch.sample_rows, output, needs_host_tokens)
+        needs_host_tokens = any(seq.reads_output_tokens or seq.needs_prompt_logprobs for seq in seqs)
+        defer_sampling = not needs_host_tokens and any(seq.grammar is not None for seq in seqs)
+        output = self.executor.launch(batch, prev.output if prev is not None else None, defer_sampling)
+        return InFlightStep(seqs, batch.sample_rows, output, needs_host_tokens, is_prefill)
 
     def _commit(self, step: InFlightStep) -> None:
         """Step `step` as if done, its sampled tokens pending (see the module docstring)."""

@@ -22,7 +22,7 @@ from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import StepOutput
 from nanovllm.engine.structured_outputs import grammar_matcher
-from nanovllm.outputs import FIRST_COMPLETION_KEYS, CompletionOutput, Logprob, RequestOutput
+from nanovllm.outputs import FIRST_COMPLETION_KEYS, CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.hf_options import HF_LOCAL_ONLY
 
@@ -218,7 +218,10 @@ def request_output(seqs: list[Sequence], tokenizer) -> RequestOutput:
         {key: first[key] for key in FIRST_COMPLETION_KEYS}, request_id=request_id_of(leader),
         prompt_token_ids=leader.token_ids[:leader.num_prompt_tokens],
         prompt_logprobs=_logprobs(leader.prompt_logprobs, params.prompt_logprobs, prompt_tokenizer),
-        num_cached_tokens=leader.num_cached_tokens, outputs=completions)
+        num_cached_tokens=leader.num_cached_tokens, outputs=completions,
+        metrics=RequestMetrics(num_drafts=sum(seq.num_drafts for seq in seqs),
+                               num_draft_tokens=sum(seq.num_draft_tokens for seq in seqs),
+                               num_accepted_tokens=sum(seq.num_accepted_tokens for seq in seqs)))
 
 
 def request_id_of(seq: Sequence) -> int:

@@ -11,7 +11,12 @@ Each step spends a budget of `max_num_batched_tokens` on at most `max_num_seqs` 
 
 A step whose every sequence computes just its last token is a decode step (CUDA graphs replay those).
 When KV blocks run out for a decoding sequence, the most recently admitted sequences are preempted
-and recomputed later. No request is ever dropped."""
+and recomputed later. No request is ever dropped.
+
+Speculative decoding: a decoding sequence with draft tokens (seq.spec_token_ids) computes its last token
+and its drafts, with KV slots for all of them; the drafts only use budget and blocks that plain decoding
+leaves over (they are trimmed, or dropped, never the cause of a preemption), and such a step is not a
+decode step. postprocess_verified appends what the verification emitted, token by token."""
 
 from collections import deque
 
@@ -63,8 +68,7 @@ class Scheduler:
         else:
             scheduled, num_decoding = self._schedule_prefill(), 0
             if not scheduled:
-                scheduled = self._schedule_decode()
-                num_decoding = len(scheduled)
+                scheduled, num_decoding = self._schedule_decode()
         assert scheduled or self.waiting, "the scheduler found nothing to run and nothing waits"
         # A decode step: every sequence computes exactly its last token. The decoding ones do; of the
         # others (prompt chunks, few) only a prompt whose last token alone lacks KV would.
@@ -77,13 +81,18 @@ class Scheduler:
         Returns them, decoding ones first (the attention backends run those rows through their
         decode kernel), how many decode, and the budget left."""
         budget, decoding, prefilling, in_order = self.max_num_batched_tokens, [], [], []
+        speculating: list[Sequence] = []  # after the plain decode rows: those run the decode kernel
         running, block_size = self.running, self.block_manager.block_size
+        spare = budget - len(running)  # tokens left for drafts once every running sequence has one
         while running and budget > 0:
             seq = running.popleft()
             num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
             if num_uncomputed > 1:  # still prefilling: holds the blocks of all its tokens since admission
                 seq.num_scheduled_tokens = min(num_uncomputed, budget)
                 prefilling.append(seq)
+            elif seq.spec_token_ids and self._reserve_draft_slots(seq, min(spare, budget - 1)):
+                spare -= seq.num_scheduled_tokens - 1
+                speculating.append(seq)
             elif (len(seq.block_table) * block_size < len(seq.token_ids)
                   and not self._reserve_decode_slot(seq)):
                 continue  # its next token needs a new block, and it was preempted instead
@@ -93,7 +102,18 @@ class Scheduler:
             budget -= seq.num_scheduled_tokens
             in_order.append(seq)
         running.extendleft(reversed(in_order))  # the running queue keeps its age order
-        return decoding + prefilling, len(decoding), budget
+        return decoding + speculating + prefilling, len(decoding), budget
+
+    def _reserve_draft_slots(self, seq: Sequence, max_drafts: int) -> bool:
+        """Schedule seq's last token and up to max_drafts of its drafts, with KV slots for all of them,
+        from free blocks only; else drop the drafts and return False (it then decodes plainly)."""
+        spec = seq.spec_token_ids[:max_drafts] if max_drafts > 0 else []
+        if spec and self.block_manager.append_slot(seq, len(spec)):
+            seq.spec_token_ids = spec
+            seq.num_scheduled_tokens = 1 + len(spec)
+            return True
+        seq.spec_token_ids = []
+        return False
 
     def _reserve_decode_slot(self, seq: Sequence) -> bool:
         """Give seq the block its next token needs, preempting the most recently admitted sequences
@@ -137,21 +157,32 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
-    def _schedule_decode(self) -> list[Sequence]:
+    def _schedule_decode(self) -> tuple[list[Sequence], int]:
+        """Every running sequence's next token (and drafts), plain decode rows first; and their count."""
         limit = min(self.max_num_seqs, self.max_num_batched_tokens)
-        scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < limit:
+        decoding: list[Sequence] = []
+        speculating: list[Sequence] = []
+        in_order: list[Sequence] = []
+        spare = self.max_num_batched_tokens - min(limit, len(self.running))  # tokens left for drafts
+        while self.running and len(in_order) < limit:
             seq = self.running.popleft()
-            if self._reserve_decode_slot(seq):
+            if seq.spec_token_ids and self._reserve_draft_slots(seq, spare):
+                spare -= seq.num_scheduled_tokens - 1
+                speculating.append(seq)
+            elif self._reserve_decode_slot(seq):
                 seq.num_scheduled_tokens = 1
-                scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
-        return scheduled
+                decoding.append(seq)
+            else:
+                continue
+            in_order.append(seq)
+        self.running.extendleft(reversed(in_order))
+        return decoding + speculating, len(decoding)
 
     def _preempt(self, seq: Sequence) -> None:
         # NOTE: a preempted sequence is recomputed, not swapped out: recompute keeps the block
         # manager single-tier, and its full blocks usually survive in the prefix cache anyway.
         seq.status = SequenceStatus.WAITING
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.block_manager.deallocate(seq)
@@ -173,6 +204,7 @@ class Scheduler:
         if seq.block_table:
             self.block_manager.deallocate(seq)
         seq.num_scheduled_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.FINISHED
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
@@ -186,6 +218,44 @@ class Scheduler:
                 seq.token_ids.append(token_id)
                 sampled.append(seq)
         return self.check_stops(sampled)
+
+    def postprocess_verified(self, seqs: list[Sequence],
+                             results: list[tuple[list[int], list | None] | None]) -> list[Sequence]:
+        """Record a step that verified drafts (nanovllm.speculative.decoding). results[i]: the tokens
+        seqs[i] emitted (its accepted drafts, then the target's own next token) with their logprobs
+        (None unless asked), or None when it only computed part of its prompt. They are appended one at
+        a time, each checked for a stop; what follows a stop is dropped. KV is now valid for the last
+        token and the accepted drafts (the new last token has none); the rejected drafts' KV lies beyond
+        num_computed_tokens and is overwritten later."""
+        assert len(seqs) == len(results), "one result (or None) per scheduled sequence"
+        finished = []
+        for seq, result in zip(seqs, results):
+            num_drafts = len(seq.spec_token_ids)
+            seq.spec_token_ids = []
+            if seq.is_finished:  # aborted meanwhile: its blocks are gone
+                continue
+            if result is None:
+                self.record_computed([seq])
+                continue
+            tokens, logprobs = result
+            reason = None
+            for j, token in enumerate(tokens):
+                seq.token_ids.append(token)
+                if logprobs is not None and logprobs[j] is not None:
+                    seq.logprobs.append(logprobs[j])
+                    seq.cumulative_logprob += logprobs[j][token]
+                reason = self.stop_checker.check(seq)
+                if reason is not None:
+                    break
+            # KV computed: what was scheduled but the rejected drafts, and none past a stop.
+            seq.num_scheduled_tokens = min(seq.num_scheduled_tokens - num_drafts + len(tokens) - 1,
+                                           len(seq) - seq.num_computed_tokens)
+            self.record_computed([seq])
+            if reason is not None:
+                seq.finish_reason = reason
+                self._retire(seq)
+                finished.append(seq)
+        return finished
 
     def record_computed(self, seqs: list[Sequence]) -> None:
         """The first half of postprocess: the step's scheduled tokens have KV now. Overlap scheduling

@@ -34,6 +34,13 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0  # tokens the scheduler gave this sequence in the current step
+        # Speculative decoding (nanovllm.speculative): the draft tokens its next step verifies ([]: none);
+        # that step computes its last token and these, num_scheduled_tokens = 1 + len(spec_token_ids).
+        self.spec_token_ids: list[int] = []
+        # The draft model's side: how many of its tokens have KV in the draft's own cache.
+        self.num_draft_computed_tokens = 0
+        # Drafts verified for it and how many of them were accepted (its output's metrics).
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block whose KV is computed
         self.finish_reason: str | None = None
@@ -55,6 +62,7 @@ class Sequence:
         self.grammar = None
         # Whether the runner must build logits processors for it (a per-step check stays one attribute).
         self.uses_logits_processors = params.uses_logits_processors
+        self.reads_output_tokens = params.reads_output_tokens
         self.logprobs: list[dict[int, float]] | None = None if params.logprobs is None else []
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
         # prompt_logprobs[p]: the logprobs of prompt token p (None for p = 0, as vLLM).

@@ -30,6 +30,7 @@ class ScheduledSequence(Protocol):
     block_table: list[int]
     block_size: int
     sampling_params: object  # nanovllm.sampling_params.SamplingParams
+    spec_token_ids: list[int]  # draft tokens this step verifies (speculative decoding; [] none)
     seed: int | None  # the request's seed + the completion's index (n > 1)
     num_prompt_tokens: int
     num_completion_tokens: int
@@ -69,7 +70,8 @@ class ProcessorRow:
 
 @dataclass(slots=True)
 class SamplingBatch:
-    """Sampling parameters of the rows that sample, in `StepBatch.sample_rows` order."""
+    """Sampling parameters of the rows that sample, in `StepBatch.logits_indices` order: one per
+    sampling sequence, or with speculative decoding one per position it verifies (see StepBatch)."""
 
     temperatures: list[float]  # 0 = greedy
     top_ks: list[int]  # -1 = disabled
@@ -110,6 +112,11 @@ class StepBatch:
     # row prev_token_rows[i] of the previous step's sampled ids.
     prev_token_indices: list[int] = field(default_factory=list)
     prev_token_rows: list[int] = field(default_factory=list)
+    # Speculative decoding: per sampling row (sample_rows order), the draft tokens it verifies, the last
+    # len(drafts) of its input tokens; [] when no row has drafts. A row with n drafts samples at each of
+    # its last n + 1 positions (its last token's, then each draft's): logits_indices, the SamplingBatch
+    # and StepOutput.token_ids have one entry per position, every rank computes those logits.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -117,16 +124,23 @@ class StepBatch:
 
     @property
     def logits_indices(self) -> list[int]:
-        """The token whose hidden state each sampling row samples from: its sequence's last."""
-        return [self.cu_seqlens_q[row + 1] - 1 for row in self.sample_rows]
+        """The tokens whose hidden states the sampler reads: each sampling row's last, or with drafts
+        its last token's and its drafts' positions."""
+        cu = self.cu_seqlens_q
+        if not self.spec_token_ids:
+            return [cu[row + 1] - 1 for row in self.sample_rows]
+        return [i for row, drafts in zip(self.sample_rows, self.spec_token_ids, strict=True)
+                for i in range(cu[row + 1] - 1 - len(drafts), cu[row + 1])]
 
 
 @dataclass(slots=True)
 class StepOutput:
     """What a step returns on rank 0."""
 
-    token_ids: list[int]  # the new token of each sampling row (StepBatch.sample_rows order)
-    logprobs: list[TokenLogprobs | None] | None = None  # per sampling row, when some row asked
+    # The new token of each sampling row (StepBatch.sample_rows order); with drafts, the token sampled
+    # at each verified position (StepBatch.logits_indices order), of which the engine keeps a prefix.
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None  # per token_ids entry, when some row asked
     prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None  # batch row -> this step's
 
 
@@ -164,6 +178,22 @@ def _processors(seq: ScheduledSequence) -> ProcessorRow | None:
                         seq.completion_token_ids if penalties else [], seq.grammar)
 
 
+def with_drafts(sampling: SamplingBatch, spec: list[list[int]]) -> SamplingBatch:
+    """`sampling` with row i repeated for each of its 1 + len(spec[i]) positions. Position j samples the
+    request's token number num_completion_tokens + j: its seed mixes that index in, as plain decoding
+    would for that token (a seeded request samples the same tokens with and without drafts)."""
+    counts = [1 + len(drafts) for drafts in spec]
+
+    def repeat(values: list) -> list:
+        return [v for v, count in zip(values, counts) for _ in range(count)]
+
+    seeds = [None if seed is None else (seed + j) & SEED_MASK
+             for seed, count in zip(sampling.seeds, counts) for j in range(count)]
+    processors = None if sampling.processors is None else repeat(sampling.processors)
+    return SamplingBatch(repeat(sampling.temperatures), repeat(sampling.top_ks), repeat(sampling.top_ps),
+                         repeat(sampling.min_ps), seeds, repeat(sampling.num_logprobs), processors)
+
+
 def sampling_batch(seqs: list[ScheduledSequence]) -> SamplingBatch:
     """The sampling rows of `seqs`, one per sequence, in order."""
     params = [seq.sampling_params for seq in seqs]
@@ -183,6 +213,7 @@ def build_batch(seqs: list[ScheduledSequence], is_prefill: bool) -> StepBatch:
     input_ids, positions, slot_mapping, cu_q, seqlens_k, sample_rows = [], [], [], [0], [], []
     spans: list[PromptLogprobSpan] = []
     num_tokens = 0
+    speculates = False
     for row, seq in enumerate(seqs):
         start = seq.num_computed_tokens
         num = seq.num_scheduled_tokens
@@ -193,7 +224,12 @@ def build_batch(seqs: list[ScheduledSequence], is_prefill: bool) -> StepBatch:
             positions.append(start)
             slot_mapping.append(seq.block_table[start // block_size] * block_size + start % block_size)
         else:
-            input_ids.extend(seq.token_ids[start:end])
+            if seq.spec_token_ids:  # its last token, then the drafts it verifies
+                speculates = True
+                input_ids.append(seq.token_ids[start])
+                input_ids.extend(seq.spec_token_ids)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(slots(seq.block_table, start, end, seq.block_size))
         num_tokens += num
@@ -204,8 +240,13 @@ def build_batch(seqs: list[ScheduledSequence], is_prefill: bool) -> StepBatch:
             lo, hi = span
             spans.append(PromptLogprobSpan(row, cu_q[-2] + lo - start, seq.sampling_params.prompt_logprobs,
                                            seq.token_ids[lo + 1:hi + 1]))
-        if end == len(seq):  # the whole sequence is computed: its next token is sampled
+        if end >= len(seq):  # the whole sequence is computed (and its drafts): its next token is sampled
             sample_rows.append(row)
     sampled = seqs if len(sample_rows) == len(seqs) else [seqs[row] for row in sample_rows]
+    sampling = sampling_batch(sampled)
+    spec: list[list[int]] = []
+    if speculates:
+        spec = [seq.spec_token_ids for seq in sampled]
+        sampling = with_drafts(sampling, spec)
     return StepBatch(is_prefill, input_ids, positions, slot_mapping, cu_q, seqlens_k,
-                     [seq.block_table for seq in seqs], sample_rows, sampling_batch(sampled), spans)
+                     [seq.block_table for seq in seqs], sample_rows, sampling, spans, spec_token_ids=spec)

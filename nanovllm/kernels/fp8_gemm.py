@@ -11,9 +11,11 @@ multiply the finished sums once instead of every tile's.
 The activations are quantized by a small kernel first (`quantize_rows`: per token and group, scale =
 max(amax, MIN_AMAX) / 448, x / scale rounded to nearest-even e4m3), the rounding layers/fp8.py's
 reference does. The products run on fp8 tensor cores (tl.dot of e4m3 operands: wgmma on sm_90, mma on
-sm_89), float32 accumulation; a K tile never straddles two scale groups (BLOCK_K divides GROUP, or the
-whole K is one group). Sizes come from shapes alone (no host sync), so calls are CUDA-graph capturable.
-GPU timings: not measured yet."""
+sm_89) and each K tile's sum is added to a float32 accumulator (within a tile sm_90's fp8 tensor cores
+keep ~14 bits: outputs differ from an exact float32 sum by ~1e-3 relative); a K tile never straddles two
+scale groups (BLOCK_K divides GROUP, or the whole K is one group). Sizes come from shapes alone (no host
+sync), so calls are CUDA-graph capturable.
+Seen on an H200: within 1.5e-2 of the float32 reference on O(1) outputs (128-element K tiles)."""
 
 import torch
 import triton
@@ -124,7 +126,10 @@ def _w8a8_gemm_kernel(
         a = tl.load(x_rows + (k + offs_k)[None, :], mask=k_mask, other=0.0)  # [BLOCK_M, BLOCK_K] e4m3
         b = tl.load(w_rows + (k + offs_k)[None, :], mask=k_mask, other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
         if ONE_GROUP:
-            acc = tl.dot(a, tl.trans(b), acc)
+            # A fresh dot per K tile, added in float32: sm_90's fp8 tensor cores accumulate with ~14-bit
+            # precision, so chaining them over the whole K (4096-12288 at 8B) would lose digits the
+            # weights have; one tile's 128 products is what the block-scaled path accumulates too.
+            acc += tl.dot(a, tl.trans(b))
         else:
             g = k // GROUP
             xs = tl.load(x_scale_ptr + real_m * num_groups + g)

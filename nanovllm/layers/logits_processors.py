@@ -21,9 +21,10 @@ import torch
 class LogitsProcessorTensors:
     """What one batch's processors need; each part is None when no row uses it."""
 
-    # Structured outputs: int32 [B, ceil(V / 32)] bits, 1 = allowed, applied to bitmask_rows only.
+    # Structured outputs: int32 [G, ceil(V / 32)] bits, 1 = allowed, for the G rows bitmask_rows [G]
+    # (None: every row has a grammar).
     bitmask: torch.Tensor | None = None
-    bitmask_rows: list[int] | None = None
+    bitmask_rows: torch.Tensor | None = None
     allowed: torch.Tensor | None = None  # [B, V] bool, True = may be sampled
     masked: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, bias)
@@ -40,8 +41,12 @@ class LogitsProcessorTensors:
         if self.bitmask is not None:
             from xgrammar import apply_token_bitmask_inplace  # only structured output rows get here
 
-            apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=logits.shape[1],
-                                        indices=self.bitmask_rows)
+            if self.bitmask_rows is None:
+                apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=logits.shape[1])
+            else:  # the grammar rows apart, masked, and back (the other rows stay bit for bit)
+                rows = logits[self.bitmask_rows]
+                apply_token_bitmask_inplace(rows, self.bitmask, vocab_size=logits.shape[1])
+                logits[self.bitmask_rows] = rows
         if self.allowed is not None:
             logits.masked_fill_(~self.allowed, float("-inf"))
         if self.masked is not None:

@@ -22,6 +22,7 @@ from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.engine.step import SEED_MASK, ProcessorRow, SamplingBatch, StepBatch
 from nanovllm.layers.logits_processors import LogitsProcessorTensors, padded_ids, scatter_ids
 from nanovllm.layers.sampler import SamplingTensors
+from nanovllm.runner.grammar_bitmask import GrammarBitmask
 
 
 @dataclass(slots=True)
@@ -143,16 +144,20 @@ def race_seeds(seeds: list[int | None], noise_seed: int) -> list[int]:
     return [(noise_seed + row) & SEED_MASK if seed is None else seed for row, seed in enumerate(seeds)]
 
 
-def logits_processor_tensors(rows: list[ProcessorRow | None] | None, vocab_size: int,
-                             device: torch.device) -> LogitsProcessorTensors | None:
-    """The processors' tensors for the sampling rows (SamplingBatch.processors); None when none is used."""
+def logits_processor_tensors(rows: list[ProcessorRow | None] | None, vocab_size: int, device: torch.device,
+                             bitmask: GrammarBitmask | None = None) -> LogitsProcessorTensors | None:
+    """The processors' tensors for the sampling rows (SamplingBatch.processors); None when none is used.
+    bitmask: the runner's, which keeps its host buffer across steps (a one-off one when not given)."""
     if rows is None:
         return None
     t, used = LogitsProcessorTensors(), False
     grammar_rows = [i for i, r in enumerate(rows) if r is not None and r.grammar is not None]
     if grammar_rows:
-        t.bitmask = grammar_bitmask(rows, grammar_rows, vocab_size, device)
-        t.bitmask_rows, used = grammar_rows, True
+        bitmask = bitmask or GrammarBitmask(vocab_size, device)
+        t.bitmask = bitmask.fill([rows[i].grammar for i in grammar_rows])
+        if len(grammar_rows) < len(rows):
+            t.bitmask_rows = torch.tensor(grammar_rows, dtype=torch.int64).to(device, non_blocking=True)
+        used = True
     if any(r is not None and r.allowed_token_ids is not None for r in rows):
         ids = [(r.allowed_token_ids if r is not None else None) or [] for r in rows]
         allowed = scatter_ids(padded_ids(ids, vocab_size, device), vocab_size, torch.bool)
@@ -178,17 +183,3 @@ def logits_processor_tensors(rows: list[ProcessorRow | None] | None, vocab_size:
         t.output_ids = padded_ids([r.output_token_ids if r else [] for r in rows], vocab_size, device)
         used = True
     return t if used else None
-
-
-def grammar_bitmask(rows: list[ProcessorRow | None], grammar_rows: list[int], vocab_size: int,
-                    device: torch.device) -> torch.Tensor:
-    """The structured output rows' allowed tokens, filled on the host by their matchers: int32
-    [len(rows), ceil(vocab / 32)] bits, 1 = allowed (the other rows' stay all ones and are not read)."""
-    import xgrammar  # only a structured output request gets here, and its compile checked it is there
-
-    bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab_size)
-    for i in grammar_rows:
-        rows[i].grammar.fill_next_token_bitmask(bitmask, i)
-    if device.type == "cuda":
-        return bitmask.pin_memory().to(device, non_blocking=True)
-    return bitmask.to(device)

@@ -12,7 +12,9 @@ from torch import nn
 from nanovllm.attention.layer import Attention
 from nanovllm.config import Config
 from nanovllm.engine.step import StepBatch
-from nanovllm.layers.parallel import min_across_ranks
+from nanovllm.layers.kernel_plan import KernelPlan
+from nanovllm.layers.parallel import get_tp_rank, min_across_ranks, use_tp_group
+from nanovllm.models import get_model_class
 from nanovllm.runner.sampling import StepSampler, worst_case_sampling
 
 
@@ -83,6 +85,23 @@ def allocate(layers: list[Attention], num_blocks: int, block_size: int, dtype: t
     return cache
 
 
+def draft_footprint(draft: Config) -> tuple[int, int]:
+    """(bytes one KV block takes, bytes of weights and buffers) of a draft model, counted on its model
+    built on the meta device: nothing is allocated or read. Its linear layers count unquantized, an
+    upper bound for an fp8 checkpoint. Built whole, outside any tensor-parallel group: the draft runs
+    on one rank."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, draft.model_dtype))
+    try:
+        with torch.device("meta"), use_tp_group(None):
+            model = get_model_class(draft.hf_config)(draft.hf_config, KernelPlan.torch_only())
+    finally:
+        torch.set_default_dtype(dtype)
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return block_bytes(layers, draft.kvcache_block_size, getattr(torch, draft.cache_dtype)), weights
+
+
 def detach(layers: list[Attention]) -> None:
     """Take the cache's views from the layers (the tensor is freed once its owner drops it)."""
     for layer in layers:
@@ -99,7 +118,17 @@ def num_blocks_that_fit(runner: SizedRunner) -> int:
                      activation_peak / 2**30)
         torch.cuda.empty_cache()
     bytes_per_block = block_bytes(runner.attention_layers, runner.block_size, runner.kv_dtype)
-    num_blocks = blocks_for_budget(config, device, bytes_per_block, activation_peak)
+    reserved = activation_peak
+    if config.draft_config is not None and get_tp_rank() == 0:
+        # Speculative decoding's draft model runs beside rank 0 (nanovllm.speculative.draft), loaded once
+        # this cache is allocated, with a cache of as many blocks: each block costs both models' KV, and
+        # on a GPU the draft's weights are set aside first (the CPU budget is for KV alone). Its
+        # activations reuse the memory the target's peak was measured in (a smaller model, steps of at
+        # most max_num_batched_tokens, never at the same time as the target's).
+        draft_block, draft_weights = draft_footprint(config.draft_config)
+        bytes_per_block += draft_block
+        reserved += draft_weights if device.type == "cuda" else 0
+    num_blocks = blocks_for_budget(config, device, bytes_per_block, reserved)
     # One scheduler on rank 0 hands out block ids for every rank: all must hold as many blocks
     # (and all raise together when one has none).
     num_blocks = min_across_ranks(num_blocks)

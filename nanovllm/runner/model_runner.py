@@ -26,7 +26,7 @@ from nanovllm.runner.cuda_graph import HEAD_GRAPH_MAX_ROWS, DecodeGraphs, stagin
 from nanovllm.runner.inputs import model_inputs, padded_num_tokens, to_device
 from nanovllm.runner.piecewise import PiecewiseGraphs, memory_token_limit
 from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row
-from nanovllm.runner.transfers import PendingOutput, Uploads
+from nanovllm.runner.transfers import DeferredOutput, PendingOutput, Uploads
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
@@ -245,10 +245,12 @@ class ModelRunner:
         return None if pending is None else pending.wait()
 
     @torch.inference_mode()
-    def launch(self, batch: StepBatch, previous: PendingOutput | None = None) -> PendingOutput | None:
+    def launch(self, batch: StepBatch, previous: PendingOutput | DeferredOutput | None = None,
+               defer_sampling: bool = False) -> PendingOutput | DeferredOutput | None:
         """Start one step without waiting for it: forward, sampling and the copy of the sampled ids to
         the host are queued on the device; `wait()` on the result reads them (None on the other ranks).
-        previous: the step launched before, whose sampled ids feed the batch's prev_token_* inputs."""
+        previous: the step launched before, whose sampled ids feed the batch's prev_token_* inputs.
+        defer_sampling: sample at the result's `sample()` (Executor.launch)."""
         forward = self._forward(batch, previous.sampled if previous is not None else None)
         if forward.sampled is not None:  # a decode graph's own race (no logprobs asked)
             return PendingOutput(forward.sampled, None, None, self.download_stream, forward.sampled_host)
@@ -260,10 +262,18 @@ class ModelRunner:
         logits = self._sampling_logits(forward.hidden, forward.logits, batch)
         if logits is None:
             return None
+        if batch.sample_rows and defer_sampling:
+            return DeferredOutput(lambda: self._sample(logits, batch, forward.params, prompt_lps))
         if batch.sample_rows:
             tokens, logprobs = self.sampler.sample(logits, batch.sampling, forward.params)
         else:
             tokens, logprobs = torch.empty(0, dtype=torch.int64, device=self.device), None
+        return PendingOutput(tokens, logprobs, prompt_lps, self.download_stream)
+
+    @torch.inference_mode()
+    def _sample(self, logits: torch.Tensor, batch: StepBatch, params: SamplingTensors | None,
+                prompt_lps: dict | None) -> PendingOutput:
+        tokens, logprobs = self.sampler.sample(logits, batch.sampling, params)
         return PendingOutput(tokens, logprobs, prompt_lps, self.download_stream)
 
     def check_sampling(self, sampling: SamplingBatch) -> None:

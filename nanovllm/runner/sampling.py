@@ -10,6 +10,7 @@ from nanovllm.engine.step import SEED_MASK, ProcessorRow, PromptLogprobSpan, Sam
 from nanovllm.layers.logprobs import SampledLogprobs, prompt_logprobs, sampled_logprobs
 from nanovllm.layers.sampler import SPLIT_ARGMAX_ROWS, Sampler, SamplingTensors
 from nanovllm.outputs import TokenLogprobs
+from nanovllm.runner.grammar_bitmask import GrammarBitmask
 from nanovllm.runner.inputs import Put, logits_processor_tensors, race_seeds, sampling_tensors
 from nanovllm.runner.transfers import PendingOutput
 from nanovllm.sampling_params import MAX_LOGPROBS
@@ -34,6 +35,7 @@ class StepSampler:
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler(compiled=compiled, fused_race=device.type == "cuda")
+        self.grammar_bitmask = GrammarBitmask(vocab_size, device)
 
     def tensors(self, sampling: SamplingBatch, put: Put | None = None) -> SamplingTensors:
         """The rows' parameters on the device, each list through put (runner/transfers.Uploads.put: one
@@ -67,7 +69,8 @@ class StepSampler:
         here when not given), processors and logprobs; the tokens [rows] and logprobs stay on the device
         (no sync)."""
         raw = logits
-        processors = logits_processor_tensors(sampling.processors, self.vocab_size, self.device)
+        processors = logits_processor_tensors(sampling.processors, self.vocab_size, self.device,
+                                              self.grammar_bitmask)
         if processors is not None:
             logits = processors.apply(logits)
         tokens = self.sampler(logits, params if params is not None else self.tensors(sampling))

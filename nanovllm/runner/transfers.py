@@ -25,6 +25,8 @@ waited behind them (~8 us a step at one row, docs/performance-notes.md, "Host ov
 is nothing to wait
 for: the tensors are read where they are."""
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -158,6 +160,9 @@ class PendingOutput:
             self._event = torch.cuda.Event()
             self._event.record(stream)
 
+    def sample(self) -> None:
+        """Sampled already (at launch)."""
+
     def wait(self) -> StepOutput:
         """Block until the step's sampled ids are on the host; returns them with their logprobs."""
         if self._event is not None:
@@ -165,3 +170,26 @@ class PendingOutput:
         token_ids = self._token_ids.tolist()
         logprobs = self._logprobs.dicts(len(token_ids)) if self._logprobs is not None else None
         return StepOutput(token_ids, logprobs, self._prompt_logprobs)
+
+
+class DeferredOutput:
+    """A launched step whose sampling waits for `sample()` (Executor.launch's defer_sampling): its
+    forward pass and logits are queued on the device; `sample()` queues the sampler and the copies to the
+    host (`finish`), once. `sampled` and `wait()` sample first if it has not happened yet."""
+
+    def __init__(self, finish: Callable[[], PendingOutput]) -> None:
+        self._finish = finish
+        self._output: PendingOutput | None = None
+
+    def sample(self) -> None:
+        if self._output is None:
+            self._output = self._finish()
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        self.sample()
+        return self._output.sampled
+
+    def wait(self) -> StepOutput:
+        self.sample()
+        return self._output.wait()

@@ -13,6 +13,7 @@ name, `nanovllm serve smollm2`), never a full path: it shows in every response a
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -56,12 +57,26 @@ def _int_or_word(value: str) -> int | str:
     return int(value) if value.strip().isdigit() else value
 
 
+def _json_object(value: str) -> dict:
+    """For options that take a dict (speculative_config): JSON text, as vLLM's flags take it."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return parsed
+
+
 def _base_type(annotation):
-    """int for `int`, `int | None` and `Optional[int]`; a number-or-word parser for `int | str`."""
+    """int for `int`, `int | None` and `Optional[int]`; a number-or-word parser for `int | str`; JSON for
+    an option that takes a dict."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
         if set(kinds) == {int, str}:
             return _int_or_word
+        if dict in kinds:
+            return _json_object
         (annotation,) = kinds
     return annotation
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import weakref
 from dataclasses import fields
+from itertools import zip_longest
 
 from nanovllm.config import Config
 from nanovllm.dp.engine_core import EngineStats
@@ -118,10 +119,12 @@ class EngineClient:
         per_engine = [engine.stats for engine in self.engines]
         if len(per_engine) == 1:
             return per_engine[0]
+        by_position = ("finish_reasons", "num_spec_accepted_tokens_per_pos")  # tuples, summed item by item
         totals = {f.name: sum(getattr(s, f.name) for s in per_engine)
-                  for f in fields(EngineStats) if f.name != "finish_reasons"}
-        reasons = tuple(sum(counts) for counts in zip(*(s.finish_reasons for s in per_engine)))
-        return EngineStats(**totals, finish_reasons=reasons)
+                  for f in fields(EngineStats) if f.name not in by_position}
+        for name in by_position:
+            totals[name] = tuple(map(sum, zip_longest(*(getattr(s, name) for s in per_engine), fillvalue=0)))
+        return EngineStats(**totals)
 
     @property
     def _watchdog_poll(self) -> float:

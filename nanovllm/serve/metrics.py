@@ -63,6 +63,7 @@ class EngineCollector:
                            "Prompt tokens looked up in the prefix cache.", stats.num_prefix_cache_queries)
         yield self._family(counter, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                            stats.num_prefix_cache_hits)
+        yield from self._spec_decode(stats)
         finished = CounterMetricFamily("vllm:request_success", "Finished requests, by finish reason.",
                                        labels=[*self.labels, "finished_reason"])
         for reason, count in zip(FINISH_REASONS, stats.finish_reasons, strict=True):
@@ -84,6 +85,28 @@ class EngineCollector:
                 ("request_generation_tokens", "Generated tokens per finished request (all completions).",
                  m.request_generation_tokens)):
             yield self._family(histogram, f"vllm:{name}", doc, value)
+
+
+    def _spec_decode(self, stats: EngineStats):
+        """Speculative decoding's counters, under vLLM's names, when the engine speculates."""
+        spec = getattr(getattr(self.engine, "config", None), "speculative_config", None)
+        if spec is None:
+            return
+        counter = CounterMetricFamily
+        yield self._family(counter, "vllm:spec_decode_num_drafts",
+                           "Steps that verified a request's drafts.", stats.num_spec_drafts)
+        yield self._family(counter, "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                           stats.num_spec_draft_tokens)
+        yield self._family(counter, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                           stats.num_spec_accepted_tokens)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by their position among a step's drafts.",
+                                      labels=[*self.labels, "position"])
+        counts = stats.num_spec_accepted_tokens_per_pos
+        for position in range(spec.num_speculative_tokens):
+            count = counts[position] if position < len(counts) else 0
+            per_pos.add_metric([*self.labels.values(), str(position)], count)
+        yield per_pos
 
 
 def make_registry(engine: EngineClient, model_name: str) -> CollectorRegistry:

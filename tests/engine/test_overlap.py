@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import PROMPTS
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.config import ENV_DEFAULTS, Config
 from nanovllm.engine.sequence import PENDING_TOKEN_ID
 from nanovllm.runner.cuda_graph import DecodeGraphs
-from nanovllm.runner.transfers import PendingOutput
+from nanovllm.runner.transfers import DeferredOutput, PendingOutput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -140,10 +140,34 @@ def test_logprobs_and_prompt_logprobs(engines):
     assert len(overlapped[1]["prompt_logprobs"]) == len(overlapped[1]["prompt_token_ids"])
 
 
-def test_logits_processors_take_the_synchronous_step(engines):
+def test_logits_processors_match_the_synchronous_loop(engines):
+    """Penalties and bad words take the synchronous step (their processors read the tokens' values);
+    min_tokens and logit_bias rows stay overlapped."""
     params = [greedy(10, repetition_penalty=1.5), greedy(12, min_tokens=6, logit_bias={5: 3.0}),
               greedy(8), greedy(9, bad_words=["the"], presence_penalty=0.5)]
     generate_both(engines, PROMPTS, params)
+    generate_both(engines, PROMPTS, [greedy(12, min_tokens=6, logit_bias={5: 3.0}), greedy(8),
+                                     greedy(10, allowed_token_ids=list(range(40, 90))), greedy(5)])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_structured_outputs_sample_once_the_previous_step_is_in(engines, monkeypatch, temperature):
+    """A constrained row's step is launched before the previous step's tokens arrive; only its sampling
+    (the bitmask, from matchers that have taken those tokens) waits for them. Output: the synchronous
+    loop's, with a choice ending early while the others go on (its matcher done mid-flight)."""
+    pytest.importorskip("xgrammar")
+    deferred, real = [], DeferredOutput.sample
+    monkeypatch.setattr(DeferredOutput, "sample", lambda self: deferred.append(1) or real(self))
+
+    def held(max_tokens: int, **constraint) -> SamplingParams:
+        return SamplingParams(temperature=temperature, seed=3, max_tokens=max_tokens, ignore_eos=True,
+                              structured_outputs=StructuredOutputsParams(**constraint))
+
+    params = [held(12, regex="[ab]+ [cd]+"), greedy(9), held(14, choice=["yes", "no", "maybe so"]),
+              greedy(16)]
+    outputs = generate_both(engines, PROMPTS, params)
+    assert outputs[2]["text"] in ("yes", "no", "maybe so")
+    assert deferred
 
 
 def test_abort_mid_run(engines):

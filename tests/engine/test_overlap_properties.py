@@ -32,6 +32,9 @@ class FakePending:
     def __init__(self, sampled: list[int], waits: list[int]) -> None:
         self.sampled, self.waits = sampled, waits
 
+    def sample(self) -> None:
+        pass
+
     def wait(self) -> StepOutput:
         self.waits.append(1)
         return StepOutput(list(self.sampled))
@@ -43,7 +46,8 @@ class FakeDevice:
         self.slots: dict[int, tuple[int, ...]] = {}  # slot -> the context its KV stands for
         self.waits: list[int] = []
 
-    def launch(self, batch: StepBatch, previous: FakePending | None) -> FakePending:
+    def launch(self, batch: StepBatch, previous: FakePending | None, defer_sampling: bool = False
+               ) -> FakePending:
         input_ids = list(batch.input_ids)
         for index, row in zip(batch.prev_token_indices, batch.prev_token_rows, strict=True):
             input_ids[index] = previous.sampled[row]

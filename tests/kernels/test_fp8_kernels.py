@@ -26,6 +26,9 @@ DEVICE = triton_test_device()
 # the order of the float32 sums differs, on outputs of magnitude ~1. 16-bit: the references multiply the
 # dequantized weight rounded to the model's dtype, the kernels the exact one in float32.
 TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+# The GEMM on a GPU: its fp8 tensor cores keep ~14 bits while they sum a K tile's 128 products (sm_90;
+# kernels/fp8_gemm.py), so against the exact float32 reference it is off by up to ~1.5e-2 on O(1) outputs.
+GEMM_TOLERANCE = {"cuda": 3e-2, "cpu": 1e-4}[DEVICE]
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 # (N, K, group): 128x128 blocks with partial blocks along N and K; per channel (group = K) with a K that is
 # no multiple of the 128 K tile; two whole blocks.
@@ -62,7 +65,7 @@ def test_w8a8_gemm_matches_the_dequantizing_reference(m, n, k, group, dtype):
     out = w8a8_linear(x, weight, scale, group, bias if m % 2 else None)
     expected = fp8_dequant_linear(x.float(), weight, scale, group, bias.float() if m % 2 else None)
     assert out.dtype == dtype and out.shape == (m, n)
-    tol = TOLERANCES[dtype]
+    tol = max(TOLERANCES[dtype], GEMM_TOLERANCE)
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
@@ -70,7 +73,8 @@ def test_w8a8_gemm_takes_a_strided_x():
     x, weight, scale, bias = make(5, 96, 256, 128, torch.float32)
     wide = torch.cat([x, x], dim=1)[:, 256:]  # rows 512 apart
     torch.testing.assert_close(w8a8_linear(wide, weight, scale, 128, bias),
-                               fp8_dequant_linear(x, weight, scale, 128, bias), rtol=1e-4, atol=1e-4)
+                               fp8_dequant_linear(x, weight, scale, 128, bias), rtol=GEMM_TOLERANCE,
+                               atol=GEMM_TOLERANCE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -83,9 +87,11 @@ def test_gemv_matches_the_dequantized_weight_on_unrounded_activations(m, n, k, g
     assert out.dtype == dtype and out.shape == (m, n)
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
-    # and it is not the W8A8 rounding: the test can tell the two apart
-    rounded = fp8_dequant_linear(x.float(), weight, scale, group, bias.float() if m % 2 else None)
-    assert (rounded - expected).abs().max() > 10 * tol
+    # and it is not the W8A8 rounding: the test can tell the two apart (where its tolerance is fine enough:
+    # in bf16 one row of small activations rounds to within 10 tolerances)
+    if dtype == torch.float32:
+        rounded = fp8_dequant_linear(x.float(), weight, scale, group, bias.float() if m % 2 else None)
+        assert (rounded - expected).abs().max() > 10 * tol
 
 
 def test_the_kernels_refuse_what_they_cannot_tile():
@@ -107,7 +113,8 @@ def test_the_triton_method_takes_the_gemv_to_16_rows_then_the_gemm():
     layer.bias.data.copy_(bias.cpu())
     layer.to(DEVICE)
     assert [method.bucket(r).plain.__name__ for r in (1, 16, 17)] == ["fp8_gemv", "fp8_gemv", "fp8_gemm"]
-    for rows, reference in ((16, fp8_weight_only_linear), (17, fp8_dequant_linear)):
+    for rows, reference, tol in ((16, fp8_weight_only_linear, 1e-4),
+                                 (17, fp8_dequant_linear, GEMM_TOLERANCE)):
         x = make(rows, 200, 300, 128, torch.float32, seed=rows)[0]
         torch.testing.assert_close(layer(x), reference(x, layer.weight, layer.weight_scale, 128, layer.bias),
-                                   rtol=1e-4, atol=1e-4)
+                                   rtol=tol, atol=tol)

@@ -1,0 +1,150 @@
+"""The engine's side of speculative decoding: after each step, ask the proposer for the drafts of the
+sequences that decode next; after a step that verified drafts, turn its sampled ids into the tokens each
+sequence emits (rejection.py) and count drafts and acceptances. Pure Python.
+
+    engine step:  schedule (drafts get slots and budget) | run | postprocess_verified | propose
+
+Counters, engine-wide and per sequence (vLLM's spec_decode_* figures): drafts (a sequence's drafts
+verified in one step), draft tokens, accepted tokens, and accepted tokens by position (how often the
+i-th draft of a step was accepted)."""
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step import StepBatch, StepOutput
+from nanovllm.outputs import TokenLogprobs
+from nanovllm.speculative.proposer import Proposer
+from nanovllm.speculative.rejection import accepted_tokens
+
+# With async_scheduling, after a proposal round that found no draft at all, this many steps run the
+# overlap loop before the proposer looks again (each look is a synchronous step): output with nothing
+# to look up then loses overlap on one step in nine, not on every step.
+QUIET_STEPS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class SpecDecodeStats:
+    """The counters since the engine started."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: steps whose draft i (from 0) was accepted
+
+
+class Verified(NamedTuple):
+    """What one sequence emitted in a verification step (Scheduler.postprocess_verified)."""
+
+    token_ids: list[int]  # its accepted drafts, then the target's next token
+    logprobs: list[TokenLogprobs | None] | None  # per token, where asked
+
+
+class SpeculativeDecoding:
+    def __init__(self, config: Config, proposer: Proposer) -> None:
+        self.spec = config.speculative_config
+        self.proposer = proposer
+        self.max_model_len = config.max_model_len
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.spec.num_speculative_tokens
+        self.num_proposed = 0  # proposal rounds since proposals were last dropped
+        self.num_quiet_steps = 0  # steps left before the proposer looks again (QUIET_STEPS)
+
+    def active(self, num_running: int) -> bool:
+        """Whether sequences get drafts with this many running (disable_by_batch_size)."""
+        limit = self.spec.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def verifies_next(self, running: Collection[Sequence]) -> bool:
+        """Whether the next step may verify drafts, and so runs the synchronous loop (with
+        async_scheduling, the engine runs the overlap loop otherwise): no more than disable_by_batch_size
+        sequences run, and the proposer is not resting after a round that found nothing (QUIET_STEPS).
+        When not, the drafts of sequences the last step left out are dropped: the overlap loop verifies
+        none."""
+        if self.active(len(running)):
+            if self.num_quiet_steps == 0:
+                return True
+            self.num_quiet_steps -= 1
+        if self.num_proposed:
+            for seq in running:
+                seq.spec_token_ids = []
+            self.num_proposed = 0
+        return False
+
+    def propose(self, running: Collection[Sequence],
+                reserve: Callable[[Sequence, int], bool] | None = None) -> None:
+        """Give each sequence that decodes next its drafts (seq.spec_token_ids), at most
+        num_speculative_tokens and never past max_tokens or max_model_len; none at all while more than
+        disable_by_batch_size sequences run. reserve(seq, n) (BlockManager.append_slot) gives a
+        sequence KV slots for n drafts beyond its tokens, from free blocks only, before a proposer that
+        writes KV there proposes (else it finds its block table short near a block's end)."""
+        if not self.active(len(running)):
+            return
+        k, max_model_len = self.spec.num_speculative_tokens, self.max_model_len
+        seqs, nums = [], []
+        for seq in running:
+            # NOTE: rows with logits processors (penalties, bad words, min_tokens, logit_bias, allowed ids,
+            # a structured output's grammar) do not speculate: their processors are built on the host
+            # from the tokens before each position, which at a draft's position are not known yet.
+            if seq.num_uncomputed_tokens != 1 or seq.uses_logits_processors:
+                continue  # still prefilling, or processors
+            # A step with n drafts emits up to n + 1 tokens.
+            num = min(k, seq.sampling_params.max_tokens - seq.num_completion_tokens - 1,
+                      max_model_len - len(seq) - 1)
+            if num > 0:
+                seqs.append(seq)
+                nums.append(num)
+        found = False
+        if seqs and reserve is not None and self.proposer.writes_kv:
+            for seq, num in zip(seqs, nums, strict=True):
+                reserve(seq, num)  # short of free blocks: the proposer proposes what the table covers
+        if seqs:
+            for seq, num, drafts in zip(seqs, nums, self.proposer.propose(seqs, nums), strict=True):
+                seq.spec_token_ids = drafts[:num]
+                found = found or bool(drafts)
+            self.num_proposed += 1
+        if not found:
+            self.num_quiet_steps = QUIET_STEPS
+
+    def record(self, seqs: list[Sequence], batch: StepBatch, out: StepOutput) -> list[Verified | None]:
+        """Per sequence of a verification step, what it emitted (None for those that only computed part
+        of their prompt, or finished meanwhile); records prompt logprobs and the counters."""
+        results: list[Verified | None] = [None] * len(seqs)
+        spec = batch.spec_token_ids or [[] for _ in batch.sample_rows]
+        logprobs = out.logprobs
+        pos = 0
+        for row, drafts in zip(batch.sample_rows, spec, strict=True):
+            seq, num = seqs[row], len(drafts)
+            sampled = out.token_ids[pos:pos + num + 1]
+            row_logprobs = None if logprobs is None else logprobs[pos:pos + num + 1]
+            pos += num + 1
+            if seq.is_finished:
+                continue
+            tokens = accepted_tokens(sampled, drafts)
+            if num:
+                self._count(seq, num, len(tokens) - 1)
+            results[row] = Verified(tokens, None if row_logprobs is None else row_logprobs[:len(tokens)])
+        assert pos == len(out.token_ids), f"{len(out.token_ids)} sampled ids for {pos} verified positions"
+        for row, prompt_logprobs in (out.prompt_logprobs or {}).items():
+            if not seqs[row].is_finished:
+                seqs[row].prompt_logprobs.extend(prompt_logprobs)
+        return results
+
+    def _count(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+        seq.num_drafts += 1
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += num_accepted
+
+    def stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               tuple(self.accepted_per_pos))
+
+    def shutdown(self) -> None:
+        self.proposer.shutdown()

@@ -1,0 +1,177 @@
+"""The draft-model proposer (vLLM's `speculative_config={"model": DRAFT, ...}`): a small model with the
+target's vocabulary proposes the next k tokens of each decoding sequence by argmax (as vLLM v1's draft
+proposers do), which the target then verifies in one forward pass.
+
+The draft runs on a ModelRunner of its own (rank 0's device, one rank, config.draft_config) with its own
+paged KV cache of as many blocks as the target's, addressed through the target's block tables: a block
+id means the same tokens in both caches. What the draft's cache holds of one sequence of L tokens:
+
+    token ids:  |-- num_draft_computed_tokens --|-- catch-up --| t(L-1) |  x1 .. x(k-1)   |
+                  draft KV of tokens that are     computed now, one      fed one by one:
+                  still the sequence's            chunk with t(L-1)      positions L .. L+k-2
+
+A proposal computes the catch-up and the last token in one step (the whole prompt the first time,
+prefix-cached blocks included: the draft writes the KV they would have into its own cache), takes x1
+from the last token's logits, then runs k-1 one-token steps. The target keeps a prefix of the drafts;
+of the fed ones, those it kept are still valid draft KV at the next proposal, the rest are computed
+again. A preemption frees the blocks and resets num_draft_computed_tokens (BlockManager.deallocate)."""
+
+import copy
+import weakref
+from dataclasses import dataclass
+from typing import Protocol
+
+from nanovllm.config import Config
+from nanovllm.distributed.worker import threads_per_rank
+from nanovllm.engine.step import StepBatch, slots
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.utils.tokenizer import load_engine_tokenizer
+
+
+class DraftSequence(Protocol):
+    """What the proposer reads and writes of a sequence (nanovllm.engine.sequence.Sequence)."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_draft_computed_tokens: int  # positions [0, n) of the draft's cache hold token_ids[:n]
+
+
+@dataclass(slots=True)
+class DraftRow:
+    """Positions [start, start + len(input_ids)) of one sequence, computed by one draft step."""
+
+    input_ids: list[int]
+    start: int
+    block_table: list[int]
+    samples: bool  # its last token's logits propose the next draft
+
+
+def draft_batch(rows: list[DraftRow], block_size: int) -> StepBatch:
+    """The step record of `rows` (a decode step when each computes one token); no sampling part: the
+    proposer takes the argmax of the logits itself."""
+    input_ids, positions, slot_mapping, cu_q, seqlens_k, tables = [], [], [], [0], [], []
+    for row in rows:
+        end = row.start + len(row.input_ids)
+        input_ids.extend(row.input_ids)
+        positions.extend(range(row.start, end))
+        slot_mapping.extend(slots(row.block_table, row.start, end, block_size))
+        cu_q.append(len(input_ids))
+        seqlens_k.append(end)
+        tables.append(row.block_table[:-(-end // block_size)])  # only the blocks it reads
+    return StepBatch(len(input_ids) > len(rows), input_ids, positions, slot_mapping, cu_q, seqlens_k, tables,
+                     [i for i, row in enumerate(rows) if row.samples], sampling=None)
+
+
+def check_same_tokenizer(config: Config, draft: Config) -> None:
+    """The draft must speak the target's token ids: each token string with the same id in both
+    tokenizers (their vocab_size is compared when the Config is built). Raises ValueError otherwise."""
+    if config.skip_tokenizer_init:
+        return  # token ids in and out: nothing to compare but the vocabulary size
+    target_ids = load_engine_tokenizer(config).get_vocab()
+    draft_ids = load_engine_tokenizer(draft).get_vocab()
+    if target_ids != draft_ids:
+        tokens = target_ids.keys() | draft_ids.keys()
+        differ = sorted(t for t in tokens if target_ids.get(t) != draft_ids.get(t))
+        raise ValueError(f"the draft model {draft.model!r} and the target {config.model!r} have different "
+                         f"tokenizers ({len(draft_ids)} and {len(target_ids)} tokens, {len(differ)} of them "
+                         f"with other ids or missing, e.g. {differ[:3]}); speculative decoding needs a draft "
+                         "with the target's tokenizer (e.g. Qwen3-0.6B as the draft of Qwen3-8B)")
+
+
+class DraftModelProposer:
+    writes_kv = True  # its cache shares the target's block tables (Proposer.writes_kv)
+
+    def __init__(self, config: Config, num_kvcache_blocks: int) -> None:
+        draft = config.draft_config
+        assert draft is not None, "a draft model proposer needs config.draft_config"
+        check_same_tokenizer(config, draft)  # before the weights load: a wrong draft fails fast
+        self.block_size = config.kvcache_block_size
+        # The draft's cache has the target's block count: the target's block tables address it. (A copy:
+        # what the engine computes is never written back into a Config.)
+        draft = copy.copy(draft)
+        draft.num_kvcache_blocks = num_kvcache_blocks
+        if config.tensor_parallel_size > 1:  # on the CPU, rank 0's share of the cores, as its runner's
+            draft.cpu_threads = threads_per_rank(config.tensor_parallel_size)
+        self.runner = ModelRunner(draft)
+        self.max_model_len = draft.max_model_len  # positions the draft can compute
+        self.max_num_batched_tokens = draft.max_num_batched_tokens
+        # Per sequence, (n, drafts): the drafts fed at positions n, n + 1, ... by its latest proposal,
+        # n its num_draft_computed_tokens then. Weak: a finished sequence's entry goes with it.
+        self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def propose(self, seqs: list[DraftSequence], num_tokens: list[int]) -> list[list[int]]:
+        """Per sequence, up to num_tokens[i] draft tokens that follow seqs[i].token_ids, each the draft's
+        argmax. A sequence gets fewer where its block table or the draft's max_model_len ends first."""
+        proposals: list[list[int]] = [[] for _ in seqs]
+        wanted: dict[int, int] = {}  # index in seqs -> drafts it can take
+        for i, (seq, num) in enumerate(zip(seqs, num_tokens)):
+            # The k - 1 fed drafts need slots at positions len(seq) .. len(seq) + num - 2.
+            room = min(len(seq.block_table) * self.block_size, self.max_model_len) - len(seq.token_ids) + 1
+            num = min(num, room)
+            if num > 0:
+                wanted[i] = num
+                self._update_computed(seq)
+        if not wanted:
+            return proposals
+        order = list(wanted)
+        for j, token in self._catch_up([seqs[i] for i in order]).items():
+            proposals[order[j]].append(token)
+        for _ in range(1, max(wanted.values())):
+            active = [i for i, num in wanted.items() if len(proposals[i]) < num]
+            rows = [DraftRow([proposals[i][-1]], len(seqs[i].token_ids) + len(proposals[i]) - 1,
+                             seqs[i].block_table, True) for i in active]
+            for i, token in zip(active, self._argmax(draft_batch(rows, self.block_size))):
+                proposals[i].append(token)
+        for i in wanted:  # what the next proposal finds of these in the draft's cache
+            seq = seqs[i]
+            self._fed[seq] = (len(seq.token_ids), proposals[i][:-1])
+        return proposals
+
+    def _update_computed(self, seq: DraftSequence) -> None:
+        """Count the drafts fed by the previous proposal that the sequence kept; never the last token,
+        whose logits the proposal needs."""
+        n = seq.num_draft_computed_tokens
+        start, fed = self._fed.pop(seq, (-1, []))
+        if n and n == start:  # no preemption since (it would have reset n to 0)
+            last = len(seq.token_ids) - 1
+            for token in fed:
+                if n >= last or seq.token_ids[n] != token:
+                    break
+                n += 1
+        seq.num_draft_computed_tokens = min(n, len(seq.token_ids) - 1)
+
+    def _catch_up(self, seqs: list[DraftSequence]) -> dict[int, int]:
+        """Compute each sequence's tokens that lack draft KV, its last one included, in steps of at most
+        max_num_batched_tokens tokens (the target's chunk size: the activations the memory budget
+        allowed for). Returns {index in seqs: the argmax after its last token}."""
+        pending = list(range(len(seqs)))
+        first: dict[int, int] = {}
+        while pending:
+            rows, row_seqs, budget = [], [], self.max_num_batched_tokens
+            for i in pending:
+                seq = seqs[i]
+                start = seq.num_draft_computed_tokens
+                end = min(len(seq.token_ids), start + budget)
+                if end == start:
+                    break
+                rows.append(DraftRow(seq.token_ids[start:end], start, seq.block_table,
+                                     end == len(seq.token_ids)))
+                row_seqs.append(i)
+                budget -= end - start
+            batch = draft_batch(rows, self.block_size)
+            sampled = iter(self._argmax(batch))
+            for row, i in zip(rows, row_seqs):
+                seqs[i].num_draft_computed_tokens = row.start + len(row.input_ids)
+                if row.samples:
+                    first[i] = next(sampled)
+            pending = [i for i in pending if i not in first]
+        return first
+
+    def _argmax(self, batch: StepBatch) -> list[int]:
+        logits = self.runner.logits(batch)
+        return logits.argmax(dim=-1).tolist()
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            runner, self.runner = self.runner, None
+            runner.shutdown()

@@ -1,0 +1,59 @@
+"""One stream's decode latency: a 512-token prompt of random ids, 1024 output tokens, temperature 0.6,
+ignore_eos, after one warm-up request; prints ms per output token (prefill included) and tokens/s.
+
+    python scripts/stream_latency.py --model MODEL_DIR [--quantization fp8] [--kv-cache-dtype fp8]
+    python scripts/stream_latency.py --model M --workload copy --speculative-config '{"method": "ngram", ...}'
+
+--workload copy: the prompt is a 256-token passage written twice, and the output is greedy with a
+  repetition-prone random model, so n-gram proposals find matches (speculative decoding's copy case).
+Only `from nanovllm import LLM, SamplingParams` is used, and only the options given reach LLM(...), so
+the same command times any engine with nano-vllm's API (PYTHONPATH pointing at it)."""
+
+import argparse
+import json
+import os
+import time
+from random import randint, seed
+
+from nanovllm import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=1024)
+    parser.add_argument("--workload", choices=["random", "copy"], default="random")
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--kv-cache-dtype", default=None)
+    parser.add_argument("--speculative-config", default=None, help="JSON, as vLLM's option")
+    parser.add_argument("--label", default="", help="printed first on the result line")
+    args = parser.parse_args()
+    options = {"max_model_len": 4096}
+    for name in ("quantization", "kv_cache_dtype"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    if args.speculative_config is not None:
+        options["speculative_config"] = json.loads(args.speculative_config)
+    llm = LLM(os.path.expanduser(args.model), **options)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16), use_tqdm=False)
+    seed(1)
+    if args.workload == "random":
+        prompt = [randint(0, 10000) for _ in range(args.prompt_len)]
+        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len)
+    else:
+        passage = [randint(0, 10000) for _ in range(args.prompt_len // 2)]
+        prompt = passage + passage
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
+    start = time.perf_counter()
+    output = llm.generate([prompt], params, use_tqdm=False)[0]
+    elapsed = time.perf_counter() - start
+    tokens = len(output["token_ids"])
+    print(f"{args.label} single stream ({args.workload}): {tokens} tok in {elapsed:.2f}s -> "
+          f"{tokens / elapsed:.1f} "
+          f"tok/s ({elapsed / tokens * 1e3:.3f} ms/token incl. prefill)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

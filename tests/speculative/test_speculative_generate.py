@@ -1,0 +1,232 @@
+"""Speculative decoding end to end on a tiny random model (float32, CPU): greedy output is token for
+token the output without speculation, for k = 1, 3 and 5, with stops, logprobs, n > 1, prefix caching,
+chunked prefill, preemption and rows that do not speculate in the same batch; a seeded sampled request
+samples the same tokens too; the counters come out as counted by hand; and disable_by_batch_size
+switches proposals off. An oracle proposer (the reference continuation, some drafts spoiled) makes
+accepted runs, rejections and bonus tokens happen where the test wants them."""
+
+import pytest
+from conftest import PROMPTS
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.speculative.decoding import QUIET_STEPS, SpecDecodeStats
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512)
+# Prompts that repeat themselves, so that prompt lookup finds n-grams.
+REPEATING = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The",
+             "hello world hello world hello world hello", "Paris is the capital of France. Paris is the",
+             *PROMPTS]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def ngram(k, **extra):
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+            **extra}
+
+
+class Oracle:
+    """Proposes the reference continuation of each prompt, wrong wherever `spoil(position)` says."""
+
+    def __init__(self, references: dict[tuple, list[int]], spoil=lambda position: position % 3 == 0):
+        self.references, self.spoil = references, spoil
+
+    def propose(self, seqs, num_tokens):
+        out = []
+        for seq, num in zip(seqs, num_tokens):
+            full = self.references[tuple(seq.token_ids[:seq.num_prompt_tokens])]
+            at = len(seq)
+            out.append([(t + 1) % 300 if self.spoil(at + j) else t for j, t in enumerate(full[at:at + num])])
+        return out
+
+    def shutdown(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def base(qwen3_dir):
+    return LLM(qwen3_dir, **OPTIONS)
+
+
+def with_oracle(llm, base, prompts, params, spoil=lambda position: position % 3 == 0):
+    """Put an Oracle built from base's output for prompts in llm's engine."""
+    params = params.clone()
+    params.max_tokens += 8  # the oracle may look past the end
+    refs = {tuple(o["prompt_token_ids"]): o["prompt_token_ids"] + o["token_ids"]
+            for o in base.generate(prompts, params, use_tqdm=False)}
+    llm.engine._spec.proposer = Oracle(refs, spoil)
+    return llm
+
+
+def assert_same(outputs, expected):
+    for out, ref in zip(outputs, expected, strict=True):
+        assert out["token_ids"] == ref["token_ids"]
+        assert (out["text"], out["finish_reason"], out["stop_reason"]) == (
+            ref["text"], ref["finish_reason"], ref["stop_reason"])
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_greedy_matches_plain_decoding(qwen3_dir, base, k):
+    llm = LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(k))
+    outputs = llm.generate(REPEATING, GREEDY, use_tqdm=False)
+    assert_same(outputs, base.generate(REPEATING, GREEDY, use_tqdm=False))
+    stats = llm.engine.stats().spec_decode
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert sum(o.metrics.num_draft_tokens for o in outputs) == stats.num_draft_tokens
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) == stats.num_accepted_tokens
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_oracle_runs_rejections_and_bonus_tokens_keep_greedy_output(qwen3_dir, base, k):
+    llm = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(k)), base, PROMPTS, GREEDY,
+                      spoil=lambda position: position % 7 == 0)
+    assert_same(llm.generate(PROMPTS, GREEDY, use_tqdm=False), base.generate(PROMPTS, GREEDY, use_tqdm=False))
+    stats = llm.engine.stats().spec_decode
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # accepted and rejected drafts
+    assert stats.num_accepted_tokens_per_pos[k - 1] > 0  # all k accepted, then a bonus token
+    if k > 1:
+        assert stats.num_accepted_tokens > stats.num_drafts  # runs of several accepted drafts
+
+
+def test_counters_as_counted_by_hand(qwen3_dir, base):
+    """k = 3, max_tokens = 10, one request. Always right: the first token comes with the prompt, then
+    3 drafts + a bonus twice (9 tokens), then no room for a draft: a plain step. Always wrong: drafts of
+    3, 2 and 1 (each capped by max_tokens 5), all rejected, then a plain step."""
+    prompt = [PROMPTS[0]]
+    right = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3)), base, prompt,
+                        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), spoil=lambda p: False)
+    (out,) = right.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                            use_tqdm=False)
+    assert len(out["token_ids"]) == 10 and dict(out.metrics) == {
+        "num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 6}
+    assert right.engine.stats().spec_decode == SpecDecodeStats(2, 6, 6, (2, 2, 2))
+    wrong = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3)), base, prompt,
+                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), spoil=lambda p: True)
+    (out,) = wrong.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                            use_tqdm=False)
+    assert len(out["token_ids"]) == 5
+    assert wrong.engine.stats().spec_decode == SpecDecodeStats(3, 6, 0, (0, 0, 0))
+
+
+def test_stops_inside_an_accepted_run(qwen3_dir, base, tokenizer):
+    """A stop token id, a stop string and EOS each land inside a run of accepted drafts; what follows
+    is dropped, exactly as without speculation. max_tokens 7 with k = 5 ends on a bonus token."""
+    llm = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(5)), base, PROMPTS, GREEDY,
+                      spoil=lambda p: False)
+    plain = base.generate(PROMPTS, GREEDY, use_tqdm=False)
+    stop_ids = [o["token_ids"][4] for o in plain]
+    stop_strs = [tokenizer.decode(o["token_ids"][5:7]) for o in plain]
+    for make in (lambda i: SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_ids[i]]),
+                 lambda i: SamplingParams(temperature=0, max_tokens=40, stop=[stop_strs[i]]),
+                 lambda i: SamplingParams(temperature=0, max_tokens=7)):
+        for i, prompt in enumerate(PROMPTS):
+            (out,) = llm.generate(prompt, make(i), use_tqdm=False)
+            (ref,) = base.generate(prompt, make(i), use_tqdm=False)
+            assert_same([out], [ref])
+            assert out.metrics.num_accepted_tokens > 0
+
+
+def test_logprobs_match_plain_decoding(qwen3_dir, base):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+    llm = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3)), base, PROMPTS, params)
+    outputs, expected = llm.generate(PROMPTS, params, use_tqdm=False), base.generate(PROMPTS, params,
+                                                                                     use_tqdm=False)
+    assert_same(outputs, expected)
+    for out, ref in zip(outputs, expected):
+        assert len(out["logprobs"]) == len(ref["logprobs"]) == 20
+        for a, b in zip(out["logprobs"], ref["logprobs"]):
+            assert list(a) == list(b) and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+            assert [lp.rank for lp in a.values()] == [lp.rank for lp in b.values()]
+        assert out["cumulative_logprob"] == pytest.approx(ref["cumulative_logprob"], abs=1e-3)
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_seeded_sampling_and_n_samples_match_plain_decoding(qwen3_dir, base):
+    """Each token's noise comes from (seed, its index): speculation changes no seeded token."""
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, max_tokens=24, seed=7, n=2,
+                            ignore_eos=True)
+    llm = LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3))
+    refs = {tuple(o["prompt_token_ids"]): o["prompt_token_ids"] + o["token_ids"]
+            for o in base.generate(PROMPTS, params, use_tqdm=False)}  # completion 0's continuation
+    llm.engine._spec.proposer = Oracle({**refs}, spoil=lambda p: p % 4 == 0)
+    outputs, expected = llm.generate(PROMPTS, params, use_tqdm=False), base.generate(PROMPTS, params,
+                                                                                     use_tqdm=False)
+    for out, ref in zip(outputs, expected):
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("options", [
+    dict(max_num_batched_tokens=16),  # chunked prefill; drafts trimmed to the budget
+    dict(num_kvcache_blocks=24, max_num_seqs=4),  # preemption
+    dict(enable_prefix_caching=False),
+    dict(mixed_batches=False),
+])
+def test_scheduler_features_keep_greedy_output(qwen3_dir, base, options):
+    llm = with_oracle(LLM(qwen3_dir, **{**OPTIONS, **options}, speculative_config=ngram(3)), base, REPEATING,
+                      GREEDY)
+    expected = base.generate(REPEATING, GREEDY, use_tqdm=False)
+    assert_same(llm.generate(REPEATING, GREEDY, use_tqdm=False), expected)
+    assert_same(llm.generate(REPEATING, GREEDY, use_tqdm=False), expected)  # prefix cache hits, if on
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    if "num_kvcache_blocks" in options:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_rows_that_do_not_speculate_share_the_batch(qwen3_dir, base):
+    """Penalties and min_tokens use logits processors: those rows decode plainly beside rows that
+    verify drafts, with the output they have without speculation."""
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=40, min_tokens=30), GREEDY]
+    llm = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3)), base, PROMPTS, GREEDY)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert_same(outputs, base.generate(PROMPTS, params, use_tqdm=False))
+    assert outputs[0].metrics.num_drafts > 0 and outputs[3].metrics.num_drafts > 0
+    assert outputs[1].metrics.num_drafts == outputs[2].metrics.num_drafts == 0
+
+
+@pytest.mark.parametrize("max_tokens", [[40, 12, 25, 33], [9, 9, 40, 40]])
+def test_overlap_loop_above_the_limit_synchronous_with_drafts_below(qwen3_dir, base, max_tokens):
+    """With async_scheduling, more than disable_by_batch_size running requests run the overlap loop
+    (no drafts); as they finish, the engine drains the step in flight and speculates synchronously."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    llm = LLM(qwen3_dir, **OPTIONS, async_scheduling=True,
+              speculative_config=ngram(3, disable_by_batch_size=2))
+    with_oracle(llm, base, PROMPTS, GREEDY, spoil=lambda p: p % 5 == 0)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert_same(outputs, base.generate(PROMPTS, params, use_tqdm=False))
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    assert outputs[max_tokens.index(min(max_tokens))].metrics.num_drafts == 0  # done before any draft
+    # Back above the limit: drafts left over are dropped, and the overlap loop runs again.
+    outputs = llm.generate(PROMPTS + PROMPTS, params + params, use_tqdm=False)
+    assert_same(outputs, base.generate(PROMPTS + PROMPTS, params + params, use_tqdm=False))
+
+
+def test_disable_by_batch_size_switches_proposals_off(qwen3_dir, base):
+    llm = LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3, disable_by_batch_size=3))
+    llm.engine._spec.proposer = Oracle({}, spoil=lambda p: False)  # would fail if ever asked
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # four requests run together
+    assert_same(outputs, base.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert llm.engine.stats().spec_decode == SpecDecodeStats(0, 0, 0, (0, 0, 0))
+    with_oracle(llm, base, PROMPTS[:3], GREEDY)
+    llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)  # three: at the limit, they speculate
+    assert llm.engine.stats().spec_decode.num_drafts > 0
+
+
+def test_overlap_loop_while_the_proposer_finds_nothing(qwen3_dir, base):
+    """A round with no draft at all rests the proposer QUIET_STEPS steps, which run the overlap loop."""
+    calls = []
+
+    class Empty(Oracle):
+        def propose(self, seqs, num_tokens):
+            calls.append(len(seqs))
+            return [[] for _ in seqs]
+
+    params = SamplingParams(temperature=0, max_tokens=45, ignore_eos=True)
+    for async_scheduling, most in ((False, 45), (True, 45 // (QUIET_STEPS + 1) + 2)):
+        calls.clear()
+        llm = LLM(qwen3_dir, **OPTIONS, async_scheduling=async_scheduling, speculative_config=ngram(3))
+        llm.engine._spec.proposer = Empty({})
+        assert_same(llm.generate(PROMPTS[:1], params, use_tqdm=False),
+                    base.generate(PROMPTS[:1], params, use_tqdm=False))
+        assert 0 < len(calls) <= most
