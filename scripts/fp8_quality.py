@@ -92,6 +92,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=500)
     parser.add_argument("--greedy-tokens", type=int, default=64)
     parser.add_argument("--init-std", type=float, default=0.05, help="std of the random weights")
+    parser.add_argument("--dtype", default=None, help="the engine's dtype (default: bf16 on a GPU, float32 "
+                        "on a CPU); bfloat16 on a CPU isolates the fp8 cache's rounding from the GPU kernels'")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
@@ -106,7 +108,8 @@ def main() -> None:
         del hf32
         gc.collect()
         max_model_len = args.prompt_len + args.greedy_tokens + 16
-        runs = {name: engine_run(path, PATHS[name], prompts, args.greedy_tokens, max_model_len)
+        dtype = {} if args.dtype is None else {"dtype": args.dtype}
+        runs = {name: engine_run(path, {**PATHS[name], **dtype}, prompts, args.greedy_tokens, max_model_len)
                 for name in dict.fromkeys(["bf16", *args.paths])}
     bf16_logprobs, bf16_tokens = runs["bf16"]
     rows = {}

@@ -39,11 +39,14 @@ def main() -> None:
     llm = LLM(os.path.expanduser(args.model), **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16), use_tqdm=False)
     seed(1)
+    # Token ids below 10,000 (as bench.py draws them), inside a smaller vocabulary where the engine says so.
+    config = getattr(llm, "config", None)
+    top = min(10000, config.hf_config.vocab_size - 1) if hasattr(config, "hf_config") else 10000
     if args.workload == "random":
-        prompt = [randint(0, 10000) for _ in range(args.prompt_len)]
+        prompt = [randint(0, top) for _ in range(args.prompt_len)]
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len)
     else:
-        passage = [randint(0, 10000) for _ in range(args.prompt_len // 2)]
+        passage = [randint(0, top) for _ in range(args.prompt_len // 2)]
         prompt = passage + passage
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
     start = time.perf_counter()
@@ -52,7 +55,17 @@ def main() -> None:
     tokens = len(output["token_ids"])
     print(f"{args.label} single stream ({args.workload}): {tokens} tok in {elapsed:.2f}s -> "
           f"{tokens / elapsed:.1f} "
-          f"tok/s ({elapsed / tokens * 1e3:.3f} ms/token incl. prefill)", flush=True)
+          f"tok/s ({elapsed / tokens * 1e3:.3f} ms/token incl. prefill){acceptance(output)}", flush=True)
+
+
+def acceptance(output: dict) -> str:
+    """", drafts accepted a / b (x%)" where the engine reports speculative decoding's counters."""
+    metrics = output.get("metrics") or {}
+    drafted = metrics.get("num_draft_tokens", 0)
+    if not drafted:
+        return ""
+    accepted = metrics["num_accepted_tokens"]
+    return f", drafts accepted {accepted} / {drafted} ({accepted / drafted:.0%})"
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ def ngram(k, **extra):
 class Oracle:
     """Proposes the reference continuation of each prompt, wrong wherever `spoil(position)` says."""
 
+    writes_kv = False
+
     def __init__(self, references: dict[tuple, list[int]], spoil=lambda position: position % 3 == 0):
         self.references, self.spoil = references, spoil
 
