@@ -112,7 +112,8 @@ def main() -> None:
               max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, kvcache_block_size=args.kvcache_block_size,
               kv_cache_dtype=args.kv_cache_dtype, mixed_batches=args.mixed_batches,
-              quantization=args.quantization, speculative_config=args.speculative_config, skip_tokenizer_init=args.load_format == "dummy")
+              quantization=args.quantization, speculative_config=args.speculative_config,
+              skip_tokenizer_init=args.load_format == "dummy")
     prompt_token_ids, sampling_params = make_workload(
         args.num_seqs, llm.config.hf_config.vocab_size, args.min_input_len, args.max_input_len,
         args.min_output_len, args.max_output_len)

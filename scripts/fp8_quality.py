@@ -92,8 +92,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=500)
     parser.add_argument("--greedy-tokens", type=int, default=64)
     parser.add_argument("--init-std", type=float, default=0.05, help="std of the random weights")
-    parser.add_argument("--dtype", default=None, help="the engine's dtype (default: bf16 on a GPU, float32 "
-                        "on a CPU); bfloat16 on a CPU isolates the fp8 cache's rounding from the GPU kernels'")
+    parser.add_argument("--dtype", default=None,
+                        help="the engine's dtype (default: bf16 on a GPU, float32 on a CPU)")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
