@@ -20,8 +20,9 @@ Two implementations of the routing and the experts, same math:
   host: decode steps replay in CUDA graphs with any routing.
 
 fp8 experts (an FP8 checkpoint's, or `quantization="fp8"`) keep their weights and scales as layers/fp8.py
-lays them out and run through its dequantizing reference: per expert on the CPU; on CUDA the experts
-dequantized whole and the Triton kernels above, until fp8 grouped-GEMM kernels come."""
+lays them out. On the CPU they run through its dequantizing reference, per expert (W8A8's rounding of
+the activations included); on CUDA the grouped GEMMs above read the e4m3 weights and widen them in
+registers, the activations unrounded (W8A16, as the dense layers' decode GEMV)."""
 
 from collections.abc import Callable
 
@@ -162,11 +163,10 @@ class MoEExperts(nn.Module):
                      ) -> torch.Tensor:
         g13, g2 = fp8.expert_groups(self, self.quantization)
         w13, w2 = self.w13_weight, self.w2_weight
-        if x.is_cuda:  # every expert dequantized: no host sync, so CUDA graphs still capture it
+        if x.is_cuda:  # the grouped GEMMs read e4m3 and widen it in registers (W8A16)
             from nanovllm.kernels.fused_moe import fused_moe
-            w13 = fp8.dequantize(w13, self.w13_weight_scale, g13).to(x.dtype)
-            w2 = fp8.dequantize(w2, self.w2_weight_scale, g2).to(x.dtype)
-            return fused_moe(fp8.quantize_activations(x, g13), w13, w2, topk_weights, topk_ids)
+            return fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=self.w13_weight_scale,
+                             w2_scale=self.w2_weight_scale, scale_groups=(g13, g2))
         scales = {id(w13): (self.w13_weight_scale, g13), id(w2): (self.w2_weight_scale, g2)}
 
         def linear(rows: torch.Tensor, weight: torch.Tensor, expert: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1" and __name__ != "__main__":
     # The child process imports them; this one only reads its report.
-    decode_attention = decode_launch = decode_rope = fused_moe = moe_routing = norm_act = None
+    decode_attention = decode_launch = decode_rope = fused_moe = moe_align = moe_routing = norm_act = None
     decode_inputs = prefill_attention = rope_store = sample_race = skinny_gemm = skinny_rows = split_k = None
     gemv_rows = fp8_gemm = fp8_gemv = None
 else:
@@ -36,6 +36,7 @@ else:
         fp8_gemv,
         fused_moe,
         gemv_rows,
+        moe_align,
         moe_routing,
         norm_act,
         prefill_attention,
@@ -67,6 +68,7 @@ POINTER_TYPES = {
     "sorted_ids_ptr": "*i32",
     "expert_ids_ptr": "*i32",
     "topk_weights_ptr": "*fp32",
+    "scale_ptr": "*fp32",
     "temps_ptr": "*fp32",
     "seeds_ptr": "*i64",
     "best_val_ptr": "*fp32",
@@ -242,17 +244,26 @@ def cases() -> dict:
                              FP8_WEIGHT, dict(num_warps=4)),
         "moe-topk-softmax": (moe_routing._topk_softmax_kernel,
                              dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=32, RENORMALIZE=True)),
-        "moe-count": (fused_moe._count_kernel, dict(E_PAD=128, BLOCK_S=32)),
-        "moe-scatter": (fused_moe._scatter_kernel,
+        "moe-count": (moe_align._count_kernel, dict(E_PAD=128, BLOCK_S=32)),
+        "moe-scatter": (moe_align._scatter_kernel,
                         dict(E_PAD=128, BLOCK_M=16, BLOCK_S=32, LABEL_ROWS=32, COUNT_HERE=False)),
-        "moe-align-one-launch": (fused_moe._scatter_kernel,
+        "moe-align-one-launch": (moe_align._scatter_kernel,
                                  dict(E_PAD=128, BLOCK_M=16, BLOCK_S=64, LABEL_ROWS=32, COUNT_HERE=True)),
         "moe-gate-up": (fused_moe._grouped_gemm_kernel,
-                        dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False, BLOCK_M=16,
-                             BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32")),
+                        dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False, W_FP8=False, GROUP=0,
+                             BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32")),
         "moe-down": (fused_moe._grouped_gemm_kernel,
-                     dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True, BLOCK_M=64,
-                          BLOCK_N=128, BLOCK_K=64, DOT_PRECISION="tf32")),
+                     dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True, W_FP8=False, GROUP=0,
+                          BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, DOT_PRECISION="tf32")),
+        # fp8 experts: e4m3 weights widened in registers, 128x128 block scales or one a row.
+        "moe-gate-up-fp8-block": (fused_moe._grouped_gemm_kernel,
+                                  dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False, W_FP8=True,
+                                       GROUP=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32"),
+                                  {"w_ptr": "*fp8e4nv"}),
+        "moe-down-fp8-channel": (fused_moe._grouped_gemm_kernel,
+                                 dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True, W_FP8=True,
+                                      GROUP=0, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, DOT_PRECISION="tf32"),
+                                 {"w_ptr": "*fp8e4nv"}),
     }
 
 
@@ -328,6 +339,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "decode-rope-pdl", "decode-rope-pdl-late-trigger", "split-k-reduce", "add-rms-norm", "rms-norm",
               "silu-and-mul",
               "moe-count", "moe-scatter", "moe-gate-up", "moe-down", "moe-align-one-launch",
+              "moe-gate-up-fp8-block", "moe-down-fp8-channel",
               "moe-topk-softmax", "race-chunk", "race-chunk-greedy", "race-pick", "race-pick-scatter",
               "decode-inputs", "gemv-rows-pdl", "gemv-rows-silu-mul", "gemv-rows-split",
               "fp8-quantize-rows", "fp8-w8a8-gemm-block", "fp8-w8a8-gemm-channel", "fp8-gemv-block-pdl",
