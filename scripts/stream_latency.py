@@ -6,6 +6,11 @@ ignore_eos, after one warm-up request; prints ms per output token (prefill inclu
 
 --workload copy: the prompt is a 256-token passage written twice, and the output is greedy with a
   repetition-prone random model, so n-gram proposals find matches (speculative decoding's copy case).
+--workload summarize: a chat model (e.g. `--model smollm2`) asked to summarise a passage of ~280 words,
+  greedy, up to --output-len tokens, ending at its EOS: a summary quotes its source, which n-gram drafts
+  find (speculative decoding's realistic case on real weights).
+--workload copy-code: the chat model asked to repeat a few lines of code and add one function in their
+  style: an output that is mostly its prompt.
 Only `from nanovllm import LLM, SamplingParams` is used, and only the options given reach LLM(...), so
 the same command times any engine with nano-vllm's API (PYTHONPATH pointing at it)."""
 
@@ -17,6 +22,31 @@ from random import randint, seed
 
 from nanovllm import LLM, SamplingParams
 
+# A passage of our own for the summarize workload.
+PASSAGE = (
+    "The harbour town of Kellmouth grew around a single stone pier built in 1783 to shelter fishing boats"
+    " from the autumn gales. For most of the nineteenth century the town lived on herring: in a good year"
+    " more than two hundred boats landed their catch at the pier, and the smoke houses along Quay Street "
+    "worked day and night. The railway reached Kellmouth in 1869, and with it came the first summer "
+    "visitors, who rented rooms above the net lofts and walked the cliff path to the lighthouse at Garrow"
+    " Point. When the herring shoals moved north after 1910, the fleet shrank to a dozen boats within a "
+    "generation, and the town turned to the visitors instead. The smoke houses became tea rooms, the net "
+    "lofts became guest houses, and the old lifeboat station became a museum of the fishing years. Today "
+    "Kellmouth has about four thousand residents, a population that triples in August. The pier still "
+    "stands, repaired after the storm of 1953 took away its seaward end, and six boats still fish from it"
+    " for crab and lobster. The town council has argued for years about a marina: its supporters say it "
+    "would bring sailing visitors in the spring and autumn, when the guest houses stand empty; its "
+    "opponents say it would cut the harbour off from the few boats that still work there, and that the "
+    "town would lose the last of the trade that built it. A public inquiry is due to report next year, "
+    "and whatever it decides, the argument is likely to go on, because it is really an argument about "
+    "what kind of place Kellmouth wants to be.")
+
+CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+        "def mul(a, b):\n    return a * b\n")
+CHAT_WORKLOADS = {
+    "summarize": "Summarize this text in a few sentences, keeping its own words where you can:\n\n" + PASSAGE,
+    "copy-code": f"Repeat this code exactly, then add a function div in the same style:\n{CODE}",
+}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
@@ -24,7 +54,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=1024)
-    parser.add_argument("--workload", choices=["random", "copy"], default="random")
+    parser.add_argument("--workload", choices=["random", "copy", *CHAT_WORKLOADS], default="random")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default=None)
     parser.add_argument("--speculative-config", default=None, help="JSON, as vLLM's option")
@@ -45,10 +75,15 @@ def main() -> None:
     if args.workload == "random":
         prompt = [randint(0, top) for _ in range(args.prompt_len)]
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len)
-    else:
+    elif args.workload == "copy":
         passage = [randint(0, top) for _ in range(args.prompt_len // 2)]
         prompt = passage + passage
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
+    else:
+        question = CHAT_WORKLOADS[args.workload]
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                   add_generation_prompt=True, tokenize=False)
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     start = time.perf_counter()
     output = llm.generate([prompt], params, use_tqdm=False)[0]
     elapsed = time.perf_counter() - start

@@ -38,3 +38,34 @@ def test_every_script_has_a_line_in_the_readme() -> None:
     listed = readme.split("\n## Scripts\n", 1)[1].split("\n## ", 1)[0]
     missing = sorted(path.name for path in SCRIPTS.glob("*.py") if f"scripts/{path.name}" not in listed)
     assert not missing, f"scripts without a line in README's Scripts list: {missing}"
+
+
+def test_stream_latency_runs_as_typed_with_speculation(qwen3_dir):
+    """`python scripts/stream_latency.py` on a tiny model (CPU), n-gram drafts on its copy workload."""
+    done = subprocess.run([sys.executable, "scripts/stream_latency.py", "--model", qwen3_dir,
+                           "--prompt-len", "32", "--output-len", "16", "--workload", "copy",
+                           "--label", "tiny", "--speculative-config",
+                           '{"method": "ngram", "num_speculative_tokens": 2}'],
+                          cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tiny single stream (copy): 16 tok in" in done.stdout and "ms/token" in done.stdout
+
+
+def test_fp8_quality_runs_as_typed(tmp_path):
+    """`python scripts/fp8_quality.py` on a tiny config (CPU: float32, the fp8 reference paths)."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=256).save_pretrained(tmp_path)
+    done = subprocess.run([sys.executable, "scripts/fp8_quality.py", "--config", str(tmp_path),
+                           "--prompts", "2", "--prompt-len", "24", "--greedy-tokens", "4"],
+                          cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    header, *rows = done.stdout.strip().splitlines()[-5:]
+    assert header.startswith("path") and "greedy equal of 4" in header
+    names = [row[:18].strip() for row in rows]
+    assert names == ["bf16", "fp8 weights", "fp8 KV cache", "fp8 weights + KV"]
+    # The reference path against itself: no error, every greedy token equal; fp8 weights err above zero.
+    assert rows[0].split()[4:] == ["0.0000", "/", "0.0000", "4.0"]
+    assert float(rows[1].split()[2]) > 0
