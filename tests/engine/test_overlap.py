@@ -244,6 +244,25 @@ def test_stream_matches_generate(engines):
     assert_idle(llm)
 
 
+def test_a_deferred_sampling_that_fails_is_run_again_synchronously(engines, monkeypatch):
+    """A constrained step whose deferred sampling raises (its bitmask fill, say) is re-run on the
+    synchronous path, as a failed launch is: the output is still the synchronous loop's."""
+    pytest.importorskip("xgrammar")
+    failures, real = [], DeferredOutput.sample
+
+    def fail_once(self):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("a bitmask fill failed")
+        return real(self)
+
+    monkeypatch.setattr(DeferredOutput, "sample", fail_once)
+    held = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                          structured_outputs=StructuredOutputsParams(regex="[ab]+ [cd]+"))
+    generate_both(engines, PROMPTS[:3], [held, greedy(7), greedy(12)])
+    assert failures == [1]
+
+
 def test_decode_graph_buffers_take_the_previous_tokens(qwen3_dir, engines):
     """The CUDA-graph decode path's static input buffer (run eagerly here) gets the pending tokens: through
     its prev_rows field, from the previous step's sampled ids."""
