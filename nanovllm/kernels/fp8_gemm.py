@@ -177,3 +177,18 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         HAS_BIAS=bias is not None, NUM_STAGES=GEMM_NUM_STAGES, num_warps=num_warps,
     )
     return out
+
+
+def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N, 1])^T (+ bias), x's dtype out, through
+    torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS's fp8 GEMM): one scale a weight row, one a
+    token from quantize_rows, the rounding of w8a8_linear's one-group case. What row-wise scaling cannot
+    take (K or N not a multiple of 16, scales in groups, or on a GPU an output other than bf16) goes to
+    w8a8_linear."""
+    n, k = weight.shape
+    if k % 16 or n % 16 or group < k or (x.is_cuda and x.dtype != torch.bfloat16):
+        return w8a8_linear(x, weight, weight_scale, group, bias)
+    q, scale = quantize_rows(x, k)
+    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, n), bias=bias,
+                            out_dtype=x.dtype)

@@ -90,7 +90,13 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     return w8a8_linear(x, weight, weight_scale, group, bias)  # a plain launch: many rows gain little by PDL
 
 
-def _check_block_split(what: str, size: int, block: int, tp_size: int, axis: str) -> None:
+def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                  bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    from nanovllm.kernels.fp8_gemm import scaled_mm_linear
+    return scaled_mm_linear(x, weight, weight_scale, group, bias)
+
+
+def check_block_split(what: str, size: int, block: int, tp_size: int, axis: str) -> None:
     if tp_size > 1 and size % block:
         raise ValueError(f"tensor_parallel_size={tp_size} splits the fp8 checkpoint's weight-scale blocks: "
                          f"{what} holds {size} {axis} per rank, not a multiple of the block's {block}; use "
@@ -173,9 +179,9 @@ class Fp8LinearMethod(LinearMethod):
             name = type(layer).__name__
             if layer.tp_dim == 0:
                 for size in _column_shards(layer, output_size):
-                    _check_block_split(name, size, block[0], tp_size, "output rows")
+                    check_block_split(name, size, block[0], tp_size, "output rows")
             elif layer.tp_dim == 1:
-                _check_block_split(name, input_size, block[1], tp_size, "input columns")
+                check_block_split(name, input_size, block[1], tp_size, "input columns")
             scale = nn.Parameter(torch.empty(output_size, math.ceil(input_size / block[1]),
                                              dtype=torch.float32), requires_grad=False)
             scale.checkpoint_view = block_rows_view(rows_of, block[0])
@@ -205,86 +211,35 @@ class Fp8LinearMethod(LinearMethod):
 class Fp8TritonLinearMethod(Fp8LinearMethod):
     """Fp8LinearMethod on CUDA GPUs with fp8 tensor cores (sm_89+: FP8_MIN_CAPABILITY): decode-sized calls
     through the W8A16 GEMV (the e4m3 weight streamed once: half a bf16 weight's bytes), larger ones through
-    the W8A8 block-scaled GEMM. The 16-row boundary is the GEMV's limit, not a measurement: the GPU figures
-    are not measured yet (no device time in the session that wrote the kernels). BENCHMARKS.md's "Qwen3-8B"
-    table needs fp8-weight rows for them (Qwen3-8B-FP8: one stream 512 in / 1,024 out against a floor of
-    half the bf16 row's ~3.5 ms weight read, 16 streams, bench.py throughput), and docs/performance-notes.md
-    the kernels' per-shape timings against the dequantizing reference and the bf16 kernels."""
+    the W8A8 block-scaled GEMM. The 16-row boundary is the GEMV's limit, not a measurement: neither kernel
+    is timed on a GPU yet (docs/performance-notes.md, "fp8 KV cache" and "Decode GEMMs and GEMVs")."""
 
     BUCKETS = (Bucket(16, fp8_gemv), Bucket(None, fp8_gemm))  # 16: kernels/fp8_gemv.MAX_ROWS
 
 
-# fp8 e4m3 tensor-core MMA (tl.dot of e4m3 operands) needs Ada (sm_89) or Hopper (sm_90) and later.
+class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
+    """Per-channel fp8 (quantization="fp8", per-channel and per-tensor checkpoints) on sm_90+: from 17 rows
+    torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS, what vLLM runs for this scaling) instead of
+    the Triton GEMM; block scales stay on the Triton GEMM. Not timed on a GPU yet either."""
+
+    BUCKETS = (Bucket(16, fp8_gemv), Bucket(None, fp8_scaled_mm))
+
+
+# fp8 e4m3 tensor-core MMA (tl.dot of e4m3 operands) needs Ada (sm_89) or Hopper (sm_90) and later;
+# torch._scaled_mm's row-wise scaling, Hopper.
 FP8_MIN_CAPABILITY = (8, 9)
+ROWWISE_SCALED_MM_MIN_CAPABILITY = (9, 0)
 
 
 def fp8_linear_method(scheme: Fp8Scheme, device: torch.device, pdl: bool = False,
                       capability: tuple[int, int] | None = None) -> Fp8LinearMethod:
     """The fp8 method for `device`: the Triton kernels' on a CUDA GPU of FP8_MIN_CAPABILITY or later (its
-    capability read from the device when None), else the dequantizing reference."""
+    capability read from the device when None), with torch._scaled_mm for per-channel scales on Hopper;
+    else the dequantizing reference."""
     if device.type != "cuda":
         return Fp8LinearMethod(scheme, pdl)
-    if capability is None:
-        capability = torch.cuda.get_device_capability(device)
-    method = Fp8TritonLinearMethod if tuple(capability) >= FP8_MIN_CAPABILITY else Fp8LinearMethod
+    capability = tuple(capability or torch.cuda.get_device_capability(device))
+    if capability >= ROWWISE_SCALED_MM_MIN_CAPABILITY and scheme.block is None:
+        return Fp8ScaledMmLinearMethod(scheme, pdl)
+    method = Fp8TritonLinearMethod if capability >= FP8_MIN_CAPABILITY else Fp8LinearMethod
     return method(scheme, pdl)
-
-
-# Expert weights (layers/fused_moe.py's MoEExperts): w13 [E, 2I, H] and w2 [E, H, I], scales as above.
-def create_expert_weights(experts: nn.Module, scheme: Fp8Scheme) -> None:
-    """Register the stacked expert weights (fp8 when the checkpoint's are) and their scales, loaded through
-    experts.weight_loader; `expert_proj` tells the loader which projection a parameter belongs to."""
-    e, h, i, tp_size = experts.num_experts, experts.hidden_size, experts.intermediate_size, experts.tp_size
-    dtype = FP8 if scheme.serialized else None
-    shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
-    for proj, shape in shapes.items():
-        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-        param.weight_loader, param.expert_proj = experts.weight_loader, proj
-        setattr(experts, f"{proj}_weight", param)
-    if not scheme.serialized:
-        return
-
-    def rows_of(shard_id: object) -> int:
-        return experts.checkpoint_rows(shard_id[1])
-
-    def stacked(shard_id: object) -> bool:
-        return shard_id[0] is None
-
-    for proj, (_, rows, cols) in shapes.items():
-        if scheme.block is None:
-            scale = nn.Parameter(torch.empty(e, rows, 1, dtype=torch.float32), requires_grad=False)
-            scale.checkpoint_view, scale.sharded_cols = channel_view(rows_of, stacked, keep_dim=True), False
-            name = f"{proj}_weight_scale"
-        else:
-            bn, bk = scheme.block
-            _check_block_split("each expert", i, bn if proj == "w13" else bk, tp_size,
-                               "intermediate rows" if proj == "w13" else "intermediate columns")
-            scale = nn.Parameter(torch.empty(e, rows, math.ceil(cols / bk), dtype=torch.float32),
-                                 requires_grad=False)
-            scale.checkpoint_view = block_rows_view(rows_of, bn)
-            name = f"{proj}_weight_scale_inv"
-        scale.weight_loader, scale.expert_proj = experts.weight_loader, proj
-        setattr(experts, name, scale)
-
-
-def process_expert_weights(experts: nn.Module, scheme: Fp8Scheme) -> None:
-    """The loaded experts in the module docstring's layout: w13_weight, w2_weight fp8 and w13_weight_scale,
-    w2_weight_scale float32."""
-    for proj in ("w13", "w2"):
-        weight = getattr(experts, f"{proj}_weight")
-        if not scheme.serialized:
-            q, scale = quantize_groups(weight.data, weight.shape[2])
-            setattr(experts, f"{proj}_weight", nn.Parameter(q, requires_grad=False))
-        elif scheme.block is not None:
-            scale = getattr(experts, f"{proj}_weight_scale_inv").data
-            delattr(experts, f"{proj}_weight_scale_inv")
-        else:
-            continue
-        setattr(experts, f"{proj}_weight_scale", nn.Parameter(scale, requires_grad=False))
-
-
-def expert_groups(experts: nn.Module, scheme: Fp8Scheme) -> tuple[int, int]:
-    """The scale groups of w13 and w2 along their inputs."""
-    if scheme.block is not None:
-        return scheme.block[1], scheme.block[1]
-    return experts.w13_weight.shape[2], experts.w2_weight.shape[2]

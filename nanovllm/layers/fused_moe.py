@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers import fp8
+from nanovllm.layers import fp8, fp8_experts
 from nanovllm.layers.linear import ReplicatedLinear, _divide
 from nanovllm.layers.linear_methods import LinearMethod
 from nanovllm.layers.norm_act import RMSNorm
@@ -87,7 +87,7 @@ class MoEExperts(nn.Module):
         self.intermediate_size = _divide(intermediate_size, self.tp_size, "moe_intermediate_size")
         self.quantization = quantization
         if quantization is not None:
-            fp8.create_expert_weights(self, quantization)
+            fp8_experts.create_expert_weights(self, quantization)
             return
         i = self.intermediate_size
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False)
@@ -149,7 +149,7 @@ class MoEExperts(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         if self.quantization is not None:
-            fp8.process_expert_weights(self, self.quantization)
+            fp8_experts.process_expert_weights(self, self.quantization)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.quantization is not None:
@@ -161,7 +161,7 @@ class MoEExperts(nn.Module):
 
     def _fp8_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                      ) -> torch.Tensor:
-        g13, g2 = fp8.expert_groups(self, self.quantization)
+        g13, g2 = fp8_experts.expert_groups(self, self.quantization)
         w13, w2 = self.w13_weight, self.w2_weight
         if x.is_cuda:  # the grouped GEMMs read e4m3 and widen it in registers (W8A16)
             from nanovllm.kernels.fused_moe import fused_moe

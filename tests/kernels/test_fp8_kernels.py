@@ -10,7 +10,7 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels.fp8_gemm import quantize_rows, w8a8_linear  # noqa: E402
+from nanovllm.kernels.fp8_gemm import quantize_rows, scaled_mm_linear, w8a8_linear  # noqa: E402
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear  # noqa: E402
 from nanovllm.layers.fp8 import (  # noqa: E402
     Fp8TritonLinearMethod,
@@ -92,6 +92,35 @@ def test_gemv_matches_the_dequantized_weight_on_unrounded_activations(m, n, k, g
     if dtype == torch.float32:
         rounded = fp8_dequant_linear(x.float(), weight, scale, group, bias.float() if m % 2 else None)
         assert (rounded - expected).abs().max() > 10 * tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 17, 64])
+def test_scaled_mm_matches_the_dequantizing_reference_per_channel(m, dtype):
+    """torch._scaled_mm with row-wise scales (one a weight row, one a token): the W8A8 GEMM's one-group
+    rounding; K 208 and N 96 are multiples of 16 as it needs."""
+    x, weight, scale, bias = make(m, 96, 208, 208, dtype)
+    out = scaled_mm_linear(x, weight, scale, 208, bias)
+    expected = fp8_dequant_linear(x.float(), weight, scale, 208, bias.float())
+    assert out.dtype == dtype and out.shape == (m, 96)
+    tol = max(TOLERANCES[dtype], GEMM_TOLERANCE)
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+def test_scaled_mm_leaves_what_row_wise_scaling_cannot_take_to_the_triton_gemm(monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("torch._scaled_mm was called")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refused)
+    x, weight, scale, bias = make(5, 200, 300, 300, torch.float32)  # N, K not multiples of 16
+    torch.testing.assert_close(scaled_mm_linear(x, weight, scale, 300, bias),
+                               w8a8_linear(x, weight, scale, 300, bias))
+    x, weight, scale, _ = make(5, 96, 256, 128, torch.float32)  # two scale groups a row
+    torch.testing.assert_close(scaled_mm_linear(x, weight, scale, 128),
+                               w8a8_linear(x, weight, scale, 128, None))
+    x, weight, scale, _ = make(5, 96, 256, 256, torch.float32)  # and one it takes
+    with pytest.raises(AssertionError, match="was called"):
+        scaled_mm_linear(x, weight, scale, 256)
 
 
 def test_the_kernels_refuse_what_they_cannot_tile():

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from nanovllm import LLM
 from nanovllm.layers.fp8 import (
     Fp8LinearMethod,
+    Fp8ScaledMmLinearMethod,
     Fp8TritonLinearMethod,
     dequantize,
     fp8_linear_method,
@@ -60,18 +61,19 @@ def test_block_linear_is_dequantized_weight_times_rounded_activations():
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("device, capability, method", [
-    ("cuda", (9, 0), Fp8TritonLinearMethod),  # Hopper: fp8 tensor cores
-    ("cuda", (8, 9), Fp8TritonLinearMethod),  # Ada
-    ("cuda", (8, 0), Fp8LinearMethod),  # Ampere: no fp8 MMA, the dequantizing reference
-    ("cpu", None, Fp8LinearMethod),
+@pytest.mark.parametrize("device, capability, block, method, gemm", [
+    ("cuda", (9, 0), (128, 128), Fp8TritonLinearMethod, "fp8_gemm"),  # Hopper: fp8 tensor cores
+    ("cuda", (9, 0), None, Fp8ScaledMmLinearMethod, "fp8_scaled_mm"),  # per channel: row-wise _scaled_mm
+    ("cuda", (8, 9), (128, 128), Fp8TritonLinearMethod, "fp8_gemm"),  # Ada
+    ("cuda", (8, 9), None, Fp8TritonLinearMethod, "fp8_gemm"),  # no row-wise _scaled_mm before Hopper
+    ("cuda", (8, 0), (128, 128), Fp8LinearMethod, None),  # Ampere: no fp8 MMA, the dequantizing reference
+    ("cpu", None, None, Fp8LinearMethod, None),
 ])
-def test_fp8_kernels_run_on_gpus_with_fp8_tensor_cores(device, capability, method):
-    chosen = fp8_linear_method(Fp8Scheme((128, 128), True), torch.device(device), True, capability)
+def test_fp8_kernels_run_on_gpus_with_fp8_tensor_cores(device, capability, block, method, gemm):
+    chosen = fp8_linear_method(Fp8Scheme(block, True), torch.device(device), True, capability)
     assert type(chosen) is method and chosen.pdl
     names = [chosen.bucket(rows).plain.__name__ for rows in (1, 16, 17, 4096)]
-    gpu = method is Fp8TritonLinearMethod
-    assert names == (["fp8_gemv"] * 2 + ["fp8_gemm"] * 2 if gpu else ["fp8_dequant_linear"] * 4)
+    assert names == (["fp8_gemv"] * 2 + [gemm] * 2 if gemm else ["fp8_dequant_linear"] * 4)
 
 
 @pytest.fixture(scope="module")

@@ -113,13 +113,14 @@ def test_one_rank_never_calls_the_collectives():
 def test_the_sm90_fp8_plan_runs_the_fp8_kernels():
     pytest.importorskip("triton")
     from nanovllm.attention.triton_backend import TritonBackend
-    from nanovllm.layers.fp8 import Fp8LinearMethod, Fp8TritonLinearMethod
+    from nanovllm.layers.fp8 import Fp8LinearMethod, Fp8ScaledMmLinearMethod
 
     config = AutoConfig.from_pretrained(os.path.join(CONFIGS, "Qwen3-0.6B"))
     config.num_hidden_layers = 1
     plan = KernelPlan.for_device(torch.device("cuda"), torch.bfloat16, True, capability=(9, 0),
                                  quantization="fp8", hf_config=config)
-    assert type(plan.linear) is Fp8TritonLinearMethod and type(plan.lm_head) is SkinnyLMHeadMethod
+    # quantization="fp8": per-channel scales, so from 17 rows torch._scaled_mm's row-wise fp8 GEMM.
+    assert type(plan.linear) is Fp8ScaledMmLinearMethod and type(plan.lm_head) is SkinnyLMHeadMethod
     ampere = KernelPlan.for_device(torch.device("cuda"), torch.bfloat16, True, capability=(8, 0),
                                    quantization="fp8", hf_config=config)
     assert type(ampere.linear) is Fp8LinearMethod  # no fp8 tensor cores: the dequantizing reference
@@ -130,4 +131,4 @@ def test_the_sm90_fp8_plan_runs_the_fp8_kernels():
             for line in table.splitlines()}
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         kernels = [cell.split(", ")[-1] for cell in rows[name]]
-        assert kernels == ["fp8_gemv", "fp8_gemv", "fp8_gemv", "fp8_gemm"]
+        assert kernels == ["fp8_gemv", "fp8_gemv", "fp8_gemv", "fp8_scaled_mm"]

@@ -1,0 +1,72 @@
+"""fp8 MoE experts (layers/fused_moe.py): their stacked e4m3 weights and float32 scales, registered for
+loading and brought to layers/fp8.py's layout after it (one scale row per weight row, groups along K),
+for the three ways an fp8 model arrives (block-wise and per-channel checkpoints, quantization="fp8")."""
+
+import math
+
+import torch
+from torch import nn
+
+from nanovllm.layers.fp8 import FP8, block_rows_view, channel_view, check_block_split, quantize_groups
+from nanovllm.utils.config_checks import Fp8Scheme
+
+# Expert weights (layers/fused_moe.py's MoEExperts): w13 [E, 2I, H] and w2 [E, H, I], scales as in fp8.py.
+
+
+def create_expert_weights(experts: nn.Module, scheme: Fp8Scheme) -> None:
+    """Register the stacked expert weights (fp8 when the checkpoint's are) and their scales, loaded through
+    experts.weight_loader; `expert_proj` tells the loader which projection a parameter belongs to."""
+    e, h, i, tp_size = experts.num_experts, experts.hidden_size, experts.intermediate_size, experts.tp_size
+    dtype = FP8 if scheme.serialized else None
+    shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
+    for proj, shape in shapes.items():
+        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        param.weight_loader, param.expert_proj = experts.weight_loader, proj
+        setattr(experts, f"{proj}_weight", param)
+    if not scheme.serialized:
+        return
+
+    def rows_of(shard_id: object) -> int:
+        return experts.checkpoint_rows(shard_id[1])
+
+    def stacked(shard_id: object) -> bool:
+        return shard_id[0] is None
+
+    for proj, (_, rows, cols) in shapes.items():
+        if scheme.block is None:
+            scale = nn.Parameter(torch.empty(e, rows, 1, dtype=torch.float32), requires_grad=False)
+            scale.checkpoint_view, scale.sharded_cols = channel_view(rows_of, stacked, keep_dim=True), False
+            name = f"{proj}_weight_scale"
+        else:
+            bn, bk = scheme.block
+            check_block_split("each expert", i, bn if proj == "w13" else bk, tp_size,
+                               "intermediate rows" if proj == "w13" else "intermediate columns")
+            scale = nn.Parameter(torch.empty(e, rows, math.ceil(cols / bk), dtype=torch.float32),
+                                 requires_grad=False)
+            scale.checkpoint_view = block_rows_view(rows_of, bn)
+            name = f"{proj}_weight_scale_inv"
+        scale.weight_loader, scale.expert_proj = experts.weight_loader, proj
+        setattr(experts, name, scale)
+
+
+def process_expert_weights(experts: nn.Module, scheme: Fp8Scheme) -> None:
+    """The loaded experts in the module docstring's layout: w13_weight, w2_weight fp8 and w13_weight_scale,
+    w2_weight_scale float32."""
+    for proj in ("w13", "w2"):
+        weight = getattr(experts, f"{proj}_weight")
+        if not scheme.serialized:
+            q, scale = quantize_groups(weight.data, weight.shape[2])
+            setattr(experts, f"{proj}_weight", nn.Parameter(q, requires_grad=False))
+        elif scheme.block is not None:
+            scale = getattr(experts, f"{proj}_weight_scale_inv").data
+            delattr(experts, f"{proj}_weight_scale_inv")
+        else:
+            continue
+        setattr(experts, f"{proj}_weight_scale", nn.Parameter(scale, requires_grad=False))
+
+
+def expert_groups(experts: nn.Module, scheme: Fp8Scheme) -> tuple[int, int]:
+    """The scale groups of w13 and w2 along their inputs."""
+    if scheme.block is not None:
+        return scheme.block[1], scheme.block[1]
+    return experts.w13_weight.shape[2], experts.w2_weight.shape[2]
