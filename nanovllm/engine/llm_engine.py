@@ -213,8 +213,17 @@ class LLMEngine:
                         return StepResult(0, 0)
                 seqs, is_prefill = self.scheduler.schedule()
                 num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+                if spec is not None and any(seq.spec_token_ids for seq in seqs):
+                    return self._run_verify_step(seqs, is_prefill, num_tokens)
                 self._run_sync(seqs, is_prefill)
             return StepResult(num_tokens, 0) if is_prefill else StepResult(0, num_tokens)
+
+    def _run_verify_step(self, seqs: list[Sequence], is_prefill: bool, num_tokens: int) -> StepResult:
+        """_run_sync for a step that verifies drafts: its decoding sequences count what they emitted."""
+        decoding = [seq for seq in seqs if seq.num_uncomputed_tokens == 1]
+        num_verified, before = sum(s.num_scheduled_tokens for s in decoding), sum(len(s) for s in decoding)
+        self._run_sync(seqs, is_prefill)
+        return StepResult(num_tokens - num_verified, sum(len(s) for s in decoding) - before)
 
     def _run_sync(self, seqs: list[Sequence], is_prefill: bool) -> None:
         """Run a scheduled step, wait for its tokens and postprocess it; a request whose part fails
@@ -286,7 +295,6 @@ class LLMEngine:
         self._overlap = None  # a step in flight is dropped with the model
         if self._running:
             self._running = False
-            spec, self._spec = getattr(self, "_spec", None), None
-            if spec is not None:
-                spec.shutdown()
+            if getattr(self, "_spec", None) is not None:  # None when the constructor failed before it
+                self._spec.shutdown()
             self.executor.shutdown()

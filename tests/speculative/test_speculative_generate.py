@@ -110,6 +110,24 @@ def test_counters_as_counted_by_hand(qwen3_dir, base):
     assert wrong.engine.stats().spec_decode == SpecDecodeStats(3, 6, 0, (0, 0, 0))
 
 
+def test_a_verification_step_reports_its_emitted_tokens_as_decoded(qwen3_dir, base):
+    """k = 3, always right, one request of 10 tokens: the prefill step reports the prompt's tokens, then
+    each verification step the 4 tokens it emitted (not its drafts, and not as prompt tokens), then the
+    plain step its one."""
+    prompt = [PROMPTS[0]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3)), base, prompt, params,
+                      spoil=lambda p: False)
+    engine = llm.engine
+    engine.add_request(prompt[0], params)
+    results = []
+    while not engine.is_finished():
+        result = engine.step()
+        results.append((result.num_prefill_tokens, result.num_decode_tokens))
+    num_prompt = len(engine.tokenizer.encode(prompt[0]))
+    assert results == [(num_prompt, 0), (0, 4), (0, 4), (0, 1)]
+
+
 def test_stops_inside_an_accepted_run(qwen3_dir, base, tokenizer):
     """A stop token id, a stop string and EOS each land inside a run of accepted drafts; what follows
     is dropped, exactly as without speculation. max_tokens 7 with k = 5 ends on a bonus token."""
