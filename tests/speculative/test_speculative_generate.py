@@ -9,7 +9,7 @@ import pytest
 from conftest import PROMPTS
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.speculative.decoding import QUIET_STEPS, SpecDecodeStats
+from nanovllm.speculative.decoding import QUIET_STEPS, SpecDecodeStats, SpeculativeDecoding
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512)
@@ -194,15 +194,41 @@ def test_scheduler_features_keep_greedy_output(qwen3_dir, base, options):
 
 
 def test_rows_that_do_not_speculate_share_the_batch(qwen3_dir, base):
-    """Penalties and min_tokens use logits processors: those rows decode plainly beside rows that
-    verify drafts, with the output they have without speculation."""
+    """Penalties and bad words use logits processors that follow the tokens: those rows decode plainly
+    beside rows that verify drafts, with the output they have without speculation."""
     params = [GREEDY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3),
-              SamplingParams(temperature=0, max_tokens=40, min_tokens=30), GREEDY]
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, bad_words=["the"]), GREEDY]
     llm = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3)), base, PROMPTS, GREEDY)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert_same(outputs, base.generate(PROMPTS, params, use_tqdm=False))
     assert outputs[0].metrics.num_drafts > 0 and outputs[3].metrics.num_drafts > 0
     assert outputs[1].metrics.num_drafts == outputs[2].metrics.num_drafts == 0
+
+
+def test_rows_whose_processors_hold_at_every_position_speculate(qwen3_dir, base, monkeypatch):
+    """logit_bias and allowed_token_ids rows speculate, their processors repeated at each verified
+    position; a min_tokens row once its count is reached (before, the drafts could cross it): the output
+    is the plain engine's, greedy and seeded."""
+    verified_at = []  # a min_tokens row's completion length at each step that verified its drafts
+    real_count = SpeculativeDecoding._count
+
+    def count(self, seq, num_drafts, num_accepted):
+        if seq.sampling_params.min_tokens:
+            verified_at.append(seq.num_completion_tokens)
+        real_count(self, seq, num_drafts, num_accepted)
+
+    monkeypatch.setattr(SpeculativeDecoding, "_count", count)
+    allowed = list(range(3, 300))
+    for temperature in (0.0, 0.8):
+        params = [SamplingParams(temperature=temperature, seed=1, max_tokens=40, ignore_eos=True, **extra)
+                  for extra in (dict(logit_bias={7: 2.0, 11: -5.0}), dict(allowed_token_ids=allowed),
+                                dict(min_tokens=25), {})]
+        llm = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3)), base, PROMPTS,
+                          params[3], spoil=lambda p: p % 4 == 0)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert_same(outputs, base.generate(PROMPTS, params, use_tqdm=False))
+        assert all(o.metrics.num_drafts > 0 for o in outputs)
+    assert verified_at and min(verified_at) >= 25
 
 
 @pytest.mark.parametrize("max_tokens", [[40, 12, 25, 33], [9, 9, 40, 40]])
