@@ -153,13 +153,14 @@ def slots(block_table: list[int], start: int, end: int, block_size: int) -> list
     return out
 
 
-def _banned_tokens(seq: ScheduledSequence) -> list[int]:
-    """Tokens a row may not sample now: min_tokens' stop ids, and bad words whose other tokens end
-    the output so far (a one-token bad word is always banned)."""
+def _banned_tokens(seq: ScheduledSequence, drafts: tuple[int, ...]) -> list[int]:
+    """Tokens a row may not sample now, after the output so far and `drafts` (the drafts before a
+    verified position): min_tokens' stop ids, and bad words whose other tokens end that output (a
+    one-token bad word is always banned)."""
     banned = []
-    if seq.num_completion_tokens < seq.sampling_params.min_tokens:
+    if seq.num_completion_tokens + len(drafts) < seq.sampling_params.min_tokens:
         banned.extend(seq.min_tokens_stop_ids)
-    output = seq.completion_token_ids if seq.bad_words_token_ids else []
+    output = seq.completion_token_ids + list(drafts) if seq.bad_words_token_ids else []
     for word in seq.bad_words_token_ids:
         prefix = word[:-1]
         if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
@@ -167,21 +168,26 @@ def _banned_tokens(seq: ScheduledSequence) -> list[int]:
     return banned
 
 
-def _processors(seq: ScheduledSequence) -> ProcessorRow | None:
+def _processors(seq: ScheduledSequence, drafts: tuple[int, ...] = ()) -> ProcessorRow | None:
+    """The row's processors after the output so far and `drafts` (speculative decoding: the drafts
+    before the position it verifies); None without processors."""
     if not seq.uses_logits_processors:
         return None
     p = seq.sampling_params
     penalties = ((p.repetition_penalty, p.frequency_penalty, p.presence_penalty) if p.uses_penalties
                  else None)
-    return ProcessorRow(p.allowed_token_ids, _banned_tokens(seq), p.logit_bias, penalties,
+    return ProcessorRow(p.allowed_token_ids, _banned_tokens(seq, drafts), p.logit_bias, penalties,
                         seq.token_ids[:seq.num_prompt_tokens] if penalties else [],
-                        seq.completion_token_ids if penalties else [], seq.grammar)
+                        seq.completion_token_ids + list(drafts) if penalties else [], seq.grammar)
 
 
-def with_drafts(sampling: SamplingBatch, spec: list[list[int]]) -> SamplingBatch:
-    """`sampling` with row i repeated for each of its 1 + len(spec[i]) positions. Position j samples the
-    request's token number num_completion_tokens + j: its seed mixes that index in, as plain decoding
-    would for that token (a seeded request samples the same tokens with and without drafts)."""
+def with_drafts(sampling: SamplingBatch, spec: list[list[int]],
+                seqs: list[ScheduledSequence] | None = None) -> SamplingBatch:
+    """`sampling` (of `seqs`, which its processors need) with row i repeated for each of its
+    1 + len(spec[i]) positions. Position j samples the request's token number num_completion_tokens + j:
+    its seed mixes that index in, and its processors (penalties, bad words, min_tokens) take the drafts
+    before it as output, as plain decoding would for that token (a seeded request samples the same
+    tokens with and without drafts)."""
     counts = [1 + len(drafts) for drafts in spec]
 
     def repeat(values: list) -> list:
@@ -189,7 +195,9 @@ def with_drafts(sampling: SamplingBatch, spec: list[list[int]]) -> SamplingBatch
 
     seeds = [None if seed is None else (seed + j) & SEED_MASK
              for seed, count in zip(sampling.seeds, counts) for j in range(count)]
-    processors = None if sampling.processors is None else repeat(sampling.processors)
+    processors = None if sampling.processors is None else [
+        _processors(seq, tuple(drafts[:j])) for seq, drafts in zip(seqs, spec, strict=True)
+        for j in range(1 + len(drafts))]
     return SamplingBatch(repeat(sampling.temperatures), repeat(sampling.top_ks), repeat(sampling.top_ps),
                          repeat(sampling.min_ps), seeds, repeat(sampling.num_logprobs), processors)
 
@@ -247,6 +255,6 @@ def build_batch(seqs: list[ScheduledSequence], is_prefill: bool) -> StepBatch:
     spec: list[list[int]] = []
     if speculates:
         spec = [seq.spec_token_ids for seq in sampled]
-        sampling = with_drafts(sampling, spec)
+        sampling = with_drafts(sampling, spec, sampled)
     return StepBatch(is_prefill, input_ids, positions, slot_mapping, cu_q, seqlens_k,
                      [seq.block_table for seq in seqs], sample_rows, sampling, spans, spec_token_ids=spec)

@@ -42,18 +42,6 @@ class Verified(NamedTuple):
     logprobs: list[TokenLogprobs | None] | None  # per token, where asked
 
 
-def _same_processors_everywhere(seq: Sequence) -> bool:
-    """Whether seq's logits processors are the same at each position a verification step samples (it is
-    built once, for the first: engine/step.with_drafts repeats it): none, logit_bias, allowed_token_ids,
-    min_tokens once reached. Not penalties, bad words or a grammar: they follow the tokens before each
-    position, a draft's unknown when the step is built; nor min_tokens before its count, which the
-    drafts' positions may cross."""
-    if not seq.uses_logits_processors:
-        return True
-    return not (seq.reads_output_tokens or seq.grammar is not None
-                or seq.num_completion_tokens < seq.sampling_params.min_tokens)
-
-
 class SpeculativeDecoding:
     def __init__(self, config: Config, proposer: Proposer) -> None:
         self.spec = config.speculative_config
@@ -97,8 +85,11 @@ class SpeculativeDecoding:
         k, max_model_len = self.spec.num_speculative_tokens, self.max_model_len
         seqs, nums = [], []
         for seq in running:
-            if seq.num_uncomputed_tokens != 1 or not _same_processors_everywhere(seq):
-                continue  # still prefilling, or processors that differ from position to position
+            # Logits processors are built for each verified position from the drafts before it
+            # (engine/step.with_drafts); a structured output's matcher is not (it would have to take the
+            # drafts and roll them back): its rows decode plainly.
+            if seq.num_uncomputed_tokens != 1 or seq.grammar is not None:
+                continue  # still prefilling, or a grammar
             # A step with n drafts emits up to n + 1 tokens.
             num = min(k, seq.sampling_params.max_tokens - seq.num_completion_tokens - 1,
                       max_model_len - len(seq) - 1)

@@ -9,7 +9,7 @@ import pytest
 from conftest import PROMPTS
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.speculative.decoding import QUIET_STEPS, SpecDecodeStats, SpeculativeDecoding
+from nanovllm.speculative.decoding import QUIET_STEPS, SpecDecodeStats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512)
@@ -193,42 +193,30 @@ def test_scheduler_features_keep_greedy_output(qwen3_dir, base, options):
         assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_rows_that_do_not_speculate_share_the_batch(qwen3_dir, base):
-    """Penalties and bad words use logits processors that follow the tokens: those rows decode plainly
-    beside rows that verify drafts, with the output they have without speculation."""
-    params = [GREEDY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, bad_words=["the"]), GREEDY]
-    llm = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3)), base, PROMPTS, GREEDY)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert_same(outputs, base.generate(PROMPTS, params, use_tqdm=False))
-    assert outputs[0].metrics.num_drafts > 0 and outputs[3].metrics.num_drafts > 0
-    assert outputs[1].metrics.num_drafts == outputs[2].metrics.num_drafts == 0
-
-
-def test_rows_whose_processors_hold_at_every_position_speculate(qwen3_dir, base, monkeypatch):
-    """logit_bias and allowed_token_ids rows speculate, their processors repeated at each verified
-    position; a min_tokens row once its count is reached (before, the drafts could cross it): the output
-    is the plain engine's, greedy and seeded."""
-    verified_at = []  # a min_tokens row's completion length at each step that verified its drafts
-    real_count = SpeculativeDecoding._count
-
-    def count(self, seq, num_drafts, num_accepted):
-        if seq.sampling_params.min_tokens:
-            verified_at.append(seq.num_completion_tokens)
-        real_count(self, seq, num_drafts, num_accepted)
-
-    monkeypatch.setattr(SpeculativeDecoding, "_count", count)
-    allowed = list(range(3, 300))
+def test_rows_with_logits_processors_speculate_with_per_position_processors(qwen3_dir, base):
+    """Penalties, bad words, min_tokens, logit_bias and allowed_token_ids rows speculate: each verified
+    position's processors take the drafts before it as output (penalties count them, a bad word's prefix
+    may end in them, min_tokens counts past them). The drafts are each row's own continuation, mostly
+    right, so a position whose processors missed the drafts before it would pick what they forbid: the
+    output is the plain engine's, greedy and seeded."""
+    extras = (dict(presence_penalty=2.0), dict(repetition_penalty=3.0, frequency_penalty=2.0),
+              dict(bad_words=["the", "a b"]), dict(min_tokens=25),
+              dict(logit_bias={7: 2.0, 11: -5.0}, allowed_token_ids=list(range(3, 300))))
+    prompts = PROMPTS + [PROMPTS[0] + " and then some more"]  # five prompts: the oracle keys by prompt
     for temperature in (0.0, 0.8):
         params = [SamplingParams(temperature=temperature, seed=1, max_tokens=40, ignore_eos=True, **extra)
-                  for extra in (dict(logit_bias={7: 2.0, 11: -5.0}), dict(allowed_token_ids=allowed),
-                                dict(min_tokens=25), {})]
-        llm = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3)), base, PROMPTS,
-                          params[3], spoil=lambda p: p % 4 == 0)
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-        assert_same(outputs, base.generate(PROMPTS, params, use_tqdm=False))
-        assert all(o.metrics.num_drafts > 0 for o in outputs)
-    assert verified_at and min(verified_at) >= 25
+                  for extra in extras]
+        expected = base.generate(prompts, params, use_tqdm=False)
+        longer = [p.clone() for p in params]
+        for p in longer:
+            p.max_tokens += 8  # the oracle may look past the end
+        refs = {tuple(o["prompt_token_ids"]): o["prompt_token_ids"] + o["token_ids"]
+                for o in base.generate(prompts, longer, use_tqdm=False)}
+        llm = LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3))
+        llm.engine._spec.proposer = Oracle(refs, spoil=lambda p: p % 6 == 0)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert_same(outputs, expected)
+        assert all(o.metrics.num_accepted_tokens > 0 for o in outputs)
 
 
 @pytest.mark.parametrize("max_tokens", [[40, 12, 25, 33], [9, 9, 40, 40]])
