@@ -53,6 +53,30 @@ class TokenGrammar(Protocol):
     def fill_next_token_bitmask(self, bitmask: object, index: int) -> object: ...
 
 
+class DraftedGrammar:
+    """A sequence's matcher as it stands after `drafts` (speculative decoding: the drafts before a
+    verified position, cut by structured_outputs.grammar_prefix to what the grammar allows): fills that
+    position's bitmask row by taking the drafts and rolling them back, so the matcher itself stays at
+    the sequence's tokens. A TokenGrammar to the runner."""
+
+    __slots__ = ("matcher", "drafts")
+
+    def __init__(self, matcher: object, drafts: list[int]) -> None:
+        self.matcher, self.drafts = matcher, drafts
+
+    def fill_next_token_bitmask(self, bitmask: object, index: int) -> None:
+        matcher = self.matcher
+        for token in self.drafts:
+            matcher.accept_token(token)
+        try:
+            if matcher.is_terminated():  # a stop token among the drafts: the output ends before here
+                bitmask[index] = -1
+            else:
+                matcher.fill_next_token_bitmask(bitmask, index)
+        finally:
+            matcher.rollback(len(self.drafts))
+
+
 @dataclass(slots=True)
 class ProcessorRow:
     """One sampling row's logits processors (nanovllm.layers.logits_processors applies them)."""
@@ -181,6 +205,13 @@ def _processors(seq: ScheduledSequence, drafts: tuple[int, ...] = ()) -> Process
                         seq.completion_token_ids + list(drafts) if penalties else [], seq.grammar)
 
 
+def _drafted(row: ProcessorRow | None, drafts: list[int]) -> ProcessorRow | None:
+    """row with its grammar as it stands after `drafts` (the position a verification step samples)."""
+    if row is not None and row.grammar is not None and drafts:
+        row.grammar = DraftedGrammar(row.grammar, drafts)
+    return row
+
+
 def with_drafts(sampling: SamplingBatch, spec: list[list[int]],
                 seqs: list[ScheduledSequence] | None = None) -> SamplingBatch:
     """`sampling` (of `seqs`, which its processors need) with row i repeated for each of its
@@ -196,8 +227,8 @@ def with_drafts(sampling: SamplingBatch, spec: list[list[int]],
     seeds = [None if seed is None else (seed + j) & SEED_MASK
              for seed, count in zip(sampling.seeds, counts) for j in range(count)]
     processors = None if sampling.processors is None else [
-        _processors(seq, tuple(drafts[:j])) for seq, drafts in zip(seqs, spec, strict=True)
-        for j in range(1 + len(drafts))]
+        _drafted(_processors(seq, tuple(drafts[:j])), drafts[:j])
+        for seq, drafts in zip(seqs, spec, strict=True) for j in range(1 + len(drafts))]
     return SamplingBatch(repeat(sampling.temperatures), repeat(sampling.top_ks), repeat(sampling.top_ps),
                          repeat(sampling.min_ps), seeds, repeat(sampling.num_logprobs), processors)
 

@@ -116,3 +116,17 @@ class GrammarCompiler:
 def grammar_matcher(compiled: object) -> object:
     """A fresh matcher (xgrammar.GrammarMatcher) over a compiled grammar, for one sequence."""
     return _xgrammar().GrammarMatcher(compiled)
+
+
+def grammar_prefix(matcher: object, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` the sequence's grammar allows after its tokens so far (speculative
+    decoding verifies no draft its grammar forbids); the matcher is left as it was."""
+    num = 0
+    for token in drafts:
+        if not matcher.accept_token(token):
+            break
+        num += 1
+        if matcher.is_terminated():  # an accepted stop token: nothing may follow it
+            break
+    matcher.rollback(num)
+    return drafts[:num]

@@ -39,8 +39,12 @@ class GrammarBitmask:
             host = self._host[:rows]
         # A terminated matcher has no next token: its sequence finished on the previous step's token,
         # after this step was launched (overlap scheduling), and this step's token for it is dropped.
-        live = [i for i, matcher in enumerate(matchers) if not matcher.is_terminated()]
-        if len(live) < rows:
+        # Other rows than matchers (a verified position's DraftedGrammar) fill theirs themselves.
+        live = [i for i, matcher in enumerate(matchers)
+                if isinstance(matcher, xgrammar.GrammarMatcher) and not matcher.is_terminated()]
+        drafted = [i for i, matcher in enumerate(matchers)
+                   if not isinstance(matcher, xgrammar.GrammarMatcher)]
+        if len(live) + len(drafted) < rows:
             host.fill_(-1)
         if len(live) >= BATCH_FILL_MIN_ROWS and self.device.type == "cuda":
             if self._batch is None:
@@ -49,6 +53,8 @@ class GrammarBitmask:
         else:
             for i in live:
                 matchers[i].fill_next_token_bitmask(host, i)
+        for i in drafted:  # after the plain rows: each takes its sequence's matcher through drafts and back
+            matchers[i].fill_next_token_bitmask(host, i)
         if self.device.type != "cuda":
             return host.to(self.device)
         out = host.to(self.device, non_blocking=True)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import StepBatch, StepOutput
+from nanovllm.engine.structured_outputs import grammar_prefix
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.speculative.proposer import Proposer
 from nanovllm.speculative.rejection import accepted_tokens
@@ -85,11 +86,10 @@ class SpeculativeDecoding:
         k, max_model_len = self.spec.num_speculative_tokens, self.max_model_len
         seqs, nums = [], []
         for seq in running:
-            # Logits processors are built for each verified position from the drafts before it
-            # (engine/step.with_drafts); a structured output's matcher is not (it would have to take the
-            # drafts and roll them back): its rows decode plainly.
-            if seq.num_uncomputed_tokens != 1 or seq.grammar is not None:
-                continue  # still prefilling, or a grammar
+            # Logits processors and a grammar's bitmask are built for each verified position from the
+            # drafts before it (engine/step.with_drafts).
+            if seq.num_uncomputed_tokens != 1:
+                continue  # still prefilling
             # A step with n drafts emits up to n + 1 tokens.
             num = min(k, seq.sampling_params.max_tokens - seq.num_completion_tokens - 1,
                       max_model_len - len(seq) - 1)
@@ -102,8 +102,10 @@ class SpeculativeDecoding:
                 reserve(seq, num)  # short of free blocks: the proposer proposes what the table covers
         if seqs:
             for seq, num, drafts in zip(seqs, nums, self.proposer.propose(seqs, nums), strict=True):
-                seq.spec_token_ids = drafts[:num]
-                found = found or bool(drafts)
+                # A structured output verifies only drafts its grammar allows.
+                seq.spec_token_ids = (drafts[:num] if seq.grammar is None
+                                      else grammar_prefix(seq.grammar, drafts[:num]))
+                found = found or bool(seq.spec_token_ids)
             self.num_proposed += 1
         if not found:
             self.num_quiet_steps = QUIET_STEPS

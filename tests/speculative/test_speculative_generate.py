@@ -8,7 +8,7 @@ accepted runs, rejections and bonus tokens happen where the test wants them."""
 import pytest
 from conftest import PROMPTS
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.speculative.decoding import QUIET_STEPS, SpecDecodeStats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -217,6 +217,44 @@ def test_rows_with_logits_processors_speculate_with_per_position_processors(qwen
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert_same(outputs, expected)
         assert all(o.metrics.num_accepted_tokens > 0 for o in outputs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_structured_output_rows_speculate_within_their_grammar(qwen3_dir, base, temperature):
+    """A constrained row verifies only drafts its grammar allows (the rest are cut at the proposal), and
+    each verified position's bitmask is its matcher's after the drafts before it: the output is the
+    plain engine's, drafts accepted and rejected."""
+    pytest.importorskip("xgrammar")
+    constraints = [dict(regex="[ab]+ [cd]+ [ab]+"), dict(choice=["alpha beta gamma", "alpha beta delta"]),
+                   dict(regex="(ab|cd)+")]
+    params = [SamplingParams(temperature=temperature, seed=2, max_tokens=24,
+                             structured_outputs=StructuredOutputsParams(**c)) for c in constraints] + [GREEDY]
+    expected = base.generate(PROMPTS, params, use_tqdm=False)
+    refs = {tuple(o["prompt_token_ids"]): o["prompt_token_ids"] + o["token_ids"] + [0] * 8 for o in expected}
+    llm = LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3))
+    llm.engine._spec.proposer = Oracle(refs, spoil=lambda p: p % 5 == 0)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert_same(outputs, expected)
+    assert outputs[1]["text"] in ("alpha beta gamma", "alpha beta delta")
+    stats = llm.engine.stats().spec_decode
+    assert all(o.metrics.num_accepted_tokens > 0 for o in outputs[:3])
+    assert stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_grammar_prefix_cuts_drafts_the_grammar_forbids_and_leaves_the_matcher(tokenizer):
+    xgrammar = pytest.importorskip("xgrammar")
+    from nanovllm.engine.structured_outputs import GrammarCompiler, grammar_matcher, grammar_prefix
+
+    compiled = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,)).compile(
+        StructuredOutputsParams(regex="ab+"))
+    matcher = grammar_matcher(compiled)
+    a, b = (tokenizer.convert_tokens_to_ids(c) for c in "ab")
+    assert grammar_prefix(matcher, [a, b, b, a, b]) == [a, b, b]  # a second "a" breaks "ab+"
+    assert grammar_prefix(matcher, [b]) == []  # the matcher still expects the first "a"
+    bitmask = xgrammar.allocate_token_bitmask(1, len(tokenizer))
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    allowed = [i for i in range(len(tokenizer)) if bitmask[0, i // 32] >> (i % 32) & 1]
+    assert a in allowed and b not in allowed
 
 
 @pytest.mark.parametrize("max_tokens", [[40, 12, 25, 33], [9, 9, 40, 40]])

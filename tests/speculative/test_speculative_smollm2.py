@@ -1,6 +1,6 @@
 """A real model: SmolLM2-135M-Instruct (GGUF, float32, CPU) asked to copy code. Prompt lookup proposes the
 code it is copying; most drafts are accepted and greedy output is token for token the plain engine's,
-also beside a structured output's row, which never speculates."""
+also beside a structured output's row."""
 
 import pytest
 
@@ -42,7 +42,7 @@ def test_copying_accepts_most_drafts_and_keeps_greedy_output(plain, speculative)
     assert metrics.num_accepted_tokens > 0.3 * len(outputs[0]["token_ids"])  # tokens that cost no step
 
 
-def test_a_structured_output_row_decodes_plainly_beside_speculating_ones(plain, speculative):
+def test_a_structured_output_row_speculates_beside_others(plain, speculative):
     pytest.importorskip("xgrammar", reason="structured outputs need xgrammar: pip install -e '.[test]'")
     chats = [*CHATS, [{"role": "user", "content": "Is the sky blue? Answer with a phone number."}]]
     constrained = SamplingParams(temperature=0, max_tokens=32,
@@ -51,4 +51,4 @@ def test_a_structured_output_row_decodes_plainly_beside_speculating_ones(plain, 
     outputs = speculative.chat(chats, params, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in plain.chat(chats, params,
                                                                                        use_tqdm=False)]
-    assert outputs[2].metrics.num_drafts == 0 and outputs[0].metrics.num_drafts > 0
+    assert outputs[0].metrics.num_drafts > 0
