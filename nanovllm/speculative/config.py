@@ -92,8 +92,8 @@ def draft_options(target: Any) -> dict[str, Any]:
     the two must agree. The draft runs on rank 0's device alone, in the target's dtype, with a paged KV
     cache of the target's block size that the target's block tables address, and computes up to k - 1
     positions beyond a sequence's length (the drafts it feeds itself); its block count is the target's,
-    known once the target's cache is sized (nanovllm.speculative.draft). No torch.compile: it compiles
-    the sampler alone, and the draft's proposals are the argmax of its logits."""
+    known once the target's cache is sized (nanovllm.speculative.draft). No torch.compile: it would
+    compile the sampler alone, which the draft runs greedy only (the fused race's argmax)."""
     spec = target.speculative_config
     names = ("max_num_batched_tokens", "max_num_seqs", "enforce_eager", "kvcache_block_size", "seed",
              "skip_tokenizer_init", "attention_backend", "skinny_gemm",

@@ -12,7 +12,12 @@ id means the same tokens in both caches. What the draft's cache holds of one seq
 
 A proposal computes the catch-up and the last token in one step (the whole prompt the first time,
 prefix-cached blocks included: the draft writes the KV they would have into its own cache), takes x1
-from the last token's logits, then runs k-1 one-token steps. The target keeps a prefix of the drafts;
+from the last token's logits, then runs k-1 one-token steps, greedy through the runner's sampler, each
+launched before the one before it is read: its input comes from that step's sampled id on the device
+(StepBatch.prev_token_*, as overlap scheduling feeds decode steps), so the host reads each step while
+the device runs the next (the sampler's per-step noise seed is drawn even for greedy rows: unseeded sampled
+requests of the target see other random numbers than without a draft, from the same distribution). The
+target keeps a prefix of the drafts;
 of the fed ones, those it kept are still valid draft KV at the next proposal, the rest are computed
 again. A preemption frees the blocks and resets num_draft_computed_tokens (BlockManager.deallocate)."""
 
@@ -23,7 +28,8 @@ from typing import Protocol
 
 from nanovllm.config import Config
 from nanovllm.distributed.worker import threads_per_rank
-from nanovllm.engine.step import StepBatch, slots
+from nanovllm.engine.sequence import PENDING_TOKEN_ID
+from nanovllm.engine.step import SamplingBatch, StepBatch, slots
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.utils.tokenizer import load_engine_tokenizer
 
@@ -46,9 +52,9 @@ class DraftRow:
     samples: bool  # its last token's logits propose the next draft
 
 
-def draft_batch(rows: list[DraftRow], block_size: int) -> StepBatch:
-    """The step record of `rows` (a decode step when each computes one token); no sampling part: the
-    proposer takes the argmax of the logits itself."""
+def draft_batch(rows: list[DraftRow], block_size: int, greedy: bool = False) -> StepBatch:
+    """The step record of `rows` (a decode step when each computes one token): without a sampling part
+    (the proposer takes the argmax of the logits itself), or greedy for every row."""
     input_ids, positions, slot_mapping, cu_q, seqlens_k, tables = [], [], [], [0], [], []
     for row in rows:
         end = row.start + len(row.input_ids)
@@ -58,8 +64,18 @@ def draft_batch(rows: list[DraftRow], block_size: int) -> StepBatch:
         cu_q.append(len(input_ids))
         seqlens_k.append(end)
         tables.append(row.block_table[:-(-end // block_size)])  # only the blocks it reads
+    sample_rows = [i for i, row in enumerate(rows) if row.samples]
+    n = len(sample_rows)
+    sampling = (SamplingBatch([0.0] * n, [-1] * n, [1.0] * n, [0.0] * n, [None] * n, [None] * n) if greedy
+                else None)
     return StepBatch(len(input_ids) > len(rows), input_ids, positions, slot_mapping, cu_q, seqlens_k, tables,
-                     [i for i, row in enumerate(rows) if row.samples], sampling=None)
+                     sample_rows, sampling)
+
+
+def _read(active: list[int], pending: object, proposals: list[list[int]]) -> None:
+    """Append a launched one-token step's sampled ids to the proposals of the sequences it ran."""
+    for i, token in zip(active, pending.wait().token_ids, strict=True):
+        proposals[i].append(token)
 
 
 def check_same_tokenizer(config: Config, draft: Config) -> None:
@@ -116,12 +132,32 @@ class DraftModelProposer:
         order = list(wanted)
         for j, token in self._catch_up([seqs[i] for i in order]).items():
             proposals[order[j]].append(token)
+        # The k - 1 one-token steps, each launched before the one before it is read: a row's input is the
+        # previous step's sampled id, taken on the device (StepBatch.prev_token_*, as overlap scheduling
+        # feeds decode steps), so the host reads a step while the device runs the next. Never more than
+        # that one ahead: a decode graph's sampled ids alternate between two output slots
+        # (runner/cuda_graph.py), so a step must be read before the one after the next is launched.
+        steps, previous, prev_rows = [], None, {}
+        counts = {i: 1 for i in wanted}
         for _ in range(1, max(wanted.values())):
-            active = [i for i, num in wanted.items() if len(proposals[i]) < num]
-            rows = [DraftRow([proposals[i][-1]], len(seqs[i].token_ids) + len(proposals[i]) - 1,
-                             seqs[i].block_table, True) for i in active]
-            for i, token in zip(active, self._argmax(draft_batch(rows, self.block_size))):
-                proposals[i].append(token)
+            active = [i for i, num in wanted.items() if counts[i] < num]
+            rows = [DraftRow([proposals[i][0] if counts[i] == 1 else PENDING_TOKEN_ID],
+                             len(seqs[i].token_ids) + counts[i] - 1, seqs[i].block_table, True)
+                    for i in active]
+            batch = draft_batch(rows, self.block_size, greedy=True)
+            for row, i in enumerate(active):
+                if counts[i] > 1:
+                    batch.prev_token_indices.append(row)
+                    batch.prev_token_rows.append(prev_rows[i])
+            previous = self.runner.launch(batch, previous)
+            steps.append((active, previous))
+            if len(steps) > 1:
+                _read(*steps.pop(0), proposals)
+            prev_rows = {i: row for row, i in enumerate(active)}
+            for i in active:
+                counts[i] += 1
+        for step in steps:
+            _read(*step, proposals)
         for i in wanted:  # what the next proposal finds of these in the draft's cache
             seq = seqs[i]
             self._fed[seq] = (len(seq.token_ids), proposals[i][:-1])

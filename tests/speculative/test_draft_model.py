@@ -52,14 +52,15 @@ class Recorder:
 
     def __init__(self, proposer: DraftModelProposer) -> None:
         self.steps: list[list[tuple[int, int]]] = []
-        logits = proposer.runner.logits
+        runner = proposer.runner
+        logits, launch = runner.logits, runner.launch
 
         def record(batch):
             cu = batch.cu_seqlens_q
             self.steps.append([(batch.positions[cu[i]], cu[i + 1] - cu[i]) for i in range(batch.num_seqs)])
-            return logits(batch)
 
-        proposer.runner.logits = record
+        runner.logits = lambda batch: record(batch) or logits(batch)  # the catch-up step
+        runner.launch = lambda batch, previous=None: record(batch) or launch(batch, previous)  # one-token
 
 
 def verify(seq: Sequence, drafts: list[int], expected: list[int], policy: str) -> int:
@@ -111,6 +112,35 @@ def test_proposals_are_the_targets_greedy_continuation(qwen3_dir, hf_qwen3, toke
                 # The fed drafts (the first k - 1) that were kept are still valid draft KV.
                 kept[i] = length + min(keep, k - 1)
         assert preempted
+    finally:
+        proposer.shutdown()
+
+
+def test_one_token_steps_run_one_ahead_of_the_host_at_most(qwen3_dir, tokenizer):
+    """The k - 1 one-token steps feed each other on the device, and the host reads each while the next
+    runs, never later: a decode graph's sampled ids alternate between two output slots, so a step left
+    unread while two more launched would have its ids overwritten on a GPU."""
+    k = 5
+    proposer = DraftModelProposer(target_config(qwen3_dir, k), NUM_BLOCKS)
+    try:
+        runner, events = proposer.runner, []
+        launch = runner.launch
+
+        def launched(batch, previous=None):
+            pending, wait = launch(batch, previous), None
+            events.append("launch")
+            wait, pending.wait = pending.wait, lambda: events.append("read") or wait()
+            return pending
+
+        runner.launch = launched
+        blocks, seqs = Blocks(), [Sequence(tokenizer.encode(p), block_size=BLOCK_SIZE) for p in PROMPTS[:2]]
+        for seq in seqs:
+            blocks.reserve(seq, k)
+        assert [len(p) for p in proposer.propose(seqs, [k, k])] == [k, k]
+        # Unread launched steps after each event: one ahead at most, every step read in the end.
+        in_flight = list(itertools.accumulate(1 if e == "launch" else -1 for e in events))
+        assert events.count("launch") == k - 1 and max(in_flight) <= 2 and in_flight[-1] == 0
+        assert events[:3] == ["launch", "launch", "read"]  # the second launched before the first is read
     finally:
         proposer.shutdown()
 
