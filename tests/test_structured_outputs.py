@@ -156,7 +156,10 @@ def test_logprobs_are_the_raw_models(llm):
     masked = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, logprobs=5,
                           structured_outputs=StructuredOutputsParams(choice=["maybe"])), use_tqdm=False)
     top = lambda entry: {t: lp.logprob for t, lp in entry.items() if lp.rank is not None and lp.rank <= 5}  # noqa: E731
-    assert top(masked[0]["logprobs"][0]) == pytest.approx(top(raw[0]["logprobs"][0]))
+    # The second request finds the prompt's blocks in the prefix cache, so its last token's logits sum
+    # in another order (~1e-5 apart in float32); a mask renormalized over the allowed tokens would move
+    # them by whole nats.
+    assert top(masked[0]["logprobs"][0]) == pytest.approx(top(raw[0]["logprobs"][0]), rel=1e-4, abs=1e-4)
     assert masked[0]["text"] == "maybe"
 
 
