@@ -200,16 +200,11 @@ def _processors(seq: ScheduledSequence, drafts: tuple[int, ...] = ()) -> Process
     p = seq.sampling_params
     penalties = ((p.repetition_penalty, p.frequency_penalty, p.presence_penalty) if p.uses_penalties
                  else None)
+    # A grammar as it stands after the drafts: the matcher takes them and rolls them back when it fills.
+    grammar = DraftedGrammar(seq.grammar, list(drafts)) if drafts and seq.grammar is not None else seq.grammar
     return ProcessorRow(p.allowed_token_ids, _banned_tokens(seq, drafts), p.logit_bias, penalties,
                         seq.token_ids[:seq.num_prompt_tokens] if penalties else [],
-                        seq.completion_token_ids + list(drafts) if penalties else [], seq.grammar)
-
-
-def _drafted(row: ProcessorRow | None, drafts: list[int]) -> ProcessorRow | None:
-    """row with its grammar as it stands after `drafts` (the position a verification step samples)."""
-    if row is not None and row.grammar is not None and drafts:
-        row.grammar = DraftedGrammar(row.grammar, drafts)
-    return row
+                        seq.completion_token_ids + list(drafts) if penalties else [], grammar)
 
 
 def with_drafts(sampling: SamplingBatch, spec: list[list[int]],
@@ -227,8 +222,8 @@ def with_drafts(sampling: SamplingBatch, spec: list[list[int]],
     seeds = [None if seed is None else (seed + j) & SEED_MASK
              for seed, count in zip(sampling.seeds, counts) for j in range(count)]
     processors = None if sampling.processors is None else [
-        _drafted(_processors(seq, tuple(drafts[:j])), drafts[:j])
-        for seq, drafts in zip(seqs, spec, strict=True) for j in range(1 + len(drafts))]
+        _processors(seq, tuple(drafts[:j])) for seq, drafts in zip(seqs, spec, strict=True)
+        for j in range(1 + len(drafts))]
     return SamplingBatch(repeat(sampling.temperatures), repeat(sampling.top_ks), repeat(sampling.top_ps),
                          repeat(sampling.min_ps), seeds, repeat(sampling.num_logprobs), processors)
 
