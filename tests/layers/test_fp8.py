@@ -94,6 +94,17 @@ def with_config(src: str, dst: str, **changes) -> str:
     return dst
 
 
+def with_tensor(src: str, dst: str, name: str, value: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> str:
+    """A copy of the checkpoint folder src at dst with tensor `name` replaced by value (or cast to dtype)."""
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "model.safetensors")
+    tensors = load_file(file)
+    tensors[name] = value if value is not None else tensors[name].to(dtype)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return dst
+
+
 @pytest.mark.parametrize("changes, match", [
     (dict(quant_method="awq"), r"quant_method='awq'.*implements 'fp8'"),
     (dict(activation_scheme="static"), r"activation_scheme 'static' \(static input_scale"),
@@ -115,13 +126,8 @@ def test_unknown_quantization_option_and_a_conflicting_one_are_refused(tiny):
 
 
 def test_int8_tensors_are_refused_naming_the_tensor(tiny, tmp_path):
-    path = str(tmp_path / "int8")
-    shutil.copytree(tiny / "fp32", path)
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
     name = "model.layers.0.mlp.down_proj.weight"
-    tensors[name] = tensors[name].to(torch.int8)
-    save_file(tensors, file, metadata={"format": "pt"})
+    path = with_tensor(tiny / "fp32", str(tmp_path / "int8"), name, dtype=torch.int8)
     with pytest.raises(ValueError, match=rf"tensor '{name}' is stored as torch.int8, a quantized format"):
         LLM(path, **ENGINE)
     with pytest.raises(ValueError, match=rf"tensor '{name}' is stored as torch.int8"):
@@ -129,12 +135,7 @@ def test_int8_tensors_are_refused_naming_the_tensor(tiny, tmp_path):
 
 
 def test_a_scale_of_the_wrong_block_count_is_refused(tiny, tmp_path):
-    path = str(tmp_path / "bad_scale")
-    shutil.copytree(tiny / "block", path)
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
     name = "model.layers.1.mlp.up_proj.weight_scale_inv"
-    tensors[name] = torch.ones(3, 1)
-    save_file(tensors, file, metadata={"format": "pt"})
+    path = with_tensor(tiny / "block", str(tmp_path / "bad_scale"), name, torch.ones(3, 1))
     with pytest.raises(ValueError, match=rf"'{name}'.*does not fit a weight of 128 rows in blocks of 128"):
         LLM(path, **ENGINE)
