@@ -6,7 +6,8 @@ BLOCK_N output columns and streams its [BLOCK_N, K] slab of the weight in [BLOCK
 pipelined num_stages deep (cp.async into shared memory) so that enough bytes are in flight to cover HBM
 latency; x is tiny and stays in L2. acc[BLOCK_N, BLOCK_K] += w * x elementwise in float32, summed
 across lanes once at the end (no per-tile shuffles). This kernel takes one row; kernels/skinny_rows.py
-takes 2-16 (on tensor cores).
+takes 2-16 (on tensor cores). An e4m3 weight with one scale a row (kernels/fp8_skinny.py) is widened to
+float32 in registers like a bf16 one, its scale multiplying the finished sums.
 
 Split-K (grid axis 1) is used only when too few column blocks exist to keep the SMs busy. It stays
 deterministic: float32 partials go to a [split_k, N] workspace that a second kernel sums in a fixed order
@@ -83,6 +84,7 @@ def _skinny_gemm_kernel(
     K,
     stride_wn,
     tiles_per_split,  # K tiles per split (a tile count, so the compiler sees k is a multiple of BLOCK_K)
+    w_scale_ptr,  # SCALED: an fp8 weight's float32 [N] scales, one a row (weight[n, k] * w_scale[n])
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -91,6 +93,7 @@ def _skinny_gemm_kernel(
     PROLOGUE: tl.constexpr = PLAIN,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before
     PRELOAD: tl.constexpr = 0,  # weight tiles (0-2) loaded first: before the wait under PDL
+    SCALED: tl.constexpr = False,  # fp8 weights: their row's scale multiplies the finished sums
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -98,7 +101,8 @@ def _skinny_gemm_kernel(
     n_mask = offs_n < N
     # Columns past N read the last real weight row instead of being masked (their sums are never
     # stored), so the weight load needs only the K mask, which is uniform along each row.
-    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    real_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_rows = w_ptr + real_n[:, None] * stride_wn  # [BLOCK_N, 1]
     k_start = pid_k * tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
     partial = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -127,6 +131,8 @@ def _skinny_gemm_kernel(
         partial, squares = _gemv_tile(partial, squares, w, k, K, x_ptr, residual_ptr, sum_ptr, norm_w_ptr,
                                       K, pid_n, PROLOGUE, BLOCK_K)
     acc = tl.sum(partial, axis=1)  # [BLOCK_N]
+    if SCALED:
+        acc = acc * tl.load(w_scale_ptr + real_n)
     if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
         acc = acc * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     if WRITE_PARTIAL:
@@ -176,12 +182,15 @@ def skinny_linear(
     if config is None:
         config = skinny_config(n, k, x.element_size(), sm_count(x.device))
 
-    return _launch(x, weight, bias, out, config, pdl)
+    return launch_gemv(x, weight, bias, out, config, pdl)
 
 
-def _launch(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.constexpr = PLAIN,
-            residual=None, summed=None, norm_weight=None, eps: float = 0.0) -> torch.Tensor:
-    """Under PDL (programmatic dependent launch, sm_90+) the kernel may start while the kernel before it
+def launch_gemv(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.constexpr = PLAIN,
+                residual=None, summed=None, norm_weight=None, eps: float = 0.0, weight_scale=None
+                ) -> torch.Tensor:
+    """The kernel's launch, arguments unchecked (the entry points here and kernels/fp8_skinny.py check
+    them). weight_scale: an e4m3 weight's float32 scales, one a row ([N] or [N, 1], contiguous).
+    Under PDL (programmatic dependent launch, sm_90+) the kernel may start while the kernel before it
     runs: it loads its first weight tiles, waits for that kernel's results, then lets the next launch.
     Everything it reads before the wait (the weight) no kernel writes, so this is race-free; the
     split-K reduce after it is a plain launch."""
@@ -202,6 +211,7 @@ def _launch(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.
         k,
         weight.stride(0),
         split.tiles_per_split,
+        weight_scale if weight_scale is not None else x,  # never read unless SCALED
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         HAS_BIAS=bias is not None,
@@ -213,11 +223,12 @@ def _launch(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.
         PRELOAD=min(PDL_PRELOAD_TILES * pdl if config.preload is None else config.preload,
                     split.tiles_per_split),
         launch_pdl=pdl,
+        SCALED=weight_scale is not None,
     )
     return reduce_split_k(target, bias, out) if write_partial else out
 
 
-def _check_one_row(x: torch.Tensor, width: int, what: str) -> None:
+def check_one_row(x: torch.Tensor, width: int, what: str) -> None:
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width or not x.is_contiguous():
         raise ValueError(f"{what} must be one contiguous row of {width}; got {tuple(x.shape)}")
 
@@ -231,9 +242,9 @@ def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     from norm-then-linear by the rounding of the normed row. Where the shapes ask for split-K (which
     would cut the norm's sum of squares), the norm runs on its own first."""
     k = weight.shape[1]
-    _check_one_row(x, k, "x")
+    check_one_row(x, k, "x")
     if residual is not None:
-        _check_one_row(residual, k, "residual")
+        check_one_row(residual, k, "residual")
     if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or weight.dtype != x.dtype:
         raise ValueError(f"norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} and weight "
                          f"{weight.dtype} must be ({k},) and x's dtype {x.dtype}")
@@ -246,9 +257,9 @@ def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
         return skinny_linear(normed, weight, bias, config=config, pdl=pdl), summed
     out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
     if residual is None:
-        return _launch(x, weight, bias, out, config, pdl, RMS_NORM, norm_weight=norm_weight, eps=eps), x
+        return launch_gemv(x, weight, bias, out, config, pdl, RMS_NORM, norm_weight=norm_weight, eps=eps), x
     summed = torch.empty_like(x)
-    _launch(x, weight, bias, out, config, pdl, ADD_RMS_NORM, residual, summed, norm_weight, eps)
+    launch_gemv(x, weight, bias, out, config, pdl, ADD_RMS_NORM, residual, summed, norm_weight, eps)
     return out, summed
 
 
@@ -258,9 +269,9 @@ def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     SiLU-mul kernel before the GEMV is saved. The product is rounded to x's dtype as that kernel's
     output is, so the result equals SiLU-mul-then-GEMV."""
     k = weight.shape[1]
-    _check_one_row(x, 2 * k, "x")
+    check_one_row(x, 2 * k, "x")
     if weight.dtype != x.dtype:
         raise ValueError(f"weight {weight.dtype} must be x's dtype {x.dtype}")
     config = skinny_config(weight.shape[0], k, x.element_size(), sm_count(x.device))
     out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, config, pdl, SILU_MUL)
+    return launch_gemv(x, weight, bias, out, config, pdl, SILU_MUL)

@@ -18,9 +18,11 @@ then shards and fuses it exactly as it does the weight's rows, at any offset of 
 
 `Fp8LinearMethod` is the dequantizing reference (the CPU's, and older GPUs'): the activations quantized to
 e4m3 per token (group) and back, the weight dequantized exactly, both multiplied in the model's dtype.
-`Fp8TritonLinearMethod` (CUDA, fp8 tensor cores: sm_89+) runs the Triton kernels instead: up to 16 rows the
-W8A16 GEMV (kernels/fp8_gemv.py: the weight streamed once in e4m3, activations unrounded), from 17 the W8A8
-GEMM (kernels/fp8_gemm.py: the rounding of the reference, on fp8 tensor cores)."""
+`Fp8TritonLinearMethod` (CUDA, fp8 tensor cores: sm_89+) runs the Triton kernels instead: up to 16 rows
+the W8A16 GEMV (kernels/fp8_gemv.py: the weight streamed once in e4m3, activations unrounded), from 17 the
+W8A8 GEMM (kernels/fp8_gemm.py: the rounding of the reference, on fp8 tensor cores).
+`Fp8ScaledMmLinearMethod` (one scale a row, sm_90+) takes one row through bf16's GEMV over the e4m3 weight
+with the norm and SiLU-mul folded in (kernels/fp8_skinny.py), and from 17 torch._scaled_mm."""
 
 import math
 from collections.abc import Callable
@@ -82,6 +84,23 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
              bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     from nanovllm.kernels.fp8_gemv import fp8_gemv_linear
     return fp8_gemv_linear(x, weight, weight_scale, group, bias, pdl)
+
+
+def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+               bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    from nanovllm.kernels.fp8_skinny import fp8_skinny_linear
+    return fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl)
+
+
+def fp8_skinny_norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl):
+    from nanovllm.kernels.fp8_skinny import fp8_skinny_norm_linear
+    return fp8_skinny_norm_linear(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl)
+
+
+def fp8_skinny_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                    bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    from nanovllm.kernels.fp8_skinny import fp8_skinny_silu_linear
+    return fp8_skinny_silu_linear(x, weight, weight_scale, group, bias, pdl)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -207,22 +226,42 @@ class Fp8LinearMethod(LinearMethod):
         kernel = (at[rows] if rows < len(at) else at[-1]).plain
         return kernel(x, layer.weight, layer.weight_scale, self.group(layer), bias, self.pdl)
 
+    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        fold = self.bucket(x.shape[0]).normed
+        if fold is None or not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
+            return super().apply_normed(layer, x, norm, residual)
+        return fold(x, norm.weight, norm.eps, layer.weight, layer.weight_scale, self.group(layer), layer.bias,
+                    residual, self.pdl)
+
+    def apply_silu(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        fold = self.bucket(gate_up.shape[0]).silu
+        if fold is None or not gate_up.is_contiguous():
+            return super().apply_silu(layer, gate_up, bias)
+        return fold(gate_up, layer.weight, layer.weight_scale, self.group(layer), bias, self.pdl)
+
 
 class Fp8TritonLinearMethod(Fp8LinearMethod):
     """Fp8LinearMethod on CUDA GPUs with fp8 tensor cores (sm_89+: FP8_MIN_CAPABILITY): decode-sized calls
     through the W8A16 GEMV (the e4m3 weight streamed once: half a bf16 weight's bytes), larger ones through
-    the W8A8 block-scaled GEMM. The 16-row boundary is the GEMV's limit, not a measurement: neither kernel
-    is timed on a GPU yet (docs/performance-notes.md, "fp8 KV cache" and "Decode GEMMs and GEMVs")."""
+    the W8A8 block-scaled GEMM. The 16-row boundary is the GEMV's limit, not a measurement. Graph-timed on an
+    H200 at Qwen3-8B's shapes that GEMV took 1.1-3.4x bf16's time at 1 and 16 rows
+    (scripts/fp8_gemm_bench.py; docs/performance-notes.md, "fp8 weights")."""
 
     BUCKETS = (Bucket(16, fp8_gemv), Bucket(None, fp8_gemm))  # 16: kernels/fp8_gemv.MAX_ROWS
 
 
 class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
-    """Per-channel fp8 (quantization="fp8", per-channel and per-tensor checkpoints) on sm_90+: from 17 rows
-    torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS, what vLLM runs for this scaling) instead of
-    the Triton GEMM; block scales stay on the Triton GEMM. Not timed on a GPU yet either."""
+    """Per-channel fp8 (quantization="fp8", per-channel and per-tensor checkpoints) on sm_90+. One row:
+    bf16's GEMV over the e4m3 weight, its RMSNorm / SiLU-mul folds kept (kernels/fp8_skinny.py: 1.5-1.75x
+    faster than bf16's GEMV at Qwen3-8B's shapes; fp8_gemv took 1.3-3.4x bf16's time, and one-stream
+    Qwen3-8B fp8 decode took 10.2 ms a token with it against bf16's 4.6). From 17 rows torch._scaled_mm with
+    row-wise scales (cuBLASLt / CUTLASS, what vLLM runs for this scaling): 0.56-0.72x of bf16 cuBLAS's time
+    at 4,096 rows, where the Triton GEMM took 0.8-1.13x (2026-12-03, H200, graph-timed). Block scales stay
+    on Fp8TritonLinearMethod."""
 
-    BUCKETS = (Bucket(16, fp8_gemv), Bucket(None, fp8_scaled_mm))
+    BUCKETS = (Bucket(1, fp8_skinny, fp8_skinny_norm, fp8_skinny_silu), Bucket(16, fp8_gemv),
+               Bucket(None, fp8_scaled_mm))
 
 
 # fp8 e4m3 tensor-core MMA (tl.dot of e4m3 operands) needs Ada (sm_89) or Hopper (sm_90) and later;

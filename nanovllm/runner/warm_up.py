@@ -42,21 +42,22 @@ def gemm_shapes(model: nn.Module, config: Config, dtype: torch.dtype, device: to
         for rows in range(1, min(config.max_num_seqs, config.max_num_batched_tokens) + 1):
             head.quant_method.apply(head, x[:rows, :head.weight.shape[1]], None)
     for module in layers.values():
-        _fused_variants(module)
+        _fused_variants(module, dtype)
     torch.cuda.synchronize(device)
 
 
-def _fused_variants(module: LinearBase) -> None:
+def _fused_variants(module: LinearBase, dtype: torch.dtype) -> None:
     """The method's kernels with the norm (after a residual add or not) or the SiLU-mul folded in, at the
-    first row count of each bucket that has them (the kernels build one variant for the rows after it)."""
+    first row count of each bucket that has them (the kernels build one variant for the rows after it).
+    Activations in the model's dtype, which a quantized weight's (fp8) is not."""
     method, weight = module.quant_method, module.weight
     k = weight.shape[1]
-    norm = RMSNorm(k).to(weight.device, weight.dtype)
+    norm = RMSNorm(k).to(weight.device, dtype)
     rows = 1
     for bucket in method.BUCKETS:
         if bucket.max_rows is None:
             return
-        first = torch.zeros(rows, 2 * k, dtype=weight.dtype, device=weight.device)
+        first = torch.zeros(rows, 2 * k, dtype=dtype, device=weight.device)
         if isinstance(module, ColumnParallelLinear) and bucket.normed is not None:
             for residual in (None, first[:, k:].contiguous()):
                 module(first[:, :k].contiguous(), norm=norm, residual=residual)

@@ -13,12 +13,14 @@ pytest.importorskip("triton")
 from nanovllm.kernels.fp8_gemm import quantize_rows, scaled_mm_linear, w8a8_linear  # noqa: E402
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear  # noqa: E402
 from nanovllm.layers.fp8 import (  # noqa: E402
+    Fp8ScaledMmLinearMethod,
     Fp8TritonLinearMethod,
     fp8_dequant_linear,
     fp8_weight_only_linear,
     quantize_groups,
 )
 from nanovllm.layers.linear import ReplicatedLinear  # noqa: E402
+from nanovllm.layers.linear_methods import LinearMethod  # noqa: E402
 from nanovllm.utils.config_checks import Fp8Scheme  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -118,7 +120,7 @@ def test_scaled_mm_leaves_what_row_wise_scaling_cannot_take_to_the_triton_gemm(m
     x, weight, scale, _ = make(5, 96, 256, 128, torch.float32)  # two scale groups a row
     torch.testing.assert_close(scaled_mm_linear(x, weight, scale, 128),
                                w8a8_linear(x, weight, scale, 128, None))
-    x, weight, scale, _ = make(5, 96, 256, 256, torch.float32)  # and one it takes
+    x, weight, scale, _ = make(5, 96, 256, 256, torch.bfloat16)  # and one it takes (bf16 out, as on a GPU)
     with pytest.raises(AssertionError, match="was called"):
         scaled_mm_linear(x, weight, scale, 256)
 
@@ -142,8 +144,40 @@ def test_the_triton_method_takes_the_gemv_to_16_rows_then_the_gemm():
     layer.bias.data.copy_(bias.cpu())
     layer.to(DEVICE)
     assert [method.bucket(r).plain.__name__ for r in (1, 16, 17)] == ["fp8_gemv", "fp8_gemv", "fp8_gemm"]
-    for rows, reference, tol in ((16, fp8_weight_only_linear, 1e-4),
+    for rows, reference, tol in ((1, fp8_weight_only_linear, 1e-4), (16, fp8_weight_only_linear, 1e-4),
                                  (17, fp8_dequant_linear, GEMM_TOLERANCE)):
         x = make(rows, 200, 300, 128, torch.float32, seed=rows)[0]
         torch.testing.assert_close(layer(x), reference(x, layer.weight, layer.weight_scale, 128, layer.bias),
                                    rtol=tol, atol=tol)
+
+
+def test_one_row_folds_the_norm_and_the_silu_mul_into_the_fp8_gemv(monkeypatch):
+    """A one-row call handed its RMSNorm (q/k/v, gate/up) or its SiLU-mul (down) runs one fp8 kernel
+    (kernels/fp8_skinny.py) and gives what the norm or SiLU-mul then the layer give."""
+    from nanovllm.layers.norm_act import RMSNorm, silu_and_mul
+
+    method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))  # one scale a row
+    layer = ReplicatedLinear(256, 200, bias=False, quant_method=method)
+    _, weight, scale, _ = make(1, 200, 256, 256, torch.float32)
+    layer.weight = torch.nn.Parameter(weight.cpu(), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale.cpu(), requires_grad=False)
+    norm = RMSNorm(256)
+    norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
+    layer.to(DEVICE), norm.to(DEVICE)
+    x, residual = (make(1, 8, 256, 128, torch.float32, seed=s)[0] for s in (3, 4))
+    called = []  # the unfolded ways (the norm's or the SiLU-mul's own kernel first): never taken here
+    monkeypatch.setattr(LinearMethod, "apply_normed", lambda *args: called.append("norm"))
+    monkeypatch.setattr(LinearMethod, "apply_silu", lambda *args: called.append("silu"))
+    folds = (method.bucket(1).normed, method.bucket(1).silu)
+    assert [f.__name__ for f in folds] == ["fp8_skinny_norm", "fp8_skinny_silu"]
+    out, summed = method.apply_normed(layer, x, norm, residual)
+    normed, expected_sum = norm(x.clone(), residual.clone())
+    torch.testing.assert_close(summed, expected_sum)
+    expected = fp8_weight_only_linear(normed, layer.weight, layer.weight_scale, 256, None)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    gate_up = make(1, 8, 512, 128, torch.float32, seed=5)[0]
+    down = ReplicatedLinear(256, 200, bias=False, quant_method=method)
+    down.weight, down.weight_scale = layer.weight, layer.weight_scale
+    expected = fp8_weight_only_linear(silu_and_mul(gate_up), layer.weight, layer.weight_scale, 256, None)
+    torch.testing.assert_close(method.apply_silu(down, gate_up, None), expected, rtol=1e-4, atol=1e-4)
+    assert not called

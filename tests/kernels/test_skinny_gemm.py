@@ -184,7 +184,7 @@ def test_prologues_with_preloaded_tiles(preload: int):
     for prologue, args in ((skinny_gemm.ADD_RMS_NORM, (residual, torch.empty_like(x), norm_weight, 1e-6)),
                            (skinny_gemm.SILU_MUL, ())):
         source = gate_up if prologue == skinny_gemm.SILU_MUL else x
-        outs = [skinny_gemm._launch(source, weight, bias, torch.empty(1, n, device=DEVICE, dtype=dtype),
+        outs = [skinny_gemm.launch_gemv(source, weight, bias, torch.empty(1, n, device=DEVICE, dtype=dtype),
                                     config, False, prologue, *args) for config in (plain, ahead)]
         assert torch.equal(outs[0], outs[1])
 

@@ -1,0 +1,116 @@
+"""kernels/fp8_skinny.py against layers/fp8.py's W8A16 reference (the dequantized weight, x unrounded), on
+CPU tensors through the Triton interpreter (or on CUDA when TRITON_INTERPRET=0): one scale a row, ragged
+N and K, split-K, a bias, the RMSNorm and SiLU-mul folds, preloaded tiles, and the argument checks."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import triton_test_device
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels import skinny_gemm  # noqa: E402
+from nanovllm.kernels.fp8_skinny import (  # noqa: E402
+    fp8_skinny_linear,
+    fp8_skinny_norm_linear,
+    fp8_skinny_silu_linear,
+)
+from nanovllm.layers.fp8 import fp8_weight_only_linear, quantize_groups  # noqa: E402
+
+DEVICE = triton_test_device()
+TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# (N, K): ragged N and K (no multiple of the column or K tile); one tile; 16 rows of a long K, so few
+# column blocks that the shapes ask for split-K (where the norm fold runs the norm's kernel first).
+SHAPES = [(200, 300), (96, 256), (16, 4096)]
+
+
+def make(n: int, k: int, dtype: torch.dtype, width: int | None = None, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, width or k, generator=gen)
+    # Scaled so that outputs are O(1) (as a normed row's are), and one tolerance fits every K.
+    weight, scale = quantize_groups(torch.randn(n, k, generator=gen) / k**0.5, k)
+    bias = torch.randn(n, generator=gen)
+    return x.to(DEVICE, dtype), weight.to(DEVICE), scale.to(DEVICE), bias.to(DEVICE, dtype)
+
+
+def reference(x, weight, scale, bias):
+    k = weight.shape[1]
+    return fp8_weight_only_linear(x.float(), weight, scale, k, None if bias is None else bias.float())
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_the_weight_only_reference(n, k, dtype, with_bias):
+    x, weight, scale, bias = make(n, k, dtype)
+    bias = bias if with_bias else None
+    assert_close(fp8_skinny_linear(x, weight, scale, k, bias), reference(x, weight, scale, bias), dtype)
+
+
+def test_the_shapes_exercise_split_k_and_a_single_launch():
+    assert skinny_gemm.skinny_config(16, 4096, 1, 132).split_k > 1
+    assert skinny_gemm.skinny_config(200, 300, 1, 132).split_k == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_fold_matches_norm_then_linear(n, k, dtype, with_residual):
+    from nanovllm.attention.layer import rms_norm
+
+    x, weight, scale, bias = make(n, k, dtype)
+    gen = torch.Generator().manual_seed(3)
+    residual = torch.randn(1, k, generator=gen).to(DEVICE, dtype) if with_residual else None
+    norm_weight = (1 + torch.rand(k, generator=gen)).to(DEVICE, dtype)
+    out, summed = fp8_skinny_norm_linear(x, norm_weight, 1e-6, weight, scale, k, bias, residual)
+    expected_sum = (x.float() + residual.float()).to(dtype) if with_residual else x
+    assert torch.equal(summed, expected_sum)
+    normed = rms_norm(expected_sum.cpu().float(), norm_weight.cpu().float(), 1e-6).to(DEVICE)
+    assert_close(out, reference(normed, weight, scale, bias), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_silu_fold_matches_silu_mul_then_linear(n, k, dtype):
+    gate_up, weight, scale, bias = make(n, k, dtype, width=2 * k)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    activated = (torch.nn.functional.silu(gate) * up).to(dtype)
+    expected = reference(activated, weight, scale, bias)
+    assert_close(fp8_skinny_silu_linear(gate_up, weight, scale, k, bias), expected, dtype)
+
+
+@pytest.mark.parametrize("preload", [1, 2])
+def test_preloaded_tiles_give_the_same_bits(preload):
+    """Tiles loaded ahead of the loop (as under PDL) give what the loop alone gives."""
+    x, weight, scale, _ = make(64, 512, torch.float32)
+    config = skinny_gemm.skinny_config(64, 512, 1, 132)
+    config = dataclasses.replace(config, block_k=128, split_k=1)  # four tiles
+    outs = [skinny_gemm.launch_gemv(x, weight, None, torch.empty(1, 64, device=DEVICE),
+                                    dataclasses.replace(config, preload=p), False, weight_scale=scale)
+            for p in (0, preload)]
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[0], reference(x, weight, scale, None), torch.float32)
+
+
+def test_rejects_what_it_cannot_read():
+    x, weight, scale, bias = make(64, 256, torch.float32)
+    with pytest.raises(ValueError, match="must be torch.float8_e4m3fn"):
+        fp8_skinny_linear(x, weight.float(), scale, 256)
+    with pytest.raises(ValueError, match="one scale a row; groups of 128"):
+        fp8_skinny_linear(x, weight, quantize_groups(weight.float().cpu(), 128)[1].to(DEVICE), 128)
+    with pytest.raises(ValueError, match=r"weight_scale \(64,\) torch.float32 must be contiguous"):
+        fp8_skinny_linear(x, weight, scale.view(64), 256)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        fp8_skinny_linear(torch.cat([x, x]), weight, scale, 256)
+    with pytest.raises(ValueError, match="bias must be"):
+        fp8_skinny_linear(x, weight, scale, 256, bias[:10])
+    with pytest.raises(ValueError, match="norm_weight"):
+        fp8_skinny_norm_linear(x, torch.ones(128, device=DEVICE), 1e-6, weight, scale, 256)
