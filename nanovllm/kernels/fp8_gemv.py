@@ -15,7 +15,12 @@ scales alike, a K tile never straddling two groups. Like kernels/skinny_rows.py 
 weight tile the dot's left operand, the rows of x padded to ROWS = 16 its right one; padding rows repeat
 the last real row and are never stored). Under PDL (sm_90+) it waits for the kernel before and then lets
 the next one launch. Sizes come from shapes alone, so calls are CUDA-graph capturable.
-GPU timings: not measured yet (no preloaded tiles before the PDL wait, no split-K: both to be measured)."""
+Launch settings from a sweep at Qwen3-8B's shapes and 16 rows, graph-timed on an H200 (2026-12-03,
+docs/performance-notes.md "fp8 weights"): block_n 16-64, block_k 128-256, 4-8 warps, 3-5 stages. The
+settings below took 20.8 / 16.6 / 44.2 / 43.7 us (q/k/v, o, gate/up, down; gate/up's best, block_k 128,
+39.5) against 34.9 / 23.9 / 56.7 / 65.0 with the settings before (block_n 16, 4 stages): still slower than
+bf16 cuBLAS (15.7 / 13.2 / 50.3 / 29.0). Qwen3-0.6B's shapes were not swept. At one row with one scale a
+row kernels/fp8_skinny.py takes over."""
 
 import torch
 import triton
@@ -28,12 +33,15 @@ FP8_DTYPE = torch.float8_e4m3fn
 # The rows of x the dot takes at once: tl.dot's smallest operand width; more rows take the W8A8 GEMM.
 ROWS = 16
 MAX_ROWS = ROWS
-# Column-block widths, widest first: the widest that still gives two programs per SM (as skinny_launch).
+# Column-block widths, widest first: the widest that still gives MIN_PROGRAMS_PER_SM programs per SM. The
+# sweep's winners were the widest blocks with at least ~0.7 programs an SM (q/k/v's N = 6144: 96 blocks
+# of 64; o's and down's N = 4096: 128 of 32), not the two per SM the bf16 GEMV wants.
 GEMV_WIDTHS = (64, 32, 16)
-PROGRAMS_PER_SM = 2
-# A K tile of 256 e4m3 weights x 64 rows is 16 KB; four stages keep ~48 KB of weight in flight a program.
+MIN_PROGRAMS_PER_SM = 0.7
+# A K tile of 256 e4m3 weights x 64 rows is 16 KB; three stages (the sweep's best at every shape) keep
+# ~32 KB of weight in flight a program.
 GEMV_BLOCK_K = 256
-GEMV_NUM_STAGES = 4
+GEMV_NUM_STAGES = 3
 GEMV_NUM_WARPS = 4
 
 
@@ -92,8 +100,9 @@ def _fp8_gemv_kernel(
 
 
 def gemv_block_n(n: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
-    """The widest column block that still gives PROGRAMS_PER_SM programs per SM (not tuned yet)."""
-    return next((w for w in GEMV_WIDTHS if triton.cdiv(n, w) >= PROGRAMS_PER_SM * num_sms), GEMV_WIDTHS[-1])
+    """The widest column block that still gives MIN_PROGRAMS_PER_SM programs per SM."""
+    return next((w for w in GEMV_WIDTHS if triton.cdiv(n, w) >= MIN_PROGRAMS_PER_SM * num_sms),
+                GEMV_WIDTHS[-1])
 
 
 def fp8_gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,

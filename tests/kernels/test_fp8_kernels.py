@@ -11,7 +11,7 @@ from conftest import triton_test_device
 pytest.importorskip("triton")
 
 from nanovllm.kernels.fp8_gemm import quantize_rows, scaled_mm_linear, w8a8_linear  # noqa: E402
-from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear  # noqa: E402
+from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear, gemv_block_n  # noqa: E402
 from nanovllm.layers.fp8 import (  # noqa: E402
     Fp8ScaledMmLinearMethod,
     Fp8TritonLinearMethod,
@@ -94,6 +94,16 @@ def test_gemv_matches_the_dequantized_weight_on_unrounded_activations(m, n, k, g
     if dtype == torch.float32:
         rounded = fp8_dequant_linear(x.float(), weight, scale, group, bias.float() if m % 2 else None)
         assert (rounded - expected).abs().max() > 10 * tol
+
+
+@pytest.mark.parametrize("n, group, block_n", [(6144, 256, 64), (4096, 128, 32)])
+def test_the_gemv_takes_wide_column_blocks_where_the_sweep_found_them_faster(n, group, block_n):
+    """Qwen3-8B's q/k/v (N = 6144) and o / down (N = 4096) widths launch 64- and 32-column blocks
+    (kernels/fp8_gemv.py's sweep); the wide tiles compute what the narrow ones do."""
+    assert gemv_block_n(n, 132) == block_n
+    x, weight, scale, bias = make(3, n, 256, group, torch.float32)
+    expected = fp8_weight_only_linear(x.float(), weight, scale, group, bias.float())
+    torch.testing.assert_close(fp8_gemv_linear(x, weight, scale, group, bias), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
