@@ -184,6 +184,17 @@ def cases() -> dict:
                             dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=3,
                                  PROLOGUE=skinny_gemm.ADD_RMS_NORM.value, PDL=True, PRELOAD=2), {},
                             dict(launch_pdl=True)),
+        # fp8 weights with one scale a row (kernels/fp8_skinny.py): the e4m3 tile widened in registers.
+        "skinny-gemm-fp8-add-rms-norm-pdl": (
+            skinny_gemm._skinny_gemm_kernel,
+            dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=5,
+                 PROLOGUE=skinny_gemm.ADD_RMS_NORM.value, PDL=True, PRELOAD=2, SCALED=True),
+            FP8_WEIGHT, dict(launch_pdl=True)),
+        "skinny-gemm-fp8-split-k": (
+            skinny_gemm._skinny_gemm_kernel,
+            dict(BLOCK_N=4, BLOCK_K=1024, HAS_BIAS=True, WRITE_PARTIAL=True, NUM_STAGES=3, PDL=False,
+                 PRELOAD=0, SCALED=True),
+            FP8_WEIGHT),
         "skinny-rows-add-rms-norm-pdl": (skinny_rows._skinny_rows_kernel,
                                          dict(ROWS_=16, BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False,
                                               WRITE_PARTIAL=False, NUM_STAGES=4,
@@ -335,6 +346,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "decode-fp8-words-large-batch-one-split", "decode-fp8-words-packed", "decode-rope-one-split",
               "rope-store-qk-norm", "rope-store", "rope-store-fp8",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "skinny-gemm-pdl",
+              "skinny-gemm-fp8-add-rms-norm-pdl", "skinny-gemm-fp8-split-k",
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split",
               "decode-rope-pdl", "decode-rope-pdl-late-trigger", "split-k-reduce", "add-rms-norm", "rms-norm",
               "silu-and-mul",
