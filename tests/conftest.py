@@ -169,6 +169,26 @@ _mend_interpreted_bf16()
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+# With the GPU shown (CUDA_VISIBLE_DEVICES set), an engine sizes its KV cache to gpu_memory_utilization of
+# the whole device: under xdist the first worker's engine took 90% and every other worker's engine found
+# no memory left. Tests' engines hold a few MB of KV; this caps each at GPU_TEST_KV_BYTES.
+GPU_TEST_KV_BYTES = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def gpu_kv_share(monkeypatch):
+    if not os.environ.get("PYTEST_XDIST_WORKER_COUNT") or not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return
+    from nanovllm.runner import kv_cache
+
+    whole = kv_cache.blocks_for_budget
+
+    def share(config, device, bytes_per_block, activation_peak):
+        num_blocks = whole(config, device, bytes_per_block, activation_peak)
+        return min(num_blocks, GPU_TEST_KV_BYTES // bytes_per_block) if device.type == "cuda" else num_blocks
+
+    monkeypatch.setattr(kv_cache, "blocks_for_budget", share)
+
 
 def triton_test_device() -> str:
     """Where a kernel test module runs its tensors: the CPU under Triton's interpreter (the default
