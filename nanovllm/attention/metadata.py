@@ -29,6 +29,10 @@ class AttentionMetadata:
     # The decoding rows (all of a decode step's, a mixed step's first num_decode_rows) by context length,
     # longest first, int32: the order a decode kernel may start them in (kernels/decode_attention.py).
     decode_order: torch.Tensor | None = None
+    # Decode steps: rows may be positions of one sequence (a speculative verification run as decode rows,
+    # runner/verify_graphs.py), each attending to keys the rows before it store in this step. A backend
+    # must then store every row's K/V before any row attends: no fused store-and-attend kernel.
+    rows_share_sequences: bool = False
     # Host copies for backends that loop over sequences in Python (the torch reference backend).
     cu_seqlens_q_host: list[int] | None = None
     seqlens_k_host: list[int] | None = None

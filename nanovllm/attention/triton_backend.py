@@ -122,7 +122,7 @@ class TritonBackend(GPUBackend):
         if meta.is_prefill:
             return super().forward(layer, q, k, v, positions, meta)
         bucket = self.decode_bucket(q.shape[0])
-        if not bucket.fused:
+        if not bucket.fused or meta.rows_share_sequences:  # store every row's K/V, then attend
             return super().forward(layer, q, k, v, positions, meta)
         return self._fused_decode(layer, q, k, v, positions, meta.slot_mapping, meta.seqlens_k,
                                   meta.block_tables, bucket)

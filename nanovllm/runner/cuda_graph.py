@@ -106,10 +106,14 @@ class DecodeGraphs:
         batch_sizes: list[int] | None = None,
         head_rows: int = 0,
         race: Race | None = None,
+        shared_rows: bool = False,
+        pool: tuple | None = None,
     ) -> None:
         """use_cuda_graph=False runs the same padded static-buffer path eagerly (tests on CPU).
         head_rows: the graphs of up to this many rows also compute the logits (model.compute_logits), and
-        given race, sample from them."""
+        given race, sample from them. shared_rows: rows may be positions of one sequence (speculative
+        verification, runner/verify_graphs.py; AttentionMetadata.rows_share_sequences). pool: capture
+        into another graph set's memory pool (never replayed at the same time as this one)."""
         self.model = model
         self.batch_sizes = batch_sizes or graph_batch_sizes(max_batch_size)
         assert self.batch_sizes[-1] == max_batch_size, "the ladder must end at the largest batch"
@@ -141,7 +145,8 @@ class DecodeGraphs:
         self.no_tokens = torch.zeros(1, dtype=torch.int64, device=device)  # "sampled" of a step without any
         self.use_cuda_graph = use_cuda_graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.pool = pool
+        self.shared_rows = shared_rows
 
     def _meta(self, batch_size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -151,6 +156,7 @@ class DecodeGraphs:
             block_tables=self.block_tables[:batch_size],
             max_seqlen_k=self.width,
             decode_order=self.decode_order[:batch_size],
+            rows_share_sequences=self.shared_rows,
         )
 
     def _run_model(self, batch_size: int) -> None:

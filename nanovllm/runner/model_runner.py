@@ -22,11 +22,12 @@ from nanovllm.layers.parallel import get_tp_rank
 from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.models import get_model_class
 from nanovllm.runner import kv_cache, warm_up
-from nanovllm.runner.cuda_graph import HEAD_GRAPH_MAX_ROWS, DecodeGraphs, staging_bytes
+from nanovllm.runner.cuda_graph import DecodeGraphs, staging_bytes
 from nanovllm.runner.inputs import model_inputs, padded_num_tokens, to_device
 from nanovllm.runner.piecewise import PiecewiseGraphs, memory_token_limit
 from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row
 from nanovllm.runner.transfers import DeferredOutput, PendingOutput, Uploads
+from nanovllm.runner.verify_graphs import capture_decode_graphs, route
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
@@ -97,6 +98,7 @@ class ModelRunner:
                                + SAMPLING_BYTES_PER_ROW * config.max_num_seqs + UPLOAD_SLACK)
         self.download_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.decode_graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None  # speculative verification (runner/verify_graphs.py)
         self.piecewise: PiecewiseGraphs | None = None
         if on_gpu and not config.enforce_eager:
             # Before the KV cache is sized: the graphs' buffers and memory pool then count as in use.
@@ -150,14 +152,10 @@ class ModelRunner:
         if not self.backend.supports_cuda_graph:
             logger.info("attention backend %s cannot run in CUDA graphs; decoding eagerly", self.backend.name)
             return
-        config = self.config
         max_batch, max_blocks = self._decode_graph_size()
-        # Under tensor parallelism the LM head gathers across ranks: it stays out of the graphs.
-        head_rows = HEAD_GRAPH_MAX_ROWS if config.tensor_parallel_size == 1 else 0
-        self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, config.hf_config.hidden_size,
-                                          self.dtype, self.device, head_rows=head_rows,
-                                          race=self.sampler.graph_race())
-        self.decode_graphs.capture()
+        self.decode_graphs, self.verify_graphs = capture_decode_graphs(
+            self.model, self.config, max_batch, max_blocks, self.dtype, self.device,
+            self.sampler.graph_race())
 
     # ---- KV cache ----
     def _num_kvcache_blocks(self) -> int:
@@ -191,7 +189,8 @@ class ModelRunner:
         if threads is not None and (time.monotonic() >= threads.next_look
                                     or torch.get_num_threads() != threads.num_threads):
             threads.apply()
-        uploads, graphs = self.uploads, self.decode_graphs
+        uploads = self.uploads
+        batch, graphs = route(batch, self.decode_graphs, self.verify_graphs)  # verification as decode rows
         uploads.begin()
         staged = None
         if not batch.is_prefill and graphs and graphs.can_run(batch.num_seqs):
@@ -285,12 +284,12 @@ class ModelRunner:
         Idempotent."""
         if not hasattr(self, "model"):
             return
-        for graphs in (self.decode_graphs, self.piecewise):
+        for graphs in (self.decode_graphs, self.verify_graphs, self.piecewise):
             if graphs is not None:
                 graphs.release()
         # The graph runners hold the model's modules, and the attention layers views of the cache:
         # while this runner lives (an LLM object not yet collected), none may keep the cache alive.
-        self.decode_graphs = self.piecewise = None
+        self.decode_graphs = self.verify_graphs = self.piecewise = None
         self.uploads.release()
         kv_cache.detach(self.attention_layers)
         del self.model, self.attention_layers
