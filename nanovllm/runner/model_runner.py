@@ -189,8 +189,9 @@ class ModelRunner:
         if threads is not None and (time.monotonic() >= threads.next_look
                                     or torch.get_num_threads() != threads.num_threads):
             threads.apply()
-        uploads = self.uploads
-        batch, graphs = route(batch, self.decode_graphs, self.verify_graphs)  # verification as decode rows
+        uploads, graphs = self.uploads, self.decode_graphs
+        if batch.spec_token_ids and self.verify_graphs is not None:  # verification as decode rows
+            batch, graphs = route(batch, graphs, self.verify_graphs)
         uploads.begin()
         staged = None
         if not batch.is_prefill and graphs and graphs.can_run(batch.num_seqs):

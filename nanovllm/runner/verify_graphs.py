@@ -72,12 +72,12 @@ def capture_decode_graphs(model: nn.Module, config: Config, max_batch: int, max_
     return graphs, verify
 
 
-def route(batch: StepBatch, graphs: DecodeGraphs | None, verify: DecodeGraphs | None
+def route(batch: StepBatch, graphs: DecodeGraphs | None, verify: DecodeGraphs
           ) -> tuple[StepBatch, DecodeGraphs | None]:
-    """(the batch to run, the graphs to run it in): a verification step that fits the verification
-    graphs as decode rows in them; any other step as it is, with the decode graphs."""
-    if verify is not None and batch.spec_token_ids:
-        rows = as_decode_rows(batch)
-        if rows is not None and verify.can_run(rows.num_seqs):
-            return rows, verify
+    """(the batch to run, the graphs to run it in) for a step with drafts: as decode rows in the
+    verification graphs where it fits them, else as it is, with the decode graphs (which take no prefill
+    step: it runs the prefill path)."""
+    rows = as_decode_rows(batch)
+    if rows is not None and verify.can_run(rows.num_seqs):
+        return rows, verify
     return batch, graphs
