@@ -221,24 +221,8 @@ class Fp8LinearMethod(LinearMethod):
     def group(self, layer: nn.Module) -> int:
         return self.scheme.block[1] if self.scheme.block is not None else layer.weight.shape[1]
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        at, rows = self._at, x.shape[0]
-        kernel = (at[rows] if rows < len(at) else at[-1]).plain
-        return kernel(x, layer.weight, layer.weight_scale, self.group(layer), bias, self.pdl)
-
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        fold = self.bucket(x.shape[0]).normed
-        if fold is None or not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
-            return super().apply_normed(layer, x, norm, residual)
-        return fold(x, norm.weight, norm.eps, layer.weight, layer.weight_scale, self.group(layer), layer.bias,
-                    residual, self.pdl)
-
-    def apply_silu(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        fold = self.bucket(gate_up.shape[0]).silu
-        if fold is None or not gate_up.is_contiguous():
-            return super().apply_silu(layer, gate_up, bias)
-        return fold(gate_up, layer.weight, layer.weight_scale, self.group(layer), bias, self.pdl)
+    def weights(self, layer: nn.Module) -> tuple:
+        return layer.weight, layer.weight_scale, self.group(layer)
 
 
 class Fp8TritonLinearMethod(Fp8LinearMethod):

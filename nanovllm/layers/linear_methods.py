@@ -18,12 +18,13 @@ from torch import nn
 
 from nanovllm.layers.norm_act import RMSNorm, silu_and_mul
 
-# (x [M, K], weight [N, K], bias [N] | None, pdl) -> x @ weight^T (+ bias)
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
-# (x, norm_weight, eps, weight, bias, residual, pdl)
+# (x [M, K], *weights, bias [N] | None, pdl) -> x @ weight^T (+ bias). weights: LinearMethod.weights, the
+# weight [N, K] (and a quantized method's scales after it).
+Kernel = Callable[..., torch.Tensor]
+# (x, norm_weight, eps, *weights, bias, residual, pdl)
 #     -> (rms_norm(x + residual) @ weight^T (+ bias), x + residual)
 NormedKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-# ([gate | up] [M, 2K], weight, bias, pdl) -> (silu(gate) * up) @ weight^T (+ bias)
+# ([gate | up] [M, 2K], *weights, bias, pdl) -> (silu(gate) * up) @ weight^T (+ bias)
 SiluKernel = Kernel
 
 
@@ -110,20 +111,36 @@ class LinearMethod:
         """Re-lay the loaded weights out as the kernels want them (e.g. quantize, transpose). Nothing by
         default."""
 
+    def weights(self, layer: nn.Module) -> tuple:
+        """What the kernels take between x and the bias: the weight, and a quantized method's scales
+        (layers/fp8.py: weight, weight_scale, group)."""
+        return (layer.weight,)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] @ weight^T (+ bias) -> [M, N]."""
-        raise NotImplementedError
+        """x [M, K] @ weight^T (+ bias) -> [M, N], by the kernel of x's row bucket."""
+        at, rows = self._at, x.shape[0]
+        return (at[rows] if rows < len(at) else at[-1]).plain(x, *self.weights(layer), bias, self.pdl)
 
     def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(apply(norm(x + residual)), x + residual), or without a residual (apply(norm(x)), x)."""
+        """(apply(norm(x + residual)), x + residual), or without a residual (apply(norm(x)), x): one
+        kernel where the bucket folds the norm in."""
+        at, rows = self._at, x.shape[0]
+        fold = (at[rows] if rows < len(at) else at[-1]).normed
+        if fold is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            return fold(x, norm.weight, norm.eps, *self.weights(layer), layer.bias, residual, self.pdl)
         if residual is None:
             return self.apply(layer, norm(x), layer.bias), x
         normed, residual = norm(x, residual)
         return self.apply(layer, normed, layer.bias), residual
 
     def apply_silu(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """apply(silu(gate) * up) of the gated MLP's [gate | up] [M, 2K]."""
+        """apply(silu(gate) * up) of the gated MLP's [gate | up] [M, 2K]: one kernel where the bucket
+        folds the SiLU-mul in."""
+        at, rows = self._at, gate_up.shape[0]
+        fold = (at[rows] if rows < len(at) else at[-1]).silu
+        if fold is not None and gate_up.is_contiguous():
+            return fold(gate_up, *self.weights(layer), bias, self.pdl)
         return self.apply(layer, silu_and_mul(gate_up), bias)
 
 
@@ -137,25 +154,6 @@ class UnquantizedLinearMethod(LinearMethod):
                        weight_loader: Callable[..., None]) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         layer.weight.weight_loader = weight_loader
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        at, rows = self._at, x.shape[0]
-        return (at[rows] if rows < len(at) else at[-1]).plain(x, layer.weight, bias, self.pdl)
-
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        at, rows = self._at, x.shape[0]
-        fold = (at[rows] if rows < len(at) else at[-1]).normed
-        if fold is None or not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
-            return super().apply_normed(layer, x, norm, residual)
-        return fold(x, norm.weight, norm.eps, layer.weight, layer.bias, residual, self.pdl)
-
-    def apply_silu(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        at, rows = self._at, gate_up.shape[0]
-        fold = (at[rows] if rows < len(at) else at[-1]).silu
-        if fold is None or not gate_up.is_contiguous():
-            return super().apply_silu(layer, gate_up, bias)
-        return fold(gate_up, layer.weight, bias, self.pdl)
 
 
 class SkinnyLinearMethod(UnquantizedLinearMethod):

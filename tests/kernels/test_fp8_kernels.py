@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from nanovllm.kernels.fp8_gemm import quantize_rows, scaled_mm_linear, w8a8_linear  # noqa: E402
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear, gemv_block_n  # noqa: E402
+from nanovllm.layers import linear_methods  # noqa: E402
 from nanovllm.layers.fp8 import (  # noqa: E402
     Fp8ScaledMmLinearMethod,
     Fp8TritonLinearMethod,
@@ -20,7 +21,6 @@ from nanovllm.layers.fp8 import (  # noqa: E402
     quantize_groups,
 )
 from nanovllm.layers.linear import ReplicatedLinear  # noqa: E402
-from nanovllm.layers.linear_methods import LinearMethod  # noqa: E402
 from nanovllm.utils.config_checks import Fp8Scheme  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -175,13 +175,13 @@ def test_one_row_folds_the_norm_and_the_silu_mul_into_the_fp8_gemv(monkeypatch):
     norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
     layer.to(DEVICE), norm.to(DEVICE)
     x, residual = (make(1, 8, 256, 128, torch.float32, seed=s)[0] for s in (3, 4))
+    normed, expected_sum = norm(x.clone(), residual.clone())
     called = []  # the unfolded ways (the norm's or the SiLU-mul's own kernel first): never taken here
-    monkeypatch.setattr(LinearMethod, "apply_normed", lambda *args: called.append("norm"))
-    monkeypatch.setattr(LinearMethod, "apply_silu", lambda *args: called.append("silu"))
+    monkeypatch.setattr(RMSNorm, "forward", lambda *args: called.append("norm"))
+    monkeypatch.setattr(linear_methods, "silu_and_mul", lambda *args: called.append("silu"))
     folds = (method.bucket(1).normed, method.bucket(1).silu)
     assert [f.__name__ for f in folds] == ["fp8_skinny_norm", "fp8_skinny_silu"]
     out, summed = method.apply_normed(layer, x, norm, residual)
-    normed, expected_sum = norm(x.clone(), residual.clone())
     torch.testing.assert_close(summed, expected_sum)
     expected = fp8_weight_only_linear(normed, layer.weight, layer.weight_scale, 256, None)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
