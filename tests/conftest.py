@@ -175,9 +175,11 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 GPU_TEST_KV_BYTES = 1 << 30
 
 
-@pytest.fixture(autouse=True)
-def gpu_kv_share(monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def gpu_kv_share():
+    """Session-wide, so that module-scoped engines are capped too."""
     if not os.environ.get("PYTEST_XDIST_WORKER_COUNT") or not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        yield
         return
     from nanovllm.runner import kv_cache
 
@@ -187,7 +189,9 @@ def gpu_kv_share(monkeypatch):
         num_blocks = whole(config, device, bytes_per_block, activation_peak)
         return min(num_blocks, GPU_TEST_KV_BYTES // bytes_per_block) if device.type == "cuda" else num_blocks
 
-    monkeypatch.setattr(kv_cache, "blocks_for_budget", share)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_cache, "blocks_for_budget", share)
+        yield
 
 
 def triton_test_device() -> str:
