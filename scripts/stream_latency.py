@@ -58,9 +58,14 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default=None)
     parser.add_argument("--speculative-config", default=None, help="JSON, as vLLM's option")
+    parser.add_argument("--load-format", default="auto",
+                        help="dummy: random weights from config.json alone (no tokenizer: token ids only)")
     parser.add_argument("--label", default="", help="printed first on the result line")
     args = parser.parse_args()
-    options = {"max_model_len": 4096}
+    if args.load_format == "dummy" and args.workload in CHAT_WORKLOADS:
+        parser.error(f"--workload {args.workload} needs the model's tokenizer; --load-format dummy has none")
+    options = {"max_model_len": 4096, "load_format": args.load_format,
+               "skip_tokenizer_init": args.load_format == "dummy"}
     for name in ("quantization", "kv_cache_dtype"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)

@@ -51,6 +51,24 @@ def test_stream_latency_runs_as_typed_with_speculation(qwen3_dir):
     assert "tiny single stream (copy): 16 tok in" in done.stdout and "ms/token" in done.stdout
 
 
+def test_stream_latency_runs_on_random_weights_from_a_config(tmp_path):
+    """`--load-format dummy`: a config.json alone (no tokenizer, no weights), as benchmarks size 8B."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=256, architectures=["Qwen3ForCausalLM"]
+                ).save_pretrained(tmp_path)
+    command = [sys.executable, "scripts/stream_latency.py", "--model", str(tmp_path),
+               "--load-format", "dummy", "--prompt-len", "32", "--output-len", "16", "--label", "dummy"]
+    done = subprocess.run(command, cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "dummy single stream (random): 16 tok in" in done.stdout
+    chat = subprocess.run(command + ["--workload", "summarize"], cwd=SCRIPTS.parent, capture_output=True,
+                          text=True, timeout=300)
+    assert chat.returncode == 2 and "needs the model's tokenizer" in chat.stderr
+
+
 def test_fp8_quality_runs_as_typed(tmp_path):
     """`python scripts/fp8_quality.py` on a tiny config (CPU: float32, the fp8 reference paths)."""
     from transformers import Qwen3Config

@@ -12,14 +12,19 @@ id means the same tokens in both caches. What the draft's cache holds of one seq
 
 A proposal computes the catch-up and the last token in one step (the whole prompt the first time,
 prefix-cached blocks included: the draft writes the KV they would have into its own cache), takes x1
-from the last token's logits, then runs k-1 one-token steps, greedy through the runner's sampler, each
-launched before the one before it is read: its input comes from that step's sampled id on the device
-(StepBatch.prev_token_*, as overlap scheduling feeds decode steps), so the host reads each step while
-the device runs the next (the sampler's per-step noise seed is drawn even for greedy rows: unseeded sampled
-requests of the target see other random numbers than without a draft, from the same distribution). The
-target keeps a prefix of the drafts;
-of the fed ones, those it kept are still valid draft KV at the next proposal, the rest are computed
-again. A preemption frees the blocks and resets num_draft_computed_tokens (BlockManager.deallocate)."""
+from the last token's logits, then runs k-1 one-token steps. Where the catch-up is a few tokens a
+sequence (after a verification: the kept drafts' last and the target's token) it runs as decode rows in
+the draft runner's verification graphs (runner/verify_graphs.py, shaped as a verification whose every
+position samples greedily), launched, with x1 fed to the first one-token step on the device; else on
+the prefill path, whose attention runs eagerly layer by layer (on an H200 at 0.6B about ten decode
+steps' time), read before the one-token steps. The one-token steps run greedy through the runner's
+sampler, each launched before the one before it is read: its input comes from that step's sampled id on
+the device (StepBatch.prev_token_*, as overlap scheduling feeds decode steps), so the host reads each
+step while the device runs the next (the sampler's per-step noise seed is drawn even for greedy rows:
+unseeded sampled requests of the target see other random numbers than without a draft, from the same
+distribution). The target keeps a prefix of the drafts; of the fed ones, those it kept are still valid
+draft KV at the next proposal, the rest are computed again. A preemption frees the blocks and resets
+num_draft_computed_tokens (BlockManager.deallocate)."""
 
 import copy
 import weakref
@@ -52,9 +57,11 @@ class DraftRow:
     samples: bool  # its last token's logits propose the next draft
 
 
-def draft_batch(rows: list[DraftRow], block_size: int, greedy: bool = False) -> StepBatch:
+def draft_batch(rows: list[DraftRow], block_size: int, greedy: bool = False, every_position: bool = False
+                ) -> StepBatch:
     """The step record of `rows` (a decode step when each computes one token): without a sampling part
-    (the proposer takes the argmax of the logits itself), or greedy for every row."""
+    (the proposer takes the argmax of the logits itself), or greedy for every row. every_position: shaped
+    as a verification of each row's tokens after its first, greedy at every position (each row samples)."""
     input_ids, positions, slot_mapping, cu_q, seqlens_k, tables = [], [], [], [0], [], []
     for row in rows:
         end = row.start + len(row.input_ids)
@@ -65,16 +72,21 @@ def draft_batch(rows: list[DraftRow], block_size: int, greedy: bool = False) -> 
         seqlens_k.append(end)
         tables.append(row.block_table[:-(-end // block_size)])  # only the blocks it reads
     sample_rows = [i for i, row in enumerate(rows) if row.samples]
-    n = len(sample_rows)
-    sampling = (SamplingBatch([0.0] * n, [-1] * n, [1.0] * n, [0.0] * n, [None] * n, [None] * n) if greedy
-                else None)
-    return StepBatch(len(input_ids) > len(rows), input_ids, positions, slot_mapping, cu_q, seqlens_k, tables,
-                     sample_rows, sampling)
+    n = len(input_ids) if every_position else len(sample_rows)
+    sampling = (SamplingBatch([0.0] * n, [-1] * n, [1.0] * n, [0.0] * n, [None] * n, [None] * n)
+                if greedy or every_position else None)
+    batch = StepBatch(len(input_ids) > len(rows), input_ids, positions, slot_mapping, cu_q, seqlens_k, tables,
+                      sample_rows, sampling)
+    if every_position:
+        batch.spec_token_ids = [row.input_ids[1:] for row in rows]
+    return batch
 
 
-def _read(active: list[int], pending: object, proposals: list[list[int]]) -> None:
-    """Append a launched one-token step's sampled ids to the proposals of the sequences it ran."""
-    for i, token in zip(active, pending.wait().token_ids, strict=True):
+def _read(proposals: list[list[int]], active: list[int], pending: object, rows: list[int] | None) -> None:
+    """Append a launched step's sampled ids (those at `rows`, or all) to the proposals of the sequences
+    it ran."""
+    token_ids = pending.wait().token_ids
+    for i, token in zip(active, token_ids if rows is None else [token_ids[r] for r in rows], strict=True):
         proposals[i].append(token)
 
 
@@ -106,6 +118,9 @@ class DraftModelProposer:
         # what the engine computes is never written back into a Config.)
         draft = copy.copy(draft)
         draft.num_kvcache_blocks = num_kvcache_blocks
+        # Its runner captures a verification graph set too, sized as the target's (runner/verify_graphs.py):
+        # the catch-up steps run there.
+        draft.speculative_config = config.speculative_config
         if config.tensor_parallel_size > 1:  # on the CPU, rank 0's share of the cores, as its runner's
             draft.cpu_threads = threads_per_rank(config.tensor_parallel_size)
         self.runner = ModelRunner(draft)
@@ -130,34 +145,41 @@ class DraftModelProposer:
         if not wanted:
             return proposals
         order = list(wanted)
-        for j, token in self._catch_up([seqs[i] for i in order]).items():
-            proposals[order[j]].append(token)
+        # prev_rows: per sequence, the row of the last launched step whose sampled id is its next input.
+        steps, previous, prev_rows = [], None, {}
+        launched = self._launch_catch_up([seqs[i] for i in order])
+        if launched is None:
+            for j, token in self._catch_up([seqs[i] for i in order]).items():
+                proposals[order[j]].append(token)
+        else:
+            previous, last_rows = launched
+            steps.append((order, previous, last_rows))
+            prev_rows = dict(zip(order, last_rows, strict=True))
         # The k - 1 one-token steps, each launched before the one before it is read: a row's input is the
         # previous step's sampled id, taken on the device (StepBatch.prev_token_*, as overlap scheduling
         # feeds decode steps), so the host reads a step while the device runs the next. Never more than
         # that one ahead: a decode graph's sampled ids alternate between two output slots
         # (runner/cuda_graph.py), so a step must be read before the one after the next is launched.
-        steps, previous, prev_rows = [], None, {}
         counts = {i: 1 for i in wanted}
         for _ in range(1, max(wanted.values())):
             active = [i for i, num in wanted.items() if counts[i] < num]
-            rows = [DraftRow([proposals[i][0] if counts[i] == 1 else PENDING_TOKEN_ID],
+            rows = [DraftRow([PENDING_TOKEN_ID if i in prev_rows else proposals[i][0]],
                              len(seqs[i].token_ids) + counts[i] - 1, seqs[i].block_table, True)
                     for i in active]
             batch = draft_batch(rows, self.block_size, greedy=True)
             for row, i in enumerate(active):
-                if counts[i] > 1:
+                if i in prev_rows:
                     batch.prev_token_indices.append(row)
                     batch.prev_token_rows.append(prev_rows[i])
             previous = self.runner.launch(batch, previous)
-            steps.append((active, previous))
+            steps.append((active, previous, None))
             if len(steps) > 1:
-                _read(*steps.pop(0), proposals)
+                _read(proposals, *steps.pop(0))
             prev_rows = {i: row for row, i in enumerate(active)}
             for i in active:
                 counts[i] += 1
         for step in steps:
-            _read(*step, proposals)
+            _read(proposals, *step)
         for i in wanted:  # what the next proposal finds of these in the draft's cache
             seq = seqs[i]
             self._fed[seq] = (len(seq.token_ids), proposals[i][:-1])
@@ -175,6 +197,24 @@ class DraftModelProposer:
                     break
                 n += 1
         seq.num_draft_computed_tokens = min(n, len(seq.token_ids) - 1)
+
+    def _launch_catch_up(self, seqs: list[DraftSequence]) -> tuple[object, list[int]] | None:
+        """Launch the catch-up of every sequence as one step of decode rows in the verification graphs:
+        (the step, per sequence the row whose sampled id is its first draft); None where it does not fit
+        them (then _catch_up computes it on the prefill path)."""
+        graphs = self.runner.verify_graphs
+        rows = [DraftRow(seq.token_ids[seq.num_draft_computed_tokens:], seq.num_draft_computed_tokens,
+                         seq.block_table, True) for seq in seqs]
+        total = sum(len(row.input_ids) for row in rows)
+        if graphs is None or not graphs.can_run(total):
+            return None
+        pending = self.runner.launch(draft_batch(rows, self.block_size, every_position=True))
+        last_rows, end = [], 0
+        for seq, row in zip(seqs, rows, strict=True):
+            seq.num_draft_computed_tokens = len(seq.token_ids)
+            end += len(row.input_ids)
+            last_rows.append(end - 1)
+        return pending, last_rows
 
     def _catch_up(self, seqs: list[DraftSequence]) -> dict[int, int]:
         """Compute each sequence's tokens that lack draft KV, its last one included, in steps of at most

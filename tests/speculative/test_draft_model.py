@@ -24,9 +24,11 @@ OUTPUT_LEN = 30  # tokens each sequence grows by, verification by verification
 
 
 def target_config(model: str, k: int, draft: str | None = None, **options) -> Config:
+    """On the CPU wherever the tests run: proposals are compared with transformers' float32 greedy tokens
+    (on a GPU in bf16 they part at near-ties)."""
     return Config(model, speculative_config={"model": draft or model, "num_speculative_tokens": k},
                   kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=NUM_BLOCKS, max_model_len=128,
-                  max_num_seqs=8, cpu_threads=1, **options)
+                  max_num_seqs=8, cpu_threads=1, device="cpu", **options)
 
 
 class Blocks:
@@ -202,7 +204,7 @@ def test_the_draft_counts_in_the_kv_cache_budget(qwen3_dir):
     from nanovllm.runner.model_runner import ModelRunner
 
     options = dict(kvcache_block_size=BLOCK_SIZE, max_model_len=128, max_num_seqs=8, cpu_threads=1,
-                   cpu_kvcache_space_gib=1e-4)  # ~100 KB: 52 blocks of this tiny model's 2 KiB
+                   cpu_kvcache_space_gib=1e-4, device="cpu")  # ~100 KB: 52 blocks of this tiny model's 2 KiB
     runner = ModelRunner(Config(qwen3_dir, **options))
     spec = {"model": qwen3_dir, "num_speculative_tokens": 3}
     with_draft = ModelRunner(Config(qwen3_dir, speculative_config=spec, **options))

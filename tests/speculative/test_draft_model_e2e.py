@@ -76,3 +76,27 @@ def test_drafts_cross_block_boundaries_whole(qwen3_dir):
         spec = llm.engine.stats().spec_decode
     # 41 tokens: the prefill's first, then 10 steps of 3 accepted drafts and a bonus token.
     assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (10, 30, 30)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_catch_ups_run_as_decode_rows_in_the_drafts_verification_graphs(qwen3_dir, plain, k):
+    """After a verification a sequence's draft catches up on a few tokens: as decode rows in the draft
+    runner's verification graph set (here run eagerly: the CPU has no CUDA graphs), launched, with its
+    first draft fed to the next step on the device. Output and acceptance are the prefill path's."""
+    from nanovllm.runner.cuda_graph import HEAD_GRAPH_MAX_ROWS, DecodeGraphs
+
+    spec_config = {"model": qwen3_dir, "num_speculative_tokens": k}
+    with LLM(qwen3_dir, speculative_config=spec_config, **OPTIONS) as llm:
+        runner = llm.engine._spec.proposer.runner
+        graphs = runner.verify_graphs = DecodeGraphs(
+            runner.model, 8, 256 // 4, runner.config.hf_config.hidden_size, runner.dtype, runner.device,
+            use_cuda_graph=False, head_rows=HEAD_GRAPH_MAX_ROWS, race=runner.sampler.graph_race(),
+            shared_rows=True)
+        staged, stage = [], graphs.stage
+        graphs.stage = lambda batch, *rest: staged.append(batch.num_seqs) or stage(batch, *rest)
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY)] == plain
+        stats = llm.engine.stats()
+    spec = stats.spec_decode
+    assert stats.num_preemptions > 0 and spec.num_accepted_tokens == spec.num_draft_tokens > 0
+    # Several sequences' catch-ups in one step, each of a few rows; prompts (longer) took the prefill path.
+    assert staged and max(staged) > 1 and max(staged) <= 8
