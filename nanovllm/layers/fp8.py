@@ -22,7 +22,7 @@ e4m3 per token (group) and back, the weight dequantized exactly, both multiplied
 the W8A16 GEMV (kernels/fp8_gemv.py: the weight streamed once in e4m3, activations unrounded), from 17 the
 W8A8 GEMM (kernels/fp8_gemm.py: the rounding of the reference, on fp8 tensor cores).
 `Fp8ScaledMmLinearMethod` (one scale a row, sm_90+) takes one row through bf16's GEMV over the e4m3 weight
-with the norm and SiLU-mul folded in (kernels/fp8_skinny.py), and from 17 torch._scaled_mm."""
+(kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), and from 17 torch._scaled_mm."""
 
 import math
 from collections.abc import Callable
@@ -91,16 +91,6 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     from nanovllm.kernels.fp8_skinny import fp8_skinny_linear
     return fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl)
 
-
-def fp8_skinny_norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl):
-    from nanovllm.kernels.fp8_skinny import fp8_skinny_norm_linear
-    return fp8_skinny_norm_linear(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl)
-
-
-def fp8_skinny_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                    bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    from nanovllm.kernels.fp8_skinny import fp8_skinny_silu_linear
-    return fp8_skinny_silu_linear(x, weight, weight_scale, group, bias, pdl)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -237,15 +227,14 @@ class Fp8TritonLinearMethod(Fp8LinearMethod):
 
 class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     """Per-channel fp8 (quantization="fp8", per-channel and per-tensor checkpoints) on sm_90+. One row:
-    bf16's GEMV over the e4m3 weight, its RMSNorm / SiLU-mul folds kept (kernels/fp8_skinny.py: 1.5-1.75x
-    faster than bf16's GEMV at Qwen3-8B's shapes; fp8_gemv took 1.3-3.4x bf16's time, and one-stream
-    Qwen3-8B fp8 decode took 10.2 ms a token with it against bf16's 4.6). From 17 rows torch._scaled_mm with
-    row-wise scales (cuBLASLt / CUTLASS, what vLLM runs for this scaling): 0.56-0.72x of bf16 cuBLAS's time
-    at 4,096 rows, where the Triton GEMM took 0.8-1.13x (2026-12-03, H200, graph-timed). Block scales stay
-    on Fp8TritonLinearMethod."""
+    bf16's GEMV over the e4m3 weight (kernels/fp8_skinny.py: 1.5-1.8x faster than bf16's GEMV at Qwen3-8B's
+    shapes, where fp8_gemv took 1.3-3.4x bf16's time), the RMSNorm and SiLU-mul in their own kernels first:
+    folded in, as bf16 has them, they made it as slow as bf16 (one-stream Qwen3-8B fp8 4.57 ms a token
+    against bf16's 4.62). From 17 rows torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS, what vLLM
+    runs for this scaling): 0.56-0.72x of bf16 cuBLAS's time at 4,096 rows, where the Triton GEMM took
+    0.8-1.13x (2026-12-03, H200, graph-timed). Block scales stay on Fp8TritonLinearMethod."""
 
-    BUCKETS = (Bucket(1, fp8_skinny, fp8_skinny_norm, fp8_skinny_silu), Bucket(16, fp8_gemv),
-               Bucket(None, fp8_scaled_mm))
+    BUCKETS = (Bucket(1, fp8_skinny), Bucket(16, fp8_gemv), Bucket(None, fp8_scaled_mm))
 
 
 # fp8 e4m3 tensor-core MMA (tl.dot of e4m3 operands) needs Ada (sm_89) or Hopper (sm_90) and later;

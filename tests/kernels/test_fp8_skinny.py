@@ -1,6 +1,6 @@
 """kernels/fp8_skinny.py against layers/fp8.py's W8A16 reference (the dequantized weight, x unrounded), on
 CPU tensors through the Triton interpreter (or on CUDA when TRITON_INTERPRET=0): one scale a row, ragged
-N and K, split-K, a bias, the RMSNorm and SiLU-mul folds, preloaded tiles, and the argument checks."""
+N and K, split-K, a bias, preloaded tiles, and the argument checks."""
 
 import dataclasses
 
@@ -11,11 +11,7 @@ from conftest import triton_test_device
 pytest.importorskip("triton")
 
 from nanovllm.kernels import skinny_gemm  # noqa: E402
-from nanovllm.kernels.fp8_skinny import (  # noqa: E402
-    fp8_skinny_linear,
-    fp8_skinny_norm_linear,
-    fp8_skinny_silu_linear,
-)
+from nanovllm.kernels.fp8_skinny import fp8_skinny_linear  # noqa: E402
 from nanovllm.layers.fp8 import fp8_weight_only_linear, quantize_groups  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -60,33 +56,6 @@ def test_the_shapes_exercise_split_k_and_a_single_launch():
     assert skinny_gemm.skinny_config(200, 300, 1, 132).split_k == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_norm_fold_matches_norm_then_linear(n, k, dtype, with_residual):
-    from nanovllm.attention.layer import rms_norm
-
-    x, weight, scale, bias = make(n, k, dtype)
-    gen = torch.Generator().manual_seed(3)
-    residual = torch.randn(1, k, generator=gen).to(DEVICE, dtype) if with_residual else None
-    norm_weight = (1 + torch.rand(k, generator=gen)).to(DEVICE, dtype)
-    out, summed = fp8_skinny_norm_linear(x, norm_weight, 1e-6, weight, scale, k, bias, residual)
-    expected_sum = (x.float() + residual.float()).to(dtype) if with_residual else x
-    assert torch.equal(summed, expected_sum)
-    normed = rms_norm(expected_sum.cpu().float(), norm_weight.cpu().float(), 1e-6).to(DEVICE)
-    assert_close(out, reference(normed, weight, scale, bias), dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_silu_fold_matches_silu_mul_then_linear(n, k, dtype):
-    gate_up, weight, scale, bias = make(n, k, dtype, width=2 * k)
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    activated = (torch.nn.functional.silu(gate) * up).to(dtype)
-    expected = reference(activated, weight, scale, bias)
-    assert_close(fp8_skinny_silu_linear(gate_up, weight, scale, k, bias), expected, dtype)
-
-
 @pytest.mark.parametrize("preload", [1, 2])
 def test_preloaded_tiles_give_the_same_bits(preload):
     """Tiles loaded ahead of the loop (as under PDL) give what the loop alone gives."""
@@ -112,5 +81,3 @@ def test_rejects_what_it_cannot_read():
         fp8_skinny_linear(torch.cat([x, x]), weight, scale, 256)
     with pytest.raises(ValueError, match="bias must be"):
         fp8_skinny_linear(x, weight, scale, 256, bias[:10])
-    with pytest.raises(ValueError, match="norm_weight"):
-        fp8_skinny_norm_linear(x, torch.ones(128, device=DEVICE), 1e-6, weight, scale, 256)
