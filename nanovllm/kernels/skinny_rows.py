@@ -16,6 +16,9 @@ norm weight and before 1/rms: the output can differ from norm-then-GEMM by that 
 not fold in: every column block recomputing it for 16 rows made the down projection slower than the
 SiLU-mul kernel and a plain launch (257 against 211 us for 28 calls).
 
+An e4m3 weight with one scale a row (kernels/fp8_skinny.py) streams at one byte an element, each tile
+widened to x's dtype for the dot and the row's scale applied to the finished sums.
+
 On sm_90+ it launches as a programmatic dependent, as skinny_gemm does: it loads its first weight tiles,
 waits for the kernel before, then lets the next one launch. Split-K (float32 partials summed in a fixed
 order by a second kernel) is for plain launches only (a split would cut the norm's sum of squares).
@@ -67,14 +70,15 @@ def _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, store
     if PROLOGUE == ADD_RMS_NORM:
         # Rounded to x's dtype as the residual stream is stored, before the norm reads it.
         x = (x.to(tl.float32) + tl.load(residual_rows + offs_k[None, :], mask=k_mask[None, :],
-                                        other=0.0).to(tl.float32)).to(w.dtype)
+                                        other=0.0).to(tl.float32)).to(x.dtype)
         if pid_n == 0:
             tl.store(sum_rows + offs_k[None, :], x, mask=store_rows[:, None] & k_mask[None, :])
     if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
         xf = x.to(tl.float32)
         squares += xf * xf
-        x = (xf * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]).to(w.dtype)
-    return tl.dot(w, tl.trans(x), acc), squares
+        x = (xf * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
+    # An e4m3 weight tile is widened to x's dtype (exactly) for the dot; x's own weight passes as it is.
+    return tl.dot(w.to(x.dtype), tl.trans(x), acc), squares
 
 
 @triton.jit(do_not_specialize=["M"])  # one build for every row count (Triton would give 1 and 16 their own)
@@ -95,6 +99,7 @@ def _skinny_rows_kernel(
     stride_om,
     stride_rm,
     tiles_per_split,
+    w_scale_ptr,  # SCALED: an fp8 weight's float32 [N] scales, one a row (weight[n, k] * w_scale[n])
     ROWS_: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -104,6 +109,7 @@ def _skinny_rows_kernel(
     PROLOGUE: tl.constexpr = PLAIN,
     PDL: tl.constexpr = False,
     PRELOAD: tl.constexpr = 0,
+    SCALED: tl.constexpr = False,  # fp8 weights: their row's scale multiplies the sums (partials too)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -141,6 +147,8 @@ def _skinny_rows_kernel(
                                   norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
     if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
         acc = acc * tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[None, :]
+    if SCALED:
+        acc = acc * tl.load(w_scale_ptr + tl.minimum(offs_n, N - 1))[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
     if WRITE_PARTIAL:
         tl.store(out_ptr + (pid_k * M + offs_m)[None, :] * N + offs_n[:, None], acc, mask=out_mask)
@@ -152,8 +160,10 @@ def _skinny_rows_kernel(
 
 
 def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, prologue: tl.constexpr = PLAIN,
-                residual=None, summed=None, norm_weight=None, eps: float = 0.0) -> torch.Tensor:
-    """out[:M] = prologue(x) @ weight.T (+ bias); the callers check shapes and dtypes."""
+                residual=None, summed=None, norm_weight=None, eps: float = 0.0, weight_scale=None
+                ) -> torch.Tensor:
+    """out[:M] = prologue(x) @ weight.T (+ bias); the callers check shapes and dtypes. weight_scale: an e4m3
+    weight's float32 scales, one a row ([N] or [N, 1], contiguous)."""
     m, (n, k) = x.shape[0], weight.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the rows kernel takes 1 to {MAX_ROWS} rows, not {m}")
@@ -165,11 +175,11 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
         residual if residual is not None else x, summed if summed is not None else x,
         norm_weight if norm_weight is not None else x, eps, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
-        split.tiles_per_split,
+        split.tiles_per_split, weight_scale if weight_scale is not None else x,  # never read unless SCALED
         ROWS_=ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
         WRITE_PARTIAL=write_partial, NUM_STAGES=config.num_stages, PROLOGUE=prologue.value, PDL=pdl,
         PRELOAD=min(config.preload if pdl else 0, split.tiles_per_split),
-        num_warps=config.num_warps, launch_pdl=pdl,
+        num_warps=config.num_warps, launch_pdl=pdl, SCALED=weight_scale is not None,
     )
     return reduce_split_k(target, bias, out) if write_partial else out
 

@@ -92,6 +92,14 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl)
 
 
+def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+             bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    if x.dtype == torch.float32:  # the rows kernel's dot would round float32 to TF32
+        return fp8_gemv(x, weight, weight_scale, group, bias, pdl)
+    from nanovllm.kernels.fp8_skinny import fp8_rows_linear
+    return fp8_rows_linear(x, weight, weight_scale, group, bias, pdl)
+
+
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
              bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
@@ -230,11 +238,13 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     bf16's GEMV over the e4m3 weight (kernels/fp8_skinny.py: 1.5-1.8x faster than bf16's GEMV at Qwen3-8B's
     shapes, where fp8_gemv took 1.3-3.4x bf16's time), the RMSNorm and SiLU-mul in their own kernels first:
     folded in, as bf16 has them, they made it as slow as bf16 (one-stream Qwen3-8B fp8 4.57 ms a token
-    against bf16's 4.62). From 17 rows torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS, what vLLM
-    runs for this scaling): 0.56-0.72x of bf16 cuBLAS's time at 4,096 rows, where the Triton GEMM took
-    0.8-1.13x (2026-12-03, H200, graph-timed). Block scales stay on Fp8TritonLinearMethod."""
+    against bf16's 4.62). 2-16 rows: bf16's rows kernel over the e4m3 weight, in place of fp8_gemv (slower
+    than bf16 cuBLAS at 16 rows), not yet timed on a GPU. From 17 rows torch._scaled_mm with row-wise scales
+    (cuBLASLt / CUTLASS, what vLLM runs for this scaling): 0.56-0.72x of bf16 cuBLAS's time at 4,096 rows,
+    where the Triton GEMM took 0.8-1.13x (2026-12-03, H200, graph-timed). Block scales stay on
+    Fp8TritonLinearMethod."""
 
-    BUCKETS = (Bucket(1, fp8_skinny), Bucket(16, fp8_gemv), Bucket(None, fp8_scaled_mm))
+    BUCKETS = (Bucket(1, fp8_skinny), Bucket(16, fp8_rows), Bucket(None, fp8_scaled_mm))
 
 
 # fp8 e4m3 tensor-core MMA (tl.dot of e4m3 operands) needs Ada (sm_89) or Hopper (sm_90) and later;

@@ -1,8 +1,8 @@
 """The fp8 linear kernels against layers/fp8.py's references, on CPU tensors through the Triton interpreter
 (or on CUDA when TRITON_INTERPRET=0): the activation quantizer bit for bit, the W8A8 GEMM
 (kernels/fp8_gemm.py) against the dequantizing reference and the W8A16 GEMV (kernels/fp8_gemv.py) against
-the unrounded one, at 128x128 blocks and per channel, partial blocks, 1-64 rows and a bias; and
-Fp8TritonLinearMethod's buckets on a layer."""
+the unrounded one, at 128x128 blocks and per channel, partial blocks, 1-64 rows and a bias; and the fp8
+methods' buckets on a layer."""
 
 import pytest
 import torch
@@ -159,6 +159,32 @@ def test_the_triton_method_takes_the_gemv_to_16_rows_then_the_gemm():
         x = make(rows, 200, 300, 128, torch.float32, seed=rows)[0]
         torch.testing.assert_close(layer(x), reference(x, layer.weight, layer.weight_scale, 128, layer.bias),
                                    rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_the_per_channel_method_takes_the_one_row_then_the_rows_kernel_to_16_rows(dtype, monkeypatch):
+    """Fp8ScaledMmLinearMethod (one scale a row, sm_90): one row through kernels/fp8_skinny's GEMV, 2-16
+    rows through its rows kernel (float32 rows through fp8_gemv: the rows kernel's dot would be TF32)."""
+    from nanovllm.kernels import fp8_gemv, fp8_skinny
+
+    method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
+    layer = ReplicatedLinear(300, 200, bias=True, quant_method=method)
+    _, weight, scale, bias = make(1, 200, 300, 300, torch.float32)
+    for name, value in (("weight", weight), ("weight_scale", scale), ("bias", bias.to(dtype))):
+        setattr(layer, name, torch.nn.Parameter(value.to(DEVICE), requires_grad=False))
+    called = []
+    for module, name in ((fp8_skinny, "fp8_skinny_linear"), (fp8_skinny, "fp8_rows_linear"),
+                         (fp8_gemv, "fp8_gemv_linear")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, kernel=kernel, name=name: called.append(name) or kernel(*a))
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    for rows in (1, 2, 16):
+        x = make(rows, 200, 300, 300, torch.float32, seed=rows)[0].to(dtype) * 4
+        expected = fp8_weight_only_linear(x.float(), weight, scale, 300, layer.bias.float())
+        torch.testing.assert_close(layer(x).float(), expected, rtol=tol, atol=tol)
+    few = "fp8_gemv_linear" if dtype == torch.float32 else "fp8_rows_linear"
+    assert called == ["fp8_skinny_linear", few, few]
 
 
 def test_one_row_runs_the_norm_and_the_silu_mul_first_then_the_fp8_gemv(monkeypatch):

@@ -1,6 +1,6 @@
 """kernels/fp8_skinny.py against layers/fp8.py's W8A16 reference (the dequantized weight, x unrounded), on
 CPU tensors through the Triton interpreter (or on CUDA when TRITON_INTERPRET=0): one scale a row, ragged
-N and K, split-K, a bias, preloaded tiles, and the argument checks."""
+N and K, split-K, a bias, preloaded tiles, 2 to 16 rows (kernels/skinny_rows.py), and the argument checks."""
 
 import dataclasses
 
@@ -10,8 +10,11 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels import skinny_gemm  # noqa: E402
-from nanovllm.kernels.fp8_skinny import fp8_skinny_linear  # noqa: E402
+from nanovllm.kernels import (
+    skinny_gemm,  # noqa: E402
+    skinny_rows,  # noqa: E402
+)
+from nanovllm.kernels.fp8_skinny import fp8_rows_linear, fp8_skinny_linear  # noqa: E402
 from nanovllm.layers.fp8 import fp8_weight_only_linear, quantize_groups  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -22,9 +25,9 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" 
 SHAPES = [(200, 300), (96, 256), (16, 4096)]
 
 
-def make(n: int, k: int, dtype: torch.dtype, width: int | None = None, seed: int = 0):
+def make(n: int, k: int, dtype: torch.dtype, width: int | None = None, seed: int = 0, rows: int = 1):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, width or k, generator=gen)
+    x = torch.randn(rows, width or k, generator=gen)
     # Scaled so that outputs are O(1) (as a normed row's are), and one tolerance fits every K.
     weight, scale = quantize_groups(torch.randn(n, k, generator=gen) / k**0.5, k)
     bias = torch.randn(n, generator=gen)
@@ -54,6 +57,36 @@ def test_matches_the_weight_only_reference(n, k, dtype, with_bias):
 def test_the_shapes_exercise_split_k_and_a_single_launch():
     assert skinny_gemm.skinny_config(16, 4096, 1, 132).split_k > 1
     assert skinny_gemm.skinny_config(200, 300, 1, 132).split_k == 1
+
+
+# 2 to 16 rows (kernels/skinny_rows.py over the e4m3 weight): ragged N and K in 16-row column blocks;
+# 64-row blocks; a long K, split in four.
+ROWS_SHAPES = [(200, 300), (4096, 256), (64, 4096)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("n,k", ROWS_SHAPES)
+@pytest.mark.parametrize("rows", [2, 7, 16])
+def test_rows_match_the_weight_only_reference(n, k, dtype, rows):
+    x, weight, scale, bias = make(n, k, dtype, rows=rows)
+    assert_close(fp8_rows_linear(x, weight, scale, k, bias), reference(x, weight, scale, bias), dtype)
+
+
+def test_the_rows_shapes_exercise_both_column_blocks_and_split_k():
+    configs = [skinny_rows.rows_config(n, k) for n, k in ROWS_SHAPES]
+    assert [c.block_n for c in configs] == [16, 64, 16] and [c.split_k for c in configs] == [1, 1, 4]
+
+
+def test_rows_reject_what_they_cannot_read():
+    x, weight, scale, _ = make(64, 256, torch.float16, rows=4)
+    with pytest.raises(ValueError, match="not float16 or bfloat16"):  # the dot would round it to TF32
+        fp8_rows_linear(x.float(), weight, scale, 256)
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        fp8_rows_linear(torch.cat([x] * 5), weight, scale, 256)
+    with pytest.raises(ValueError, match="must be torch.float8_e4m3fn"):
+        fp8_rows_linear(x, weight.half(), scale, 256)
+    with pytest.raises(ValueError, match="one scale a row"):
+        fp8_rows_linear(x, weight, quantize_groups(weight.float().cpu(), 128)[1].to(DEVICE), 128)
 
 
 @pytest.mark.parametrize("preload", [1, 2])

@@ -73,8 +73,9 @@ def test_fp8_kernels_run_on_gpus_with_fp8_tensor_cores(device, capability, block
     chosen = fp8_linear_method(Fp8Scheme(block, True), torch.device(device), True, capability)
     assert type(chosen) is method and chosen.pdl
     names = [chosen.bucket(rows).plain.__name__ for rows in (1, 16, 17, 4096)]
-    one_row = "fp8_skinny" if method is Fp8ScaledMmLinearMethod else "fp8_gemv"  # one scale a row, sm_90
-    assert names == ([one_row, "fp8_gemv"] + [gemm] * 2 if gemm else ["fp8_dequant_linear"] * 4)
+    # One scale a row on sm_90: bf16's one-row and few-row kernels over the e4m3 weight.
+    few = ["fp8_skinny", "fp8_rows"] if method is Fp8ScaledMmLinearMethod else ["fp8_gemv"] * 2
+    assert names == (few + [gemm] * 2 if gemm else ["fp8_dequant_linear"] * 4)
 
 
 @pytest.fixture(scope="module")
