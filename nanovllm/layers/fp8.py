@@ -100,7 +100,6 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     return fp8_rows_linear(x, weight, weight_scale, group, bias, pdl)
 
 
-
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
              bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     from nanovllm.kernels.fp8_gemm import w8a8_linear

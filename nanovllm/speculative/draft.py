@@ -203,11 +203,11 @@ class DraftModelProposer:
         (the step, per sequence the row whose sampled id is its first draft); None where it does not fit
         them (then _catch_up computes it on the prefill path)."""
         graphs = self.runner.verify_graphs
+        if graphs is None or not graphs.can_run(sum(len(s.token_ids) - s.num_draft_computed_tokens
+                                                     for s in seqs)):
+            return None
         rows = [DraftRow(seq.token_ids[seq.num_draft_computed_tokens:], seq.num_draft_computed_tokens,
                          seq.block_table, True) for seq in seqs]
-        total = sum(len(row.input_ids) for row in rows)
-        if graphs is None or not graphs.can_run(total):
-            return None
         pending = self.runner.launch(draft_batch(rows, self.block_size, every_position=True))
         last_rows, end = [], 0
         for seq, row in zip(seqs, rows, strict=True):
