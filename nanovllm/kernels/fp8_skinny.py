@@ -4,18 +4,19 @@ registers (exactly), the row's scale multiplying the finished sums, the activati
 
     out[m, n] = (sum over k of x[m, k] * w_fp8[n, k]) * w_scale[n] (+ bias)
 
-One row runs kernels/skinny_gemm.py's GEMV; 2 to 16 rows kernels/skinny_rows.py's tensor-core kernel
-(each tile widened to x's dtype for the dot), with bf16's launch settings, not yet timed over e4m3 on a
-GPU: at 16 rows kernels/fp8_gemv.py took 20.8 / 16.6 / 44.2 / 43.7 us at Qwen3-8B's shapes against
-bf16 cuBLAS's 15.7 / 13.2 / 50.3 / 29.0.
+One row runs kernels/skinny_gemm.py's GEMV with bf16's launch plan for one byte an element
+(skinny_launch.skinny_config: the same bytes in flight). Graph-timed on an H200 at Qwen3-8B's shapes it
+took 9.0 / 7.0 / 27.3 / 14.6 us (q/k/v, o, gate/up, down) where bf16's GEMV took 14.1 / 10.0 / 49.7 / 25.1
+and kernels/fp8_gemv.py 49.1 / 34.2 / 62.6 / 87.0 (scripts/fp8_gemm_bench.py, 2026-12-03). bf16's RMSNorm
+and SiLU-mul folds are not offered: over an e4m3 weight they took 15.7 / 42.4 us (norm fold, q/k/v and
+gate/up) and 42.1 us (SiLU fold, down), as slow as bf16's, where the norm's or SiLU-mul's own kernel first
+costs a few microseconds (the prologue's work a tile is the same as bf16's while the weight's bytes halve:
+it no longer hides under them).
 
-The launch plan is bf16's for one byte an element (skinny_launch.skinny_config: the same bytes in flight).
-Graph-timed on an H200 at Qwen3-8B's shapes it took 9.0 / 7.0 / 27.3 / 14.6 us (q/k/v, o, gate/up, down)
-where bf16's GEMV took 14.1 / 10.0 / 49.7 / 25.1 and kernels/fp8_gemv.py 49.1 / 34.2 / 62.6 / 87.0
-(scripts/fp8_gemm_bench.py, 2026-12-03). bf16's RMSNorm and SiLU-mul folds are not offered: over an e4m3
-weight they took 15.7 / 42.4 us (norm fold, q/k/v and gate/up) and 42.1 us (SiLU fold, down), as slow
-as bf16's, where the norm's or SiLU-mul's own kernel first costs a few microseconds (the prologue's work
-a tile is the same as bf16's while the weight's bytes halve: it no longer hides under them).
+2 to 16 rows run kernels/skinny_rows.py's tensor-core kernel (each tile widened to x's dtype for the dot)
+with bf16's launch settings, not yet timed over e4m3 on a GPU: at 16 rows kernels/fp8_gemv.py took
+20.8 / 16.6 / 44.2 / 43.7 us at Qwen3-8B's shapes against bf16 cuBLAS's 15.7 / 13.2 / 50.3 / 29.0.
+
 Scales in groups along K (block-scaled checkpoints) are not taken: a variant scaling each
 tile passed in Triton's interpreter and failed on the GPU, not yet understood
 (docs/performance-notes.md, "fp8 weights"). The weight layout is layers/fp8.py's."""

@@ -10,10 +10,7 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels import (
-    skinny_gemm,  # noqa: E402
-    skinny_rows,  # noqa: E402
-)
+from nanovllm.kernels import skinny_gemm, skinny_rows  # noqa: E402
 from nanovllm.kernels.fp8_skinny import fp8_rows_linear, fp8_skinny_linear  # noqa: E402
 from nanovllm.layers.fp8 import fp8_weight_only_linear, quantize_groups  # noqa: E402
 
