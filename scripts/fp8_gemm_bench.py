@@ -1,8 +1,9 @@
 """fp8 linear kernels against bf16 on Qwen3-8B's projection shapes, one CUDA GPU: for each shape and row
 count, microseconds of bf16 F.linear (cuBLAS) and at one row bf16's GEMV (kernels/skinny_gemm.py); of the
-one-row fp8 GEMV and the 1-16 row kernel (kernels/fp8_skinny.py), the W8A16 tensor-core GEMV (up to 16
-rows), the Triton W8A8 GEMM with per-channel and 128x128 block scales, and torch._scaled_mm with row-wise
-scales; each beside its floor, the larger of reading the weight once at copy bandwidth and the FLOPs at the tensor cores' peak.
+one-row fp8 GEMV, the few-row CUDA-core GEMV (1-4 rows) and the 1-16 row tensor-core kernel
+(kernels/fp8_skinny.py), the W8A16 tensor-core GEMV (up to 16 rows), the Triton W8A8 GEMM with per-channel
+and 128x128 block scales, and torch._scaled_mm with row-wise scales; each beside its floor, the larger of
+reading the weight once at copy bandwidth and the FLOPs at the tensor cores' peak.
 
     python scripts/fp8_gemm_bench.py [--rows 1 16 64 256 1024 4096]
 
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 
 from nanovllm.kernels.fp8_gemm import scaled_mm_linear, w8a8_linear
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear
-from nanovllm.kernels.fp8_skinny import fp8_rows_linear, fp8_skinny_linear
+from nanovllm.kernels.fp8_skinny import fp8_gemv_rows_linear, fp8_rows_linear, fp8_skinny_linear
+from nanovllm.kernels.gemv_rows import MAX_ROWS as GEMV_ROWS
 from nanovllm.kernels.skinny_gemm import skinny_linear
 from nanovllm.layers.fp8 import quantize_groups
 
@@ -58,8 +60,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    columns = ("bf16", "bf16 gemv", "floor", "fp8 gemv1", "fp8 rows", "gemv16", "w8a8 ch", "w8a8 blk",
-               "scaled_mm", "fp8 floor")
+    columns = ("bf16", "bf16 gemv", "floor", "fp8 gemv1", "gemv rows", "fp8 rows", "gemv16", "w8a8 ch",
+               "w8a8 blk", "scaled_mm", "fp8 floor")
     print(f"{'shape':13s} {'rows':>5s} " + " ".join(f"{c:>9s}" for c in columns) + "  (us)")
     for name, (n, k) in SHAPES.items():
         w16 = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
@@ -76,6 +78,8 @@ def main() -> None:
                 "floor": max(n * k * 2 / BANDWIDTH, flops / BF16_FLOPS) * 1e6,
                 "fp8 gemv1": (timed_us(lambda x, q, s, k=k: fp8_skinny_linear(x, q, s, k), channel)
                               if m == 1 else NAN),
+                "gemv rows": (timed_us(lambda x, q, s, k=k: fp8_gemv_rows_linear(x, q, s, k), channel)
+                              if m <= GEMV_ROWS else NAN),
                 "fp8 rows": (timed_us(lambda x, q, s, k=k: fp8_rows_linear(x, q, s, k), channel)
                              if m <= MAX_ROWS else NAN),
                 "gemv16": (timed_us(lambda x, q, s, k=k: fp8_gemv_linear(x, q, s, k, None), channel)

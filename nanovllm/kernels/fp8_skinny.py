@@ -13,9 +13,13 @@ gate/up) and 42.1 us (SiLU fold, down), as slow as bf16's, where the norm's or S
 costs a few microseconds (the prologue's work a tile is the same as bf16's while the weight's bytes halve:
 it no longer hides under them).
 
-2 to 16 rows run kernels/skinny_rows.py's tensor-core kernel (each tile widened to x's dtype for the dot)
-with bf16's launch settings, not yet timed over e4m3 on a GPU: at 16 rows kernels/fp8_gemv.py took
-20.8 / 16.6 / 44.2 / 43.7 us at Qwen3-8B's shapes against bf16 cuBLAS's 15.7 / 13.2 / 50.3 / 29.0.
+Two rows run kernels/gemv_rows.py's CUDA-core GEMV (float32 products, the weight widened like one row's),
+3 to 16 kernels/skinny_rows.py's tensor-core kernel (each tile widened to x's dtype for the dot) with
+tiles of FP8_ROWS_BLOCK_K inputs. In a sweep on an H200 at Qwen3-8B's shapes (graph-timed, 2026-12-03) the
+GEMV took 12.5 / 9.4 / 39.7 / 20.1 us at two rows, where the rows kernel's best took 15.4 / 11.7 / 48.5 /
+24.4; at 16 rows the rows kernel took 14.3 / 11.0 / 39.6 / 23.6 with these tiles, 20.8 / 16.7 / 44.2 /
+43.8 with bf16's (rows_config), against kernels/fp8_gemv.py's 20.5 / 12.5 / 58.4 / 26.3 and bf16 cuBLAS's
+15.7 / 13.1 / 48.8 / 28.4. The GEMV lost from four rows (18.2 / 13.5 / 59.9 / 31.3).
 
 Scales in groups along K (block-scaled checkpoints) are not taken: a variant scaling each
 tile passed in Triton's interpreter and failed on the GPU, not yet understood
@@ -23,12 +27,19 @@ tile passed in Triton's interpreter and failed on the GPU, not yet understood
 
 import torch
 
+from nanovllm.kernels import gemv_rows
 from nanovllm.kernels.common import sm_count
 from nanovllm.kernels.skinny_gemm import check_one_row, launch_gemv
 from nanovllm.kernels.skinny_launch import SkinnyConfig, skinny_config
-from nanovllm.kernels.skinny_rows import MAX_ROWS, PLAIN, launch_rows, rows_config
+from nanovllm.kernels.skinny_rows import MAX_ROWS, MIN_COLUMN_BLOCKS, SPLIT_K, RowsConfig, launch_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
+# The rows kernel's settings over e4m3 (fp8_rows_config), the best of a sweep on an H200 at Qwen3-8B's
+# shapes (block_n 32-64, block_k 128-256, split 1-4; 2, 4 and 16 rows; docs/performance-notes.md, "fp8
+# weights"): tiles of 128 inputs, and split-K only where the column blocks alone leave SMs idle (gate/up's
+# 384 blocks ran fastest unsplit, q/k/v's 96 and o/down's 64 split in four).
+FP8_ROWS_BLOCK_K = 128
+FP8_SPLIT_BELOW_BLOCKS = 128
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -77,4 +88,28 @@ def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         raise ValueError(f"x dtype {x.dtype} is not float16 or bfloat16")
     _check(x, weight, weight_scale, group, bias)
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    return launch_rows(x, weight, bias, out, rows_config(n, k, PLAIN), pdl, weight_scale=weight_scale)
+    return launch_rows(x, weight, bias, out, fp8_rows_config(n, k), pdl, weight_scale=weight_scale)
+
+
+def fp8_rows_config(n: int, k: int) -> RowsConfig:
+    """The rows kernel's launch settings for an e4m3 weight [n, k], from shapes alone: bf16's column block
+    (skinny_rows.rows_config), FP8_ROWS_BLOCK_K inputs a tile, split in SPLIT_K below
+    FP8_SPLIT_BELOW_BLOCKS column blocks."""
+    block_n, num_warps = (64, 4) if -(-n // 64) >= MIN_COLUMN_BLOCKS else (16, 2)
+    block_k = max(16, min(FP8_ROWS_BLOCK_K, 1 << (k - 1).bit_length()))
+    split = SPLIT_K if -(-n // block_n) < FP8_SPLIT_BELOW_BLOCKS and -(-k // block_k) > SPLIT_K else 1
+    return RowsConfig(block_n, block_k, split, num_warps, num_stages=4, preload=2)
+
+
+def fp8_gemv_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                         bias: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N, 1])^T (+ bias) for 1 to gemv_rows.MAX_ROWS rows on
+    CUDA cores (kernels/gemv_rows.py), float32 sums, x unrounded (float32 too); group as
+    fp8_skinny_linear's."""
+    n, k = weight.shape
+    if x.dim() != 2 or not 1 <= x.shape[0] <= gemv_rows.MAX_ROWS or x.shape[1] != k or x.stride(-1) != 1:
+        raise ValueError(f"x must be 1 to {gemv_rows.MAX_ROWS} rows of {k} with a contiguous last dim; got "
+                         f"{tuple(x.shape)}")
+    _check(x, weight, weight_scale, group, bias)
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    return gemv_rows.launch_gemv_rows(x, weight, bias, out, pdl, weight_scale=weight_scale)

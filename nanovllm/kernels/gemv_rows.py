@@ -15,6 +15,9 @@ but q/k/v and gate/up with their RMSNorm folded in 199 and 236 against 180 and 1
 every shape but o_proj lost. So the layers take it at two rows for o_proj and down_proj alone
 (layers/linear_methods.py, SkinnyLinearMethod.BUCKETS); a norm is never folded in here.
 
+An e4m3 weight with one scale a row (kernels/fp8_skinny.py) is widened to float32 like a bf16 one, its
+scale multiplying the finished sums; its launch plan counts one byte an element.
+
 Rows past M (ROWS is a power of two) read as zeros and are not stored. PDL and split-K as in
 skinny_gemm. Sizes come from shapes alone: CUDA-graph capturable."""
 
@@ -63,6 +66,7 @@ def _gemv_rows_kernel(
     stride_wn,
     stride_om,
     tiles_per_split,
+    w_scale_ptr,  # SCALED: an fp8 weight's float32 [N] scales, one a row (weight[n, k] * w_scale[n])
     ROWS: tl.constexpr,  # M rounded up to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -72,6 +76,7 @@ def _gemv_rows_kernel(
     PROLOGUE: tl.constexpr = PLAIN,
     PDL: tl.constexpr = False,
     PRELOAD: tl.constexpr = 0,
+    SCALED: tl.constexpr = False,  # fp8 weights: their row's scale multiplies the sums (partials too)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -104,6 +109,8 @@ def _gemv_rows_kernel(
         w = tl.load(w_rows + (k + offs)[None, :], mask=(k + offs < K)[None, :], other=0.0)
         partial = _rows_tile(partial, w, k, K, x_rows, row_mask, K, PROLOGUE, BLOCK_K)
     acc = tl.sum(partial, axis=2)  # [ROWS, BLOCK_N]
+    if SCALED:
+        acc = acc * tl.load(w_scale_ptr + tl.minimum(offs_n, N - 1))[None, :]
     out_mask = row_mask & n_mask[None, :]
     if WRITE_PARTIAL:
         tl.store(out_ptr + (pid_k * M + rows[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
@@ -125,13 +132,14 @@ def gemv_rows_config(n: int, k: int, m: int, element_size: int, num_sms: int) ->
 
 
 def launch_gemv_rows(x, weight, bias, out, pdl: bool = False, prologue: tl.constexpr = PLAIN,
-                     config: SkinnyConfig | None = None) -> torch.Tensor:
-    """out[:M] = prologue(x) @ weight.T (+ bias); the callers check shapes and dtypes."""
+                     config: SkinnyConfig | None = None, weight_scale=None) -> torch.Tensor:
+    """out[:M] = prologue(x) @ weight.T (+ bias); the callers check shapes and dtypes. weight_scale: an e4m3
+    weight's float32 scales, one a row ([N] or [N, 1], contiguous)."""
     m, (n, k) = x.shape[0], weight.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the few-row GEMV takes 1 to {MAX_ROWS} rows, not {m}")
     if config is None:
-        config = gemv_rows_config(n, k, m, x.element_size(), sm_count(x.device))
+        config = gemv_rows_config(n, k, m, weight.element_size(), sm_count(x.device))
     split = plan_split_k(k, config.block_k, config.split_k)
     write_partial = split.splits > 1
     target = split_k_workspace(split, m, n, x.device) if write_partial else out
@@ -139,10 +147,11 @@ def launch_gemv_rows(x, weight, bias, out, pdl: bool = False, prologue: tl.const
     _gemv_rows_kernel[(triton.cdiv(n, config.block_n), split.splits)](
         x, weight, bias if bias is not None else x, target, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), split.tiles_per_split,
+        weight_scale if weight_scale is not None else x,  # never read unless SCALED
         ROWS=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         HAS_BIAS=bias is not None, WRITE_PARTIAL=write_partial, NUM_STAGES=config.num_stages,
         PROLOGUE=prologue.value, PDL=pdl, PRELOAD=min(preload, split.tiles_per_split),
-        num_warps=config.num_warps, launch_pdl=pdl,
+        num_warps=config.num_warps, launch_pdl=pdl, SCALED=weight_scale is not None,
     )
     return reduce_split_k(target, bias, out) if write_partial else out
 

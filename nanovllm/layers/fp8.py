@@ -22,7 +22,8 @@ e4m3 per token (group) and back, the weight dequantized exactly, both multiplied
 the W8A16 GEMV (kernels/fp8_gemv.py: the weight streamed once in e4m3, activations unrounded), from 17 the
 W8A8 GEMM (kernels/fp8_gemm.py: the rounding of the reference, on fp8 tensor cores).
 `Fp8ScaledMmLinearMethod` (one scale a row, sm_90+) takes one row through bf16's GEMV over the e4m3 weight
-(kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), and from 17 torch._scaled_mm."""
+(kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), 2-16 rows through bf16's few-row
+kernels over it (the same file), and from 17 torch._scaled_mm."""
 
 import math
 from collections.abc import Callable
@@ -90,6 +91,14 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     from nanovllm.kernels.fp8_skinny import fp8_skinny_linear
     return fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl)
+
+
+def fp8_gemv_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                  bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    from nanovllm.kernels.fp8_skinny import fp8_gemv_rows_linear
+    # A plain launch: as a programmatic dependent it took 13.0 / 31.0 us at Qwen3-8B's o and down against
+    # 9.4 / 20.1 plain (q/k/v and gate/up the same either way; H200, graph-timed back to back).
+    return fp8_gemv_rows_linear(x, weight, weight_scale, group, bias, pdl=False)
 
 
 def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -237,13 +246,15 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     bf16's GEMV over the e4m3 weight (kernels/fp8_skinny.py: 1.5-1.8x faster than bf16's GEMV at Qwen3-8B's
     shapes, where fp8_gemv took 1.3-3.4x bf16's time), the RMSNorm and SiLU-mul in their own kernels first:
     folded in, as bf16 has them, they made it as slow as bf16 (one-stream Qwen3-8B fp8 4.57 ms a token
-    against bf16's 4.62). 2-16 rows: bf16's rows kernel over the e4m3 weight, in place of fp8_gemv (slower
-    than bf16 cuBLAS at 16 rows), not yet timed on a GPU. From 17 rows torch._scaled_mm with row-wise scales
-    (cuBLASLt / CUTLASS, what vLLM runs for this scaling): 0.56-0.72x of bf16 cuBLAS's time at 4,096 rows,
-    where the Triton GEMM took 0.8-1.13x (2026-12-03, H200, graph-timed). Block scales stay on
-    Fp8TritonLinearMethod."""
+    against bf16's 4.62). Two rows: the CUDA-core few-row GEMV over the e4m3 weight (kernels/gemv_rows.py);
+    3-16: bf16's rows kernel over it with fp8's own tiles (fp8_skinny.fp8_rows_config), in place of fp8_gemv
+    (slower than bf16 cuBLAS at 16 rows; kernels/fp8_skinny.py has the times). From 17 rows
+    torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS, what vLLM runs for this scaling): 0.56-0.72x
+    of bf16 cuBLAS's time at 4,096 rows, where the Triton GEMM took 0.8-1.13x (2026-12-03, H200,
+    graph-timed). Block scales stay on Fp8TritonLinearMethod."""
 
-    BUCKETS = (Bucket(1, fp8_skinny), Bucket(16, fp8_rows), Bucket(None, fp8_scaled_mm))
+    BUCKETS = (Bucket(1, fp8_skinny), Bucket(2, fp8_gemv_rows), Bucket(16, fp8_rows),
+               Bucket(None, fp8_scaled_mm))
 
 
 # fp8 e4m3 tensor-core MMA (tl.dot of e4m3 operands) needs Ada (sm_89) or Hopper (sm_90) and later;

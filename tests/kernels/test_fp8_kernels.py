@@ -162,9 +162,10 @@ def test_the_triton_method_takes_the_gemv_to_16_rows_then_the_gemm():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_the_per_channel_method_takes_the_one_row_then_the_rows_kernel_to_16_rows(dtype, monkeypatch):
-    """Fp8ScaledMmLinearMethod (one scale a row, sm_90): one row through kernels/fp8_skinny's GEMV, 2-16
-    rows through its rows kernel (float32 rows through fp8_gemv: the rows kernel's dot would be TF32)."""
+def test_the_per_channel_method_takes_one_row_then_two_then_the_rows_kernel_to_16(dtype, monkeypatch):
+    """Fp8ScaledMmLinearMethod (one scale a row, sm_90): one row through kernels/fp8_skinny's GEMV, two
+    through its few-row GEMV, 3-16 through its rows kernel (float32 rows through fp8_gemv: the rows kernel's
+    dot would be TF32), each giving the W8A16 reference's result."""
     from nanovllm.kernels import fp8_gemv, fp8_skinny
 
     method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
@@ -173,18 +174,18 @@ def test_the_per_channel_method_takes_the_one_row_then_the_rows_kernel_to_16_row
     for name, value in (("weight", weight), ("weight_scale", scale), ("bias", bias.to(dtype))):
         setattr(layer, name, torch.nn.Parameter(value.to(DEVICE), requires_grad=False))
     called = []
-    for module, name in ((fp8_skinny, "fp8_skinny_linear"), (fp8_skinny, "fp8_rows_linear"),
-                         (fp8_gemv, "fp8_gemv_linear")):
+    for module, name in ((fp8_skinny, "fp8_skinny_linear"), (fp8_skinny, "fp8_gemv_rows_linear"),
+                         (fp8_skinny, "fp8_rows_linear"), (fp8_gemv, "fp8_gemv_linear")):
         kernel = getattr(module, name)
-        monkeypatch.setattr(module, name,
-                            lambda *a, kernel=kernel, name=name: called.append(name) or kernel(*a))
+        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **kw:
+                            called.append(name) or kernel(*a, **kw))
     tol = 1e-4 if dtype == torch.float32 else 2e-3
-    for rows in (1, 2, 16):
+    for rows in (1, 2, 3, 16):
         x = make(rows, 200, 300, 300, torch.float32, seed=rows)[0].to(dtype) * 4
         expected = fp8_weight_only_linear(x.float(), weight, scale, 300, layer.bias.float())
         torch.testing.assert_close(layer(x).float(), expected, rtol=tol, atol=tol)
     few = "fp8_gemv_linear" if dtype == torch.float32 else "fp8_rows_linear"
-    assert called == ["fp8_skinny_linear", few, few]
+    assert called == ["fp8_skinny_linear", "fp8_gemv_rows_linear", few, few]
 
 
 def test_one_row_runs_the_norm_and_the_silu_mul_first_then_the_fp8_gemv(monkeypatch):

@@ -1,6 +1,7 @@
 """kernels/fp8_skinny.py against layers/fp8.py's W8A16 reference (the dequantized weight, x unrounded), on
 CPU tensors through the Triton interpreter (or on CUDA when TRITON_INTERPRET=0): one scale a row, ragged
-N and K, split-K, a bias, preloaded tiles, 2 to 16 rows (kernels/skinny_rows.py), and the argument checks."""
+N and K, split-K, a bias, preloaded tiles, 2 to 4 rows on CUDA cores (kernels/gemv_rows.py), 2 to 16 on
+tensor cores (kernels/skinny_rows.py), and the argument checks."""
 
 import dataclasses
 
@@ -10,8 +11,13 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels import skinny_gemm, skinny_rows  # noqa: E402
-from nanovllm.kernels.fp8_skinny import fp8_rows_linear, fp8_skinny_linear  # noqa: E402
+from nanovllm.kernels import gemv_rows, skinny_gemm  # noqa: E402
+from nanovllm.kernels.fp8_skinny import (  # noqa: E402
+    fp8_gemv_rows_linear,
+    fp8_rows_config,
+    fp8_rows_linear,
+    fp8_skinny_linear,
+)
 from nanovllm.layers.fp8 import fp8_weight_only_linear, quantize_groups  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -56,6 +62,30 @@ def test_the_shapes_exercise_split_k_and_a_single_launch():
     assert skinny_gemm.skinny_config(200, 300, 1, 132).split_k == 1
 
 
+# 2 to 4 rows on CUDA cores (kernels/gemv_rows.py over the e4m3 weight): float32 x too, split-K at the
+# long K.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [2, 3, 4])
+def test_gemv_rows_match_the_weight_only_reference(n, k, dtype, rows):
+    x, weight, scale, bias = make(n, k, dtype, rows=rows)
+    assert_close(fp8_gemv_rows_linear(x, weight, scale, k, bias), reference(x, weight, scale, bias), dtype)
+
+
+def test_gemv_rows_plan_for_one_byte_an_element_and_split_the_long_k():
+    one_byte, two_bytes = (gemv_rows.gemv_rows_config(16, 4096, 4, size, 132) for size in (1, 2))
+    assert one_byte.block_k * one_byte.num_stages >= two_bytes.block_k * two_bytes.num_stages
+    assert one_byte.split_k > 1
+
+
+def test_gemv_rows_reject_what_they_cannot_read():
+    x, weight, scale, _ = make(64, 256, torch.float16, rows=5)
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        fp8_gemv_rows_linear(x, weight, scale, 256)
+    with pytest.raises(ValueError, match="one scale a row"):
+        fp8_gemv_rows_linear(x[:4], weight, quantize_groups(weight.float().cpu(), 128)[1].to(DEVICE), 128)
+
+
 # 2 to 16 rows (kernels/skinny_rows.py over the e4m3 weight): ragged N and K in 16-row column blocks;
 # 64-row blocks; a long K, split in four.
 ROWS_SHAPES = [(200, 300), (4096, 256), (64, 4096)]
@@ -70,8 +100,18 @@ def test_rows_match_the_weight_only_reference(n, k, dtype, rows):
 
 
 def test_the_rows_shapes_exercise_both_column_blocks_and_split_k():
-    configs = [skinny_rows.rows_config(n, k) for n, k in ROWS_SHAPES]
+    configs = [fp8_rows_config(n, k) for n, k in ROWS_SHAPES]
     assert [c.block_n for c in configs] == [16, 64, 16] and [c.split_k for c in configs] == [1, 1, 4]
+
+
+def test_the_rows_plan_over_e4m3_splits_only_where_column_blocks_leave_sms_idle():
+    """fp8_rows_config at Qwen3-8B's shapes: tiles of 128 inputs; q/k/v, o and down (96, 64, 64 column
+    blocks) split in four, gate/up (384) not, as the H200 sweep ran them fastest."""
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+    configs = {name: fp8_rows_config(n, k) for name, (n, k) in shapes.items()}
+    assert {c.block_k for c in configs.values()} == {128} and {c.block_n for c in configs.values()} == {64}
+    assert {name: c.split_k for name, c in configs.items()} == {"qkv": 4, "o": 4, "gate_up": 1, "down": 4}
+    assert fp8_rows_config(64, 48).block_k == 64  # a short K: one power-of-two tile
 
 
 def test_rows_reject_what_they_cannot_read():
