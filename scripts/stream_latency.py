@@ -6,6 +6,11 @@ ignore_eos, after one warm-up request; prints ms per output token (prefill inclu
 
 --workload copy: the prompt is a 256-token passage written twice, and the output is greedy with a
   repetition-prone random model, so n-gram proposals find matches (speculative decoding's copy case).
+--repeating (with --load-format dummy): random weights drawn 1e-5 wide with tied embeddings, so that every
+  layer's output is small against the token's embedding and greedy decoding repeats the last token; on the
+  copy workload every n-gram draft is then right, whatever the shape (the speed of a step does not depend
+  on the weights' values). Measures speculation with every proposal accepted at sizes such as Qwen3-8B,
+  whose plain random weights never repeat their prompt.
 --workload summarize: a chat model (e.g. `--model smollm2`) asked to summarise a passage of ~280 words,
   greedy, up to --output-len tokens, ending at its EOS: a summary quotes its source, which n-gram drafts
   find (speculative decoding's realistic case on real weights).
@@ -17,10 +22,15 @@ the same command times any engine with nano-vllm's API (PYTHONPATH pointing at i
 import argparse
 import json
 import os
+import tempfile
 import time
 from random import randint, seed
 
 from nanovllm import LLM, SamplingParams
+
+# --repeating's weight scale: small enough that 36 layers of Qwen3-8B's width add far less than an
+# embedding holds (a layer's output scales with its square), well inside bf16's exponent range.
+REPEATING_INIT_STD = 1e-5
 
 # A passage of our own for the summarize workload.
 PASSAGE = (
@@ -60,10 +70,18 @@ def main() -> None:
     parser.add_argument("--speculative-config", default=None, help="JSON, as vLLM's option")
     parser.add_argument("--load-format", default="auto",
                         help="dummy: random weights from config.json alone (no tokenizer: token ids only)")
+    parser.add_argument("--repeating", action="store_true",
+                        help="with --load-format dummy: weights whose greedy output repeats its last token")
     parser.add_argument("--label", default="", help="printed first on the result line")
     args = parser.parse_args()
     if args.load_format == "dummy" and args.workload in CHAT_WORKLOADS:
         parser.error(f"--workload {args.workload} needs the model's tokenizer; --load-format dummy has none")
+    if args.repeating and args.load_format != "dummy":
+        parser.error("--repeating draws random weights; add --load-format dummy")
+    model = os.path.expanduser(args.model)
+    scratch = tempfile.TemporaryDirectory(prefix="nanovllm-repeating-")  # removed when the script ends
+    if args.repeating:
+        model = repeating_config(model, scratch.name)
     options = {"max_model_len": 4096, "load_format": args.load_format,
                "skip_tokenizer_init": args.load_format == "dummy"}
     for name in ("quantization", "kv_cache_dtype"):
@@ -71,7 +89,7 @@ def main() -> None:
             options[name] = getattr(args, name)
     if args.speculative_config is not None:
         options["speculative_config"] = json.loads(args.speculative_config)
-    llm = LLM(os.path.expanduser(args.model), **options)
+    llm = LLM(model, **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16), use_tqdm=False)
     seed(1)
     # Token ids below 10,000 (as bench.py draws them), inside a smaller vocabulary where the engine says so.
@@ -96,6 +114,18 @@ def main() -> None:
     print(f"{args.label} single stream ({args.workload}): {tokens} tok in {elapsed:.2f}s -> "
           f"{tokens / elapsed:.1f} "
           f"tok/s ({elapsed / tokens * 1e3:.3f} ms/token incl. prefill){acceptance(output)}", flush=True)
+
+
+def repeating_config(model_dir: str, out_dir: str) -> str:
+    """out_dir with model_dir's config.json, drawn 1e-5 wide with tied embeddings (see --repeating): each
+    layer then adds under 1e-6 to a residual stream of ~1e-5 embeddings, so the final hidden state points at
+    the current token's embedding, and with the LM head tied to the embeddings that token scores highest."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config.update(initializer_range=REPEATING_INIT_STD, tie_word_embeddings=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir
 
 
 def acceptance(output: dict) -> str:

@@ -2,6 +2,7 @@
 run only on a GPU, so nothing else in CPU CI would notice a name they use moving (startup_bench.py
 imported the model runner from engine/ for a whole round after the restructure moved it to runner/)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,28 @@ def test_stream_latency_runs_on_random_weights_from_a_config(tmp_path):
     assert chat.returncode == 2 and "needs the model's tokenizer" in chat.stderr
 
 
+def test_stream_latency_repeating_weights_accept_every_ngram_draft(tmp_path):
+    """`--repeating --load-format dummy --workload copy`: greedy output repeats its last token, so every
+    n-gram draft is accepted (the measurement of speculation with every proposal right)."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=256, architectures=["Qwen3ForCausalLM"]
+                ).save_pretrained(tmp_path)
+    done = subprocess.run([sys.executable, "scripts/stream_latency.py", "--model", str(tmp_path),
+                           "--load-format", "dummy", "--repeating", "--workload", "copy", "--prompt-len",
+                           "32", "--output-len", "24", "--speculative-config",
+                           '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'],
+                          cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    accepted, drafted = re.search(r"drafts accepted (\d+) / (\d+)", done.stdout).groups()
+    assert int(drafted) > 0 and accepted == drafted
+    refused = subprocess.run([sys.executable, "scripts/stream_latency.py", "--model", str(tmp_path),
+                              "--repeating"], cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "add --load-format dummy" in refused.stderr
+
+
 def test_fp8_quality_runs_as_typed(tmp_path):
     """`python scripts/fp8_quality.py` on a tiny config (CPU: float32, the fp8 reference paths)."""
     from transformers import Qwen3Config
@@ -80,10 +103,13 @@ def test_fp8_quality_runs_as_typed(tmp_path):
                            "--prompts", "2", "--prompt-len", "24", "--greedy-tokens", "4"],
                           cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    header, *rows = done.stdout.strip().splitlines()[-5:]
+    header, *rows = done.stdout.strip().splitlines()[-6:]
     assert header.startswith("path") and "greedy equal of 4" in header
     names = [row[:18].strip() for row in rows]
-    assert names == ["bf16", "fp8 weights", "fp8 KV cache", "fp8 weights + KV"]
+    assert names == ["bf16", "fp8 weights", "fp8 KV cache", "fp8 weights + KV", "int8 KV cache"]
     # The reference path against itself: no error, every greedy token equal; fp8 weights err above zero.
     assert rows[0].split()[4:] == ["0.0000", "/", "0.0000", "4.0"]
     assert float(rows[1].split()[2]) > 0
+    # Prefill attends over what a quantized cache holds on the CPU too: its error shows, int8's below fp8's.
+    fp8_kv, int8_kv = (float(row[18:].split()[0]) for row in rows[2::2])
+    assert 0 < int8_kv < fp8_kv
