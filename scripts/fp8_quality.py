@@ -1,11 +1,12 @@
-"""What fp8 costs in quality: prompt logprobs and greedy tokens of each fp8 path against the same
-weights in bf16 and in float32 (transformers), on a random model whose weights are drawn wider than
-usual so that its distributions are peaked and greedy decoding has clear winners.
+"""What fp8 (and an int8 KV cache) cost in quality: prompt logprobs and greedy tokens of each quantized path
+against the same weights in bf16 and in float32 (transformers), on a random model whose weights are drawn
+wider than usual so that its distributions are peaked and greedy decoding has clear winners.
 
     python scripts/fp8_quality.py [--config configs/Qwen3-0.6B] [--prompts 16] [--prompt-len 500]
 
 Paths: bf16 (the reference engine path), fp8 weights (quantization="fp8": per-channel weight scales,
-dynamic per-token activation scales), an fp8 KV cache (kv_cache_dtype="fp8"), and both. For each: the
+dynamic per-token activation scales), an fp8 KV cache (kv_cache_dtype="fp8"), both, and an int8 KV cache
+(kv_cache_dtype="int8": a scale per token and KV head). For each: the
 mean absolute error of the prompt tokens' logprobs against transformers in float32 (mean over each
 prompt's positions; the mean and the max over prompts), the same against the engine's bf16 path, and
 greedy agreement with the bf16 path (tokens equal before the first divergence, mean over prompts).
@@ -24,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM, SamplingParams  # noqa: E402
 
 PATHS = {"bf16": {}, "fp8 weights": {"quantization": "fp8"}, "fp8 KV cache": {"kv_cache_dtype": "fp8"},
-         "fp8 weights + KV": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+         "fp8 weights + KV": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+         "int8 KV cache": {"kv_cache_dtype": "int8"}}
 
 
 def write_model(config_dir: str, path: str, init_std: float, device: str) -> torch.nn.Module:

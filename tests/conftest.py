@@ -127,11 +127,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 def _mend_interpreted_bf16() -> None:
     """Triton's interpreter (triton 3.9) keeps bfloat16 tensors as their raw uint16 bits, and handles them
-    unlike the GPU in two places: its tl.dot multiplied those integers (every bf16 dot of a kernel run on the
-    CPU came out as nonsense, so bf16 kernel tests could only compare two kernels' equal nonsense, or be
-    skipped), and it rounds float32 to bfloat16 toward zero where the GPU rounds to nearest even. Here bf16
-    dot operands are widened to float32 first (exact products, float32 sums, as tensor cores compute them),
-    and the cast rounds to nearest even."""
+    unlike the GPU in three places: its tl.dot multiplied those integers (every bf16 dot of a kernel run on
+    the CPU came out as nonsense, so bf16 kernel tests could only compare two kernels' equal nonsense, or be
+    skipped), it rounds float32 to bfloat16 toward zero where the GPU rounds to nearest even, and it casts
+    an integer to bfloat16 as numpy casts it to uint16 (an int8 KV cache's tiles came out as tiny floats).
+    Here bf16 dot operands are widened to float32 first (exact products, float32 sums, as tensor cores
+    compute them), the cast rounds to nearest even, and integers reach bfloat16 through float32."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     try:
@@ -140,7 +141,9 @@ def _mend_interpreted_bf16() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
-    create_dot, convert_float = interpreter.InterpreterBuilder.create_dot, interpreter._convert_float
+    builder = interpreter.InterpreterBuilder
+    create_dot, convert_float = builder.create_dot, interpreter._convert_float
+    int_to_float = builder.create_si_to_fp
 
     def widen(handle):
         if handle.dtype.scalar != tl.bfloat16:
@@ -158,7 +161,13 @@ def _mend_interpreted_bf16() -> None:
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # ties to even
         return np.where(np.isnan(data), np.uint16(0x7FC0), rounded)
 
-    interpreter.InterpreterBuilder.create_dot = create_widened_dot
+    def int_to_float_via_float32(self, src, dst_type):
+        if dst_type.scalar != tl.bfloat16:
+            return int_to_float(self, src, dst_type)
+        return self.cast_impl(int_to_float(self, src, tl.float32), dst_type)
+
+    builder.create_dot = create_widened_dot
+    builder.create_si_to_fp = int_to_float_via_float32
     interpreter._convert_float = convert_nearest
 
 

@@ -36,10 +36,14 @@ class PagedLayer(Protocol):
     scale: float
     rotary: RotaryTables
     qk_norm: QKNorm | None
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], model dtype or fp8
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], model dtype, fp8 or int8
     v_cache: torch.Tensor
     k_scale: float  # an fp8 cache holds k / k_scale and v / v_scale
     v_scale: float
+    # An int8 cache's float32 scales [num_blocks, block_size, num_kv_heads] (empty for other caches): it holds
+    # round(k / scale), scale = amax(|k| over head_dim) / 127 per (token, KV head).
+    k_cache_scales: torch.Tensor
+    v_cache_scales: torch.Tensor
 
 
 class AttentionBackend:

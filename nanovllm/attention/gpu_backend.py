@@ -5,6 +5,7 @@ those would be a tiny kernel whose cost is its launch."""
 import torch
 
 from nanovllm.attention.backend import AttentionBackend, PagedLayer
+from nanovllm.attention.layer import cache_scales
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.kernels.rope_store import norm_rope_store
 
@@ -14,8 +15,10 @@ class GPUBackend(AttentionBackend):
 
     def forward(self, layer: PagedLayer, q, k, v, positions, meta: AttentionMetadata) -> torch.Tensor:
         q_norm, k_norm = qk_norms(layer)
+        k_scales, v_scales = cache_scales(layer)
         q, k = norm_rope_store(q, k, v, positions, layer.rotary.cos, layer.rotary.sin, layer.k_cache,
-                               layer.v_cache, meta.slot_mapping, q_norm, k_norm, layer.k_scale, layer.v_scale)
+                               layer.v_cache, meta.slot_mapping, q_norm, k_norm, layer.k_scale, layer.v_scale,
+                               k_scales, v_scales)
         return self.attend(layer, q, k, v, meta)
 
     def decode_kernels(self, rows: int) -> str:

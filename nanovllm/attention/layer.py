@@ -2,7 +2,8 @@
 the model's rotary tables (one RotaryEmbedding shared by its layers), the optional q/k norm, and the
 engine's backend, which does the work. Also the plain PyTorch forms of the norm and the rotation:
 `rms_norm`, which the reference backend's q/k norm and the model's RMSNorm layers (layers/norm_act.py)
-share, and `apply_rotary` (the GPU backends norm and rotate inside their kernels).
+share, and `apply_rotary` (the GPU backends norm and rotate inside their kernels); and `cache_scales`, an
+int8 cache's per-token scales as the backends pass them.
 
 Rotary position embedding is neox style (rotate halves), with the inverse frequencies from the model
 config (transformers' scaled RoPE types included)."""
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.attention.backend import AttentionBackend, QKNorm
+from nanovllm.attention.backend import AttentionBackend, PagedLayer, QKNorm
 from nanovllm.attention.metadata import AttentionMetadata
 
 
@@ -76,6 +77,9 @@ class Attention(nn.Module):
         # Per-layer scales of an fp8 KV cache (kv_cache_dtype="fp8"): the cache holds k / k_scale and
         # v / v_scale. 1.0 suits models whose keys and values stay well inside e4m3's range (448).
         self.k_scale = self.v_scale = 1.0
+        # An int8 KV cache's scales (kv_cache_dtype="int8"), set with the cache: a float32 per cached token
+        # and KV head, [num_blocks, block_size, num_kv_heads]; the cache holds round(k / scale). Else empty.
+        self.k_cache_scales = self.v_cache_scales = torch.empty(0)
         self.backend: AttentionBackend | None = None
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -93,3 +97,11 @@ class Attention(nn.Module):
             # zeros, not whatever the allocation held, go on through the layer (an MoE router).
             out[num_real:].zero_()
         return out.flatten(1, -1)
+
+
+def cache_scales(layer: PagedLayer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The layer's (k_cache_scales, v_cache_scales) with an int8 cache, else (None, None) (and a layer
+    without them, as the tests' stand-ins, is read the same)."""
+    if layer.k_cache.dtype != torch.int8:
+        return None, None
+    return layer.k_cache_scales, layer.v_cache_scales

@@ -52,7 +52,7 @@ def _check(name: str, device: torch.device, block_size: int, dtype: torch.dtype,
                          "set dtype='bfloat16', or use attention_backend='triton' or 'torch'")
     if name in FLASH_BACKENDS and kv_dtype != dtype:
         raise ValueError(f"attention backend {name!r} reads a KV cache of the model's dtype only; with "
-                         "kv_cache_dtype='fp8' use attention_backend='triton' (or 'auto')")
+                         "kv_cache_dtype='fp8' or 'int8' use attention_backend='triton' (or 'auto')")
     if name in FA3_BACKENDS and not _has_module("flash_attn_interface"):
         raise ValueError(f"attention_backend={name!r} needs FlashAttention-3 (`flash_attn_interface`, Hopper "
                          "GPUs); install it or use 'triton'")

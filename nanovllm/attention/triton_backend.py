@@ -19,6 +19,7 @@ import torch
 
 from nanovllm.attention.backend import PagedLayer
 from nanovllm.attention.gpu_backend import GPUBackend, qk_norms
+from nanovllm.attention.layer import cache_scales
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.kernels import cuda_decode_rope
 from nanovllm.kernels.common import sm_count, supports_pdl
@@ -131,6 +132,7 @@ class TritonBackend(GPUBackend):
                       bucket: DecodeBucket) -> torch.Tensor:
         """Norm, rotary, KV store and decode attention in one kernel: the CUDA one where it applies."""
         q_norm, k_norm = qk_norms(layer)
+        k_scales, v_scales = cache_scales(layer)
         args = (q, k, v, positions, layer.rotary.cos, layer.rotary.sin, layer.k_cache, layer.v_cache,
                 slot_mapping, seqlens_k, block_tables, layer.scale)
         if bucket.one_row_cuda and self._one_row_applies(layer, q, k, v):
@@ -143,8 +145,8 @@ class TritonBackend(GPUBackend):
                 return kernel(*args, q_norm=q_norm, k_norm=k_norm, counters=self.counters,
                               k_scale=layer.k_scale, v_scale=layer.v_scale, pdl=self.pdl)
         return paged_decode_rope_attention(*args, q_norm=q_norm, k_norm=k_norm, counters=self.counters,
-                                           k_scale=layer.k_scale, v_scale=layer.v_scale, pdl=self.pdl,
-                                           late_trigger=bucket.late_trigger)
+                                           k_scale=layer.k_scale, v_scale=layer.v_scale, k_scales=k_scales,
+                                           v_scales=v_scales, pdl=self.pdl, late_trigger=bucket.late_trigger)
 
     def _one_row_applies(self, layer: PagedLayer, q, k, v) -> bool:
         """Where the CUDA kernel was measured and is taken: its shapes (cuda_decode_rope.supports), with
@@ -172,9 +174,11 @@ class TritonBackend(GPUBackend):
         if fa3:
             out[d:] = self._fa3_prefill(layer, q[d:], meta, d)  # the decoding rows hold one token each
         else:
+            k_scales, v_scales = cache_scales(layer)
             paged_prefill_attention(q, layer.k_cache, layer.v_cache, meta.cu_seqlens_q[d:],
                                     meta.seqlens_k[d:], meta.block_tables[d:], layer.scale,
-                                    meta.max_seqlen_q, out=out, k_scale=layer.k_scale, v_scale=layer.v_scale)
+                                    meta.max_seqlen_q, out=out, k_scale=layer.k_scale, v_scale=layer.v_scale,
+                                    k_scales=k_scales, v_scales=v_scales)
         return out
 
     def _long_chunks(self, meta: AttentionMetadata) -> bool:
@@ -226,6 +230,8 @@ class TritonBackend(GPUBackend):
                                    tables, self.decode_bucket(rows))  # the variant forward launches
 
     def _decode(self, layer: PagedLayer, q, seqlens_k, block_tables, order, out=None) -> torch.Tensor:
+        k_scales, v_scales = cache_scales(layer)
         return paged_decode_attention(q, layer.k_cache, layer.v_cache, seqlens_k, block_tables, layer.scale,
                                       out=out, counters=self.counters, k_scale=layer.k_scale,
-                                      v_scale=layer.v_scale, seq_order=order)
+                                      v_scale=layer.v_scale, k_scales=k_scales, v_scales=v_scales,
+                                      seq_order=order)

@@ -15,7 +15,8 @@ into num_splits chunks:
         variant of its own), 3-11% faster a call at 128-512 rows (docs/performance-notes.md, "Decode
         attention at large batches"). There an fp8
         cache's programs may take two KV heads each (decode_launch.FP8_PACKED, grid (num_kv_heads / 2, B,
-        1)): one softmax for both GQA groups (decode_fp8_tiles.attend_fp8_words).
+        1)): one softmax for both GQA groups (decode_fp8_tiles.attend_fp8_words). An int8 cache's tiles
+        widen as a 16-bit cache's do, with their per-token scales beside them (common.attend_kv_tile).
 
 num_splits and the launch settings depend only on static shapes (batch size, KV heads, block_tables
 width, cache dtype, SM count; decode_launch.py); each
@@ -42,9 +43,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from nanovllm.kernels.common import (
+    attend_kv_tile,
+    check_cache_scales,
     fp8_dot_operands,
-    online_softmax_step,
-    paged_kv_offsets,
 )
 from nanovllm.kernels.decode_fp8_tiles import attend_fp8_words
 from nanovllm.kernels.decode_launch import DecodeCall
@@ -57,6 +58,8 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scales_ptr,  # an int8 cache's per-token scales (unread for other caches)
+    v_scales_ptr,
     partial_out_ptr,  # [B, num_heads, num_splits, HEAD_DIM] float32
     partial_lse_ptr,  # [B, num_heads, num_splits] float32
     out_ptr,  # [B, num_heads, HEAD_DIM]
@@ -107,10 +110,10 @@ def _decode_split_kernel(
     )
     q, qk_scale = fp8_dot_operands(q, scale_log2, k_cache_ptr.dtype.element_ty == tl.float8e4nv)
     attend_chunk(q, qk_scale, seq, group, split, kv_len, split_start, split_end, split_len, k_cache_ptr,
-                 v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
-                 out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale, NUM_HEADS_PER_KV,
-                 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, COMBINE_HEADS, COMBINE_ROWS,
-                 DOT_PRECISION, FP8_TILES, False, ONE_SPLIT, KV_PER_PROG)
+                 v_cache_ptr, k_scales_ptr, v_scales_ptr, partial_out_ptr, partial_lse_ptr, out_ptr,
+                 counters_ptr, block_tables_ptr, out_stride_b, out_stride_h, block_tables_stride, num_splits,
+                 v_scale, NUM_HEADS_PER_KV, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N,
+                 COMBINE_HEADS, COMBINE_ROWS, DOT_PRECISION, FP8_TILES, False, ONE_SPLIT, KV_PER_PROG)
 
 
 @triton.jit
@@ -124,8 +127,9 @@ def chunk_bounds(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def attend_chunk(q, qk_scale, seq, group, split, kv_len, split_start, split_end, split_len, k_cache_ptr,
-                 v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
-                 out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale,
+                 v_cache_ptr, k_scales_ptr, v_scales_ptr, partial_out_ptr, partial_lse_ptr, out_ptr,
+                 counters_ptr, block_tables_ptr, out_stride_b, out_stride_h, block_tables_stride, num_splits,
+                 v_scale,
                  NUM_HEADS_PER_KV: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                  COMBINE_HEADS: tl.constexpr, COMBINE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -157,15 +161,12 @@ def attend_chunk(q, qk_scale, seq, group, split, kv_len, split_start, split_end,
         for tile_start in range(split_start, split_end, BLOCK_N):
             offs_n = tile_start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < split_end
-            kv_offs = paged_kv_offsets(
-                block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N
-            )
             # An fp8 cache widens to q's (float16) here; its scales are folded into qk_scale and v_scale.
-            k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
-            v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
             # Position tile_start is always valid (the chunk is not empty), so every row sees a key.
-            m_i, l_i, acc = online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
-                                                DOT_PRECISION)
+            m_i, l_i, acc = attend_kv_tile(q, m_i, l_i, acc, qk_scale, n_mask[None, :], k_cache_ptr,
+                                           v_cache_ptr, k_scales_ptr, v_scales_ptr, block_table_row,
+                                           tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                                           BLOCK_N, DOT_PRECISION)
 
     if LAUNCH_AFTER_LOOP:
         gdc_launch_dependents()
@@ -254,6 +255,8 @@ def paged_decode_attention(
     counters: torch.Tensor | None = None,  # int32 zeros, >= B * num_kv_heads; left zeroed
     k_scale: float = 1.0,  # an fp8 cache holds k / k_scale and v / v_scale
     v_scale: float = 1.0,
+    k_scales: torch.Tensor | None = None,  # an int8 cache's [num_blocks, block_size, num_kv_heads] float32
+    v_scales: torch.Tensor | None = None,
     seq_order: torch.Tensor | None = None,  # [B] int32 permutation: rows to start first (longest context)
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole paged context; returns
@@ -264,15 +267,14 @@ def paged_decode_attention(
     one costs a fill kernel), and never the same buffer to two calls that may run at once."""
     call = DecodeCall.prepare(q, k_cache, v_cache, seqlens_k, block_tables, num_splits, out, workspace,
                               counters, packs=True)
+    k_scales, v_scales = check_cache_scales(k_cache, k_scales, v_scales)
     if seq_order is not None and (seq_order.shape != seqlens_k.shape or seq_order.dtype != torch.int32):
         raise ValueError(f"seq_order must be int32 {tuple(seqlens_k.shape)} like seqlens_k; got "
                          f"{seq_order.dtype} {tuple(seq_order.shape)}")
     if q.shape[0] == 0:
         return call.out
     _decode_split_kernel[call.grid](
-        q,
-        k_cache,
-        v_cache,
+        q, k_cache, v_cache, k_scales, v_scales,
         call.partial_out,
         call.partial_lse,
         call.out,

@@ -52,7 +52,8 @@ class DecodeLaunch:
 WIDE = DecodeLaunch(128, 4, 2)
 NARROW = DecodeLaunch(64, 4, 2)
 HEAD_DIM_256 = DecodeLaunch(32, 4, 2)
-# Per cache element size (2: bf16/fp16, 1: fp8), where a small batch leaves the kernel latency-bound.
+# Per cache element size (2: bf16/fp16, 1: fp8; an int8 cache takes fp8's launches, not yet measured for
+# its "cast" tiles), where a small batch leaves the kernel latency-bound.
 SMALL_BATCH = {2: DecodeLaunch(64, 4, 3), 1: DecodeLaunch(128, 4, 3)}
 SMALL_BATCH_SPLITS = 8
 # The fp8 "words" tiles at the WIDE launch (an fp8 cache's where FP8_LARGE_BATCH does not fit) take 168

@@ -5,9 +5,9 @@ kernels/decode_attention.py).
 Every program of the split-KV decode kernel computes its GQA group's query heads from the raw q (norm,
 rotation, rounded to q's dtype as rope_store rounds them), so no normed q is written and read back. The
 one program whose chunk holds the new position (seqlens_k - 1) also norms and rotates the new key, and
-stores it and the new value into the cache at slot_mapping (fp8-scaled as rope_store does) before it
-reads its chunk: a barrier orders the store before its own loads, and no other program reads that
-position. What follows is decode_attention's chunk and combine, shared code.
+stores it and the new value into the cache at slot_mapping (fp8-scaled or int8-quantized as rope_store
+does) before it reads its chunk: a barrier orders the store before its own loads, and no other program
+reads that position. What follows is decode_attention's chunk and combine, shared code.
 
 At one row a decode step is latency-bound, ~183 kernels of a few microseconds (docs/performance-notes.md,
 section "Decode attention at one row"): one fewer a layer is 28 fewer. At large batches the extra work per
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanovllm.kernels.common import FP8_MAX, fp8_dot_operands
+from nanovllm.kernels.common import FP8_MAX, check_cache_scales, fp8_dot_operands, quantize_int8_rows
 from nanovllm.kernels.decode_attention import attend_chunk, chunk_bounds
 from nanovllm.kernels.decode_launch import DecodeCall
 from nanovllm.kernels.rope_store import check_rope_args, normed_rotated_rows
@@ -35,6 +35,8 @@ def _decode_rope_split_kernel(
     v_ptr,  # [B, NUM_KV_HEADS, HEAD_DIM], the step's values
     k_cache_ptr,
     v_cache_ptr,
+    k_scales_ptr,  # an int8 cache's per-token scales (unread for other caches)
+    v_scales_ptr,
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
@@ -74,7 +76,7 @@ def _decode_rope_split_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8_TILES: tl.constexpr,  # decode_fp8_tiles.fp8_tiles's
     HAS_NORM: tl.constexpr,
-    QUANT: tl.constexpr,  # the cache is fp8: store scaled and clamped
+    QUANT: tl.constexpr,  # the cache is fp8 (store scaled and clamped) or int8 (store quantized)
     PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait for q, k, v
     LATE_TRIGGER: tl.constexpr = False,  # under PDL: the next kernel launches after the K/V loop
     ONE_SPLIT: tl.constexpr = False,  # num_splits == 1: each program writes its rows' output itself
@@ -112,7 +114,14 @@ def _decode_rope_split_kernel(
             offs_d = tl.arange(0, HEAD_DIM)
             value = tl.load(v_ptr + row * v_stride_b + kv_head * v_stride_h + offs_d)[None, :]
             cache = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
-            if QUANT:
+            if QUANT and k_cache_ptr.dtype.element_ty == tl.int8:
+                k_values, k_scales = quantize_int8_rows(key)
+                v_values, v_scales = quantize_int8_rows(value.to(tl.float32))
+                tl.store(k_cache_ptr + cache, k_values)
+                tl.store(v_cache_ptr + cache, v_values)
+                tl.store(k_scales_ptr + slot * NUM_KV_HEADS + kv_head + one, k_scales)
+                tl.store(v_scales_ptr + slot * NUM_KV_HEADS + kv_head + one, v_scales)
+            elif QUANT:
                 cache_ty = k_cache_ptr.dtype.element_ty
                 tl.store(k_cache_ptr + cache, tl.clamp(key * k_scale_inv, -FP8_MAX, FP8_MAX).to(cache_ty))
                 tl.store(v_cache_ptr + cache,
@@ -126,10 +135,10 @@ def _decode_rope_split_kernel(
 
     q, qk_scale = fp8_dot_operands(q, scale_log2, k_cache_ptr.dtype.element_ty == tl.float8e4nv)
     attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_end, split_len, k_cache_ptr,
-                 v_cache_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, counters_ptr, block_tables_ptr,
-                 out_stride_b, out_stride_h, block_tables_stride, num_splits, v_scale, NUM_HEADS_PER_KV,
-                 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, COMBINE_HEADS, COMBINE_ROWS,
-                 DOT_PRECISION, FP8_TILES, PDL and LATE_TRIGGER, ONE_SPLIT, 1)
+                 v_cache_ptr, k_scales_ptr, v_scales_ptr, partial_out_ptr, partial_lse_ptr, out_ptr,
+                 counters_ptr, block_tables_ptr, out_stride_b, out_stride_h, block_tables_stride, num_splits,
+                 v_scale, NUM_HEADS_PER_KV, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N,
+                 COMBINE_HEADS, COMBINE_ROWS, DOT_PRECISION, FP8_TILES, PDL and LATE_TRIGGER, ONE_SPLIT, 1)
 
 
 def paged_decode_rope_attention(
@@ -153,6 +162,8 @@ def paged_decode_rope_attention(
     counters: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    k_scales: torch.Tensor | None = None,  # an int8 cache's [num_blocks, block_size, num_kv_heads] float32
+    v_scales: torch.Tensor | None = None,
     pdl: bool = False,  # a programmatic dependent launch (supports_pdl(q.device) must hold)
     late_trigger: bool = False,  # under PDL: let the next kernel launch after the K/V loop, not the wait
 ) -> torch.Tensor:
@@ -169,12 +180,13 @@ that wait or, with late_trigger, after its K/V loop (the backend's choice, by th
     k_weight, k_eps = k_norm if k_norm is not None else (None, 0.0)
     check_rope_args(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, (q_weight, k_weight))
     call = DecodeCall.prepare(q, k_cache, v_cache, seqlens_k, block_tables, None, out, workspace, counters)
+    k_scales, v_scales = check_cache_scales(k_cache, k_scales, v_scales)
     if q.shape[0] == 0:
         return call.out
     has_norm = q_weight is not None
     _decode_rope_split_kernel[call.grid](
-        q, k, v, k_cache, v_cache, call.partial_out, call.partial_lse, call.out, call.counters, seqlens_k,
-        block_tables, positions, slot_mapping, cos, sin,
+        q, k, v, k_cache, v_cache, k_scales, v_scales, call.partial_out, call.partial_lse, call.out,
+        call.counters, seqlens_k, block_tables, positions, slot_mapping, cos, sin,
         q_weight if has_norm else cos, k_weight if has_norm else cos,  # unread without the norm
         q_eps, k_eps, 1.0 / k_scale, 1.0 / v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -8,6 +8,7 @@ new tokens, already written by nanovllm.kernels.rope_store) are read from the ca
     query i sits at position p = num_cached + i and attends to keys 0..p
 
 Query head h reads KV head h // (num_heads // num_kv_heads). Softmax is online, accumulated in float32.
+An int8 cache's per-token scales are read with its tiles (common.attend_kv_tile).
 """
 
 import math
@@ -17,12 +18,12 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.common import (
+    attend_kv_tile,
+    check_cache_scales,
     check_paged_attention_args,
     dot_precision,
     fp8_dot_operands,
-    online_softmax_step,
     output_for,
-    paged_kv_offsets,
 )
 
 # Query rows and key positions per tile. 64x64 keeps short prompts in a mixed batch from wasting a big
@@ -46,6 +47,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scales_ptr,  # an int8 cache's per-token scales (unread for other caches)
+    v_scales_ptr,
     out_ptr,
     cu_seqlens_q_ptr,
     seqlens_k_ptr,
@@ -98,26 +101,20 @@ def _prefill_kernel(
     # (3-8% of the kernel's time at 1-2k-token prompts, docs/performance-notes.md, "Prefill and mixed steps").
     masked_start = (num_cached + pid_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     for tile_start in range(0, masked_start, BLOCK_N):
-        kv_offs = paged_kv_offsets(
-            block_table_row, tile_start, kv_head, None, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N
-        )
-        k = tl.load(k_cache_ptr + kv_offs).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offs).to(q.dtype)
-        m_i, l_i, acc = online_softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = attend_kv_tile(q, m_i, l_i, acc, qk_scale, None, k_cache_ptr, v_cache_ptr,
+                                       k_scales_ptr, v_scales_ptr, block_table_row, tile_start, kv_head, None,
+                                       BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION)
     # Keys past the tile's last query position are masked for every row: stop the loop there.
     kv_end = tl.minimum(kv_len, num_cached + (pid_m + 1) * BLOCK_M)
     for tile_start in range(masked_start, kv_end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        kv_offs = paged_kv_offsets(
-            block_table_row, tile_start, kv_head, n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N
-        )
-        # An fp8 cache widens to q's (float16) here; its scales are folded into qk_scale and v_scale.
-        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
         # Every row (padding rows too: their position is >= kv_len > 0) sees key 0 of the first tile.
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        # An fp8 cache widens to q's (float16) here; its scales are folded into qk_scale and v_scale.
+        m_i, l_i, acc = attend_kv_tile(q, m_i, l_i, acc, qk_scale, visible, k_cache_ptr, v_cache_ptr,
+                                       k_scales_ptr, v_scales_ptr, block_table_row, tile_start, kv_head,
+                                       n_mask, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION)
 
     out = acc / l_i[:, None] * v_scale
     tl.store(
@@ -140,6 +137,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, head_dim], q's dtype
     k_scale: float = 1.0,  # an fp8 cache holds k / k_scale and v / v_scale
     v_scale: float = 1.0,
+    k_scales: torch.Tensor | None = None,  # an int8 cache's [num_blocks, block_size, num_kv_heads] float32
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query tokens over its whole paged context; returns
     [num_q_tokens, num_heads, head_dim] in q's dtype. max_seqlen_q is the host-side max of q_len_b
@@ -147,6 +146,7 @@ def paged_prefill_attention(
     num_heads, num_kv_heads, head_dim, block_size = check_paged_attention_args(
         q, k_cache, v_cache, block_tables
     )
+    k_scales, v_scales = check_cache_scales(k_cache, k_scales, v_scales)
     batch_size = seqlens_k.shape[0]
     if cu_seqlens_q.shape != (batch_size + 1,) or block_tables.shape[0] < batch_size:
         raise ValueError(
@@ -163,6 +163,8 @@ def paged_prefill_attention(
         q,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         out,
         cu_seqlens_q,
         seqlens_k,

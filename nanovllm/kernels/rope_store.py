@@ -14,14 +14,15 @@ rounded once. Slot -1 (padding) stores nothing; k_out is still written, for back
 the step's own keys. The cache layout is nanovllm.kernels.common's.
 
 An fp8 (e4m3) cache stores k / k_scale and v / v_scale, clamped to e4m3's range; the attention kernels
-multiply the scales back in (nanovllm.kernels.common.FP8_MAX).
+multiply the scales back in (nanovllm.kernels.common.FP8_MAX). An int8 cache stores each (token, KV head)
+row quantized with a scale of its own, into the cache and its scales (common.quantize_int8_rows).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.common import FP8_MAX, check_cache_dtype
+from nanovllm.kernels.common import FP8_MAX, check_cache_dtype, check_cache_scales, quantize_int8_rows
 
 # A program's warps: enough that its query tile is ~ELEMENTS_PER_WARP float32 values a warp.
 ELEMENTS_PER_WARP = 512
@@ -61,6 +62,8 @@ def _norm_rope_store_kernel(
     k_out_ptr,  # [T, NUM_KV_HEADS, HEAD_DIM], contiguous
     k_cache_ptr,
     v_cache_ptr,
+    k_scales_ptr,  # an int8 cache's per-token scales (unread for other caches)
+    v_scales_ptr,
     positions_ptr,
     slot_mapping_ptr,
     cos_ptr,  # [max_position, HEAD_DIM] float32, contiguous
@@ -84,7 +87,7 @@ def _norm_rope_store_kernel(
     BLOCK_KV: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr,
-    QUANT: tl.constexpr,  # the cache is fp8: store scaled and clamped
+    QUANT: tl.constexpr,  # the cache is fp8 (store scaled and clamped) or int8 (store quantized per row)
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -110,9 +113,18 @@ def _norm_rope_store_kernel(
     if slot >= 0:
         cache = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_heads[:, None] * HEAD_DIM + offs_d[None, :]
         value = tl.load(v_ptr + token * v_stride_t + kv_heads[:, None] * v_stride_h + offs_d[None, :],
-                        mask=kv_mask)
-        if QUANT:
-            cache_ty = k_cache_ptr.dtype.element_ty
+                        mask=kv_mask, other=0.0)
+        cache_ty = k_cache_ptr.dtype.element_ty
+        if QUANT and cache_ty == tl.int8:
+            # The float32 key, as fp8's below: rounded once, to int8 (masked lanes are 0: no amax).
+            k_values, k_scales = quantize_int8_rows(key)
+            v_values, v_scales = quantize_int8_rows(value.to(tl.float32))
+            tl.store(k_cache_ptr + cache, k_values, mask=kv_mask)
+            tl.store(v_cache_ptr + cache, v_values, mask=kv_mask)
+            scale_offs = slot * NUM_KV_HEADS + kv_heads
+            tl.store(k_scales_ptr + scale_offs, k_scales, mask=kv_heads < NUM_KV_HEADS)
+            tl.store(v_scales_ptr + scale_offs, v_scales, mask=kv_heads < NUM_KV_HEADS)
+        elif QUANT:
             tl.store(k_cache_ptr + cache, tl.clamp(key * k_scale_inv, -FP8_MAX, FP8_MAX).to(cache_ty),
                      mask=kv_mask)
             scaled_v = tl.clamp(value.to(tl.float32) * v_scale_inv, -FP8_MAX, FP8_MAX)
@@ -163,6 +175,8 @@ def norm_rope_store(
     k_norm: tuple[torch.Tensor, float] | None = None,
     k_scale: float = 1.0,  # an fp8 cache holds k / k_scale and v / v_scale
     v_scale: float = 1.0,
+    k_scales: torch.Tensor | None = None,  # an int8 cache's [num_blocks, block_size, num_kv_heads] float32
+    v_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the rotated (q, k), both contiguous, and writes k and v into the cache at slot_mapping.
     No host sync, so it can run inside a captured CUDA graph."""
@@ -171,6 +185,7 @@ def norm_rope_store(
     q_weight, q_eps = q_norm if q_norm is not None else (None, 0.0)
     k_weight, k_eps = k_norm if k_norm is not None else (None, 0.0)
     check_rope_args(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, (q_weight, k_weight))
+    k_scales, v_scales = check_cache_scales(k_cache, k_scales, v_scales)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -180,7 +195,7 @@ def norm_rope_store(
     has_norm = q_weight is not None
     block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
     _norm_rope_store_kernel[(num_tokens,)](
-        q, k, v, q_out, k_out, k_cache, v_cache, positions, slot_mapping, cos, sin,
+        q, k, v, q_out, k_out, k_cache, v_cache, k_scales, v_scales, positions, slot_mapping, cos, sin,
         q_weight if has_norm else cos, k_weight if has_norm else cos,  # unread without the norm
         q_eps, k_eps, 1.0 / k_scale, 1.0 / v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -1,6 +1,7 @@
 """The paged KV cache of one rank: one tensor [2 (k, v), layers, blocks, block_size, kv_heads, head_dim]
-whose per-layer views the attention layers read and write, and how many blocks fit a memory budget
-(on a GPU, what is left after a warm-up forward at the largest batch)."""
+whose per-layer views the attention layers read and write (an int8 cache also a float32 tensor of scales
+[2, layers, blocks, block_size, kv_heads], one per cached token and KV head), and how many blocks fit a
+memory budget (on a GPU, what is left after a warm-up forward at the largest batch)."""
 
 import logging
 import math
@@ -39,10 +40,17 @@ class SizedRunner(Protocol):
 logger = logging.getLogger("nanovllm")
 
 
+# An int8 cache's scales: one of this dtype per cached token, KV head and K or V.
+INT8_SCALE_DTYPE = torch.float32
+
+
 def block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (its keys and values)."""
-    per_token = 2 * len(layers) * layers[0].num_kv_heads * layers[0].head_dim
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    """Bytes one block takes across all layers (its keys and values, and an int8 cache's scales)."""
+    heads = 2 * len(layers) * layers[0].num_kv_heads * block_size  # (K, V) x layers x KV heads x tokens
+    per_head = layers[0].head_dim * dtype.itemsize
+    if dtype == torch.int8:
+        per_head += INT8_SCALE_DTYPE.itemsize
+    return heads * per_head
 
 
 def blocks_for_budget(config: Config, device: torch.device, bytes_per_block: int,
@@ -80,8 +88,14 @@ def allocate(layers: list[Attention], num_blocks: int, block_size: int, dtype: t
     cache = alloc(shape, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
-    logger.debug("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, block_size,
-                 cache.numel() * cache.element_size() / 2**30)
+    num_bytes = cache.numel() * cache.element_size()
+    if dtype == torch.int8:
+        # The layers' views keep the scales alive as they keep the cache (detach drops both).
+        scales = alloc(shape[:-1], dtype=INT8_SCALE_DTYPE, device=device)
+        for i, layer in enumerate(layers):
+            layer.k_cache_scales, layer.v_cache_scales = scales[0, i], scales[1, i]
+        num_bytes += scales.numel() * scales.element_size()
+    logger.debug("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, block_size, num_bytes / 2**30)
     return cache
 
 
@@ -106,6 +120,7 @@ def detach(layers: list[Attention]) -> None:
     """Take the cache's views from the layers (the tensor is freed once its owner drops it)."""
     for layer in layers:
         layer.k_cache = layer.v_cache = torch.empty(0)
+        layer.k_cache_scales = layer.v_cache_scales = torch.empty(0)
 
 
 def num_blocks_that_fit(runner: SizedRunner) -> int:

@@ -33,8 +33,13 @@ def startup_line(config, info) -> str:
     cpu_threads = info.cpu_threads
     parts = [f"{model} ({config.hf_config.model_type}, {config.load_format})",
              f"{info.dtype} on {info.device}", f"attention {info.attention_backend}",
-             f"KV cache {num_kv_tokens:,} tokens" + (" (fp8)" if config.kv_cache_dtype != "auto" else ""),
+             f"KV cache {num_kv_tokens:,} tokens" + _quantized_cache(config.kv_cache_dtype),
              f"TP {config.tensor_parallel_size}"]
     if cpu_threads is not None:
         parts.append(f"CPU threads {config.cpu_threads} ({cpu_threads} now)")
     return ", ".join(parts)
+
+
+def _quantized_cache(kv_cache_dtype: str) -> str:
+    """What follows the KV cache's size: ' (fp8)' or ' (int8)' for a quantized cache, else nothing."""
+    return "" if kv_cache_dtype == "auto" else f" ({kv_cache_dtype.removesuffix('_e4m3')})"

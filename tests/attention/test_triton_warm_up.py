@@ -25,11 +25,13 @@ MAX_NUM_SEQS, MAX_BLOCKS = 8, 80  # 1,280-token contexts: enough chunks for the 
 
 def make_layer(cache_dtype):
     gen = torch.Generator().manual_seed(0)
-    cache = [torch.randn(12, BS, HKV, D, generator=gen).to(DEVICE, cache_dtype) for _ in range(2)]
+    cache = [(torch.randn(12, BS, HKV, D, generator=gen) * 8).to(DEVICE, cache_dtype) for _ in range(2)]
+    scales = [torch.rand(12, BS, HKV, generator=gen).to(DEVICE) for _ in range(2)]  # an int8 cache's
     norm = QKNorm(torch.ones(D, device=DEVICE), torch.ones(D, device=DEVICE), 1e-6)
     rotary = RotaryEmbedding(Qwen3Config(head_dim=D), D, max_position=MAX_BLOCKS * BS).to(DEVICE)
     return types.SimpleNamespace(num_heads=H, num_kv_heads=HKV, head_dim=D, scale=D**-0.5, rotary=rotary,
-                                 qk_norm=norm, k_cache=cache[0], v_cache=cache[1], k_scale=1.0, v_scale=1.0)
+                                 qk_norm=norm, k_cache=cache[0], v_cache=cache[1], k_scale=1.0, v_scale=1.0,
+                                 k_cache_scales=scales[0], v_cache_scales=scales[1])
 
 
 def variant(fused: bool, launch, splits: int, rows: int) -> tuple:
@@ -49,10 +51,12 @@ def reachable_variants(fused: bool, element_size: int) -> set:
             for rows in range(1, max_rows + 1) for width in range(1, MAX_BLOCKS + 1)}
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn], ids=["fp16", "fp8"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn, torch.int8],
+                         ids=["fp16", "fp8", "int8"])
 def test_warm_up_builds_every_decode_launch_and_leaves_the_cache(monkeypatch, cache_dtype):
     layer = make_layer(cache_dtype)
-    before = layer.k_cache.view(torch.uint8).clone(), layer.v_cache.view(torch.uint8).clone()
+    before = [t.view(torch.uint8).clone() for t in (layer.k_cache, layer.v_cache, layer.k_cache_scales,
+                                                      layer.v_cache_scales)]
     backend = triton_backend.TritonBackend(MAX_NUM_SEQS, HKV, torch.device(DEVICE))
     warmed, kernel = set(), [None]
     real_choose = decode_launch.choose_launch
@@ -80,14 +84,15 @@ def test_warm_up_builds_every_decode_launch_and_leaves_the_cache(monkeypatch, ca
 
     for fused in (False, True):
         reachable = reachable_variants(fused, layer.k_cache.element_size())
-        # fp8: and packed KV heads, which short contexts reach at one chunk a context even at these rows
+        # 8-bit caches: and packed KV heads, which short contexts reach at one chunk a context even at these
+        # rows (an int8 cache's calls then take the unpacked launch: DecodeCall.prepare)
         assert len({launch for launch, _, _ in reachable}) == (2 if cache_dtype == torch.float16 else 3), \
             "the case should reach both the large- and the small-batch launch"
         assert {one_split for _, one_split, _ in reachable} == {False, True}, \
             "the case should reach one chunk a context and several"
         assert reachable <= {v for f, v in warmed if f == fused}
-    assert torch.equal(layer.k_cache.view(torch.uint8), before[0])
-    assert torch.equal(layer.v_cache.view(torch.uint8), before[1])
+    after = (layer.k_cache, layer.v_cache, layer.k_cache_scales, layer.v_cache_scales)
+    assert all(torch.equal(t.view(torch.uint8), b) for t, b in zip(after, before, strict=True))
 
 
 def test_warm_up_builds_the_fused_kernel_as_a_programmatic_dependent_where_forward_launches_it(monkeypatch):

@@ -62,6 +62,7 @@ def test_supports_only_what_was_measured():
     assert not supports(*_tensors(head_dim=64))
     assert not supports(*_tensors(dtype=torch.float32))
     assert not supports(*_tensors(cache_dtype=torch.float8_e4m3fn))
+    assert not supports(*_tensors(cache_dtype=torch.int8))  # its scales are the Triton kernel's to read
     assert not supports(*_tensors(block_size=32))
 
 

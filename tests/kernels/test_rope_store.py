@@ -81,7 +81,7 @@ def test_bad_arguments_raise_value_errors():
     with pytest.raises(ValueError, match="both q_norm and k_norm"):
         norm_rope_store(q, k, v, torch.zeros(3, dtype=torch.long), cos, cos, cache, cache, slots,
                         q_norm=(torch.ones(32), 1e-6))
-    with pytest.raises(ValueError, match="must both hold torch.float32 or torch.float8_e4m3fn"):
+    with pytest.raises(ValueError, match="must both hold torch.float32, torch.float8_e4m3fn or torch.int8"):
         norm_rope_store(q, k, v, torch.zeros(3, dtype=torch.long), cos, cos, cache.half(), cache, slots)
 
 

@@ -77,10 +77,14 @@ POINTER_TYPES = {
     "out_rows_ptr": "*i32",
     "row_max_ptr": "*fp32",
     "log_min_p_ptr": "*fp32",
+    "k_scales_ptr": "*fp32",  # an int8 KV cache's per-token scales
+    "v_scales_ptr": "*fp32",
 }
 FLOAT_SCALARS = {"eps", "scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_inv", "v_scale"}
 # Cases reading or writing an fp8 (e4m3) KV cache: their cache pointers hold fp8.
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+# Cases over an int8 KV cache (kv_cache_dtype="int8"): int8 values, float32 scales per token.
+INT8_CACHE = {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}
 ROPE_SHAPES = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128)
 # fp8 weights (layers/fp8.py's layout): e4m3 [N, K] and float32 scales; the W8A8 GEMM's x is e4m3 too.
 FP8_WEIGHT = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}
@@ -166,6 +170,24 @@ def cases() -> dict:
                                               dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", HAS_NORM=True,
                                                    QUANT=True, FP8_TILES="words"), FP8_CACHE,
                                               decode_launch.FP8_LARGE_BATCH.options(fp8_words=True)),
+        # An int8 cache: its tiles widen as a 16-bit cache's ("cast"), scaled per key; the launches an int8
+        # cache's element size takes (decode_launch: fp8's large- and small-batch settings).
+        "rope-store-int8": (rope_store._norm_rope_store_kernel,
+                            dict(ROPE_SHAPES, HAS_NORM=True, QUANT=True), INT8_CACHE),
+        "prefill-int8": (prefill_attention._prefill_kernel,
+                         dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=64,
+                              BLOCK_N=64, DOT_PRECISION="tf32"), INT8_CACHE),
+        "decode-int8-large-batch-one-split": (
+            decode_attention._decode_split_kernel,
+            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, ONE_SPLIT=True), INT8_CACHE,
+            decode_launch.FP8_LARGE_BATCH.options(fp8_words=False)),
+        "decode-int8-small-batch": (decode_attention._decode_split_kernel,
+                                    dict(DECODE, DOT_PRECISION="tf32", ORDERED=False), INT8_CACHE,
+                                    dict(num_warps=4, num_stages=3)),
+        "decode-rope-int8-pdl": (decode_rope._decode_rope_split_kernel,
+                                 dict(DECODE, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=True, PDL=True,
+                                      LATE_TRIGGER=True), INT8_CACHE,
+                                 dict(num_warps=4, num_stages=3, launch_pdl=True)),
         "prefill-fp8": (prefill_attention._prefill_kernel,
                         dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=64,
                              BLOCK_N=64, DOT_PRECISION="tf32"), FP8_CACHE),
@@ -354,6 +376,8 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "decode-rope-fp8-words-large-batch", "decode-one-split",
               "decode-fp8-words-large-batch-one-split", "decode-fp8-words-packed", "decode-rope-one-split",
               "rope-store-qk-norm", "rope-store", "rope-store-fp8",
+              "rope-store-int8", "prefill-int8", "decode-int8-large-batch-one-split",
+              "decode-int8-small-batch", "decode-rope-int8-pdl",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "skinny-gemm-pdl",
               "skinny-gemm-fp8-add-rms-norm-pdl", "skinny-gemm-fp8-split-k",
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split", "skinny-rows-fp8-pdl",
