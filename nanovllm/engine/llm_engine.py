@@ -15,8 +15,10 @@ together; its id is its first sequence's. A request whose part of a step fails e
 finish_reason "error" (failures.py). With async_scheduling (on by default with CUDA and one rank)
 `step` launches a step before it waits for the previous one's tokens (overlap.py), so a request's
 output comes one step later. With speculative_config, each step's sequences that decode next get
-drafts after it, and the next step verifies them (nanovllm.speculative.decoding): such steps run the
-synchronous loop, the overlap loop only while more than disable_by_batch_size requests run (no drafts).
+drafts after it, and the next step verifies them (nanovllm.speculative.decoding). With an n-gram
+proposer those steps run in the overlap loop too (each taken as accepted until its tokens are in); with a
+draft model they run the synchronous loop, the overlap loop only while more than disable_by_batch_size
+requests run (no drafts).
 
 Threads: one engine may be driven from several threads at once (generate, stream, the server's loop):
 a lock serializes the calls, and each caller takes exactly its own requests' outputs by id, whichever
@@ -105,7 +107,7 @@ class LLMEngine:
                 self._spec = SpeculativeDecoding(config, make_proposer(config, self.num_kvcache_blocks))
             if config.async_scheduling and self.executor.world_size == 1:
                 self._overlap = OverlapLoop(self.scheduler, self.executor, self._run_sync,
-                                            self._finish_requests)
+                                            self._finish_requests, self._spec)
         except BaseException:
             self.shutdown()  # no worker outlives a failed constructor
             raise
@@ -204,18 +206,18 @@ class LLMEngine:
                 return StepResult(0, 0)
             self._check_running()
             spec, overlap = self._spec, self._overlap
-            if overlap is not None and (spec is None or not spec.verifies_next(self.scheduler.running)):
-                num_tokens, is_prefill = self._overlap.step()
-            else:
-                if overlap is not None:
-                    overlap.drain()  # its tokens first: drafts follow a sequence's last token
-                    if self.scheduler.is_finished():
-                        return StepResult(0, 0)
-                seqs, is_prefill = self.scheduler.schedule()
-                num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-                if spec is not None and any(seq.spec_token_ids for seq in seqs):
-                    return self._run_verify_step(seqs, is_prefill, num_tokens)
-                self._run_sync(seqs, is_prefill)
+            if overlap is not None and (spec is None or spec.overlaps
+                                        or not spec.verifies_next(self.scheduler.running)):
+                return StepResult(*overlap.step())
+            if overlap is not None:
+                overlap.drain()  # its tokens first: drafts follow a sequence's last token
+                if self.scheduler.is_finished():
+                    return StepResult(0, 0)
+            seqs, is_prefill = self.scheduler.schedule()
+            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+            if spec is not None and any(seq.spec_token_ids for seq in seqs):
+                return self._run_verify_step(seqs, is_prefill, num_tokens)
+            self._run_sync(seqs, is_prefill)
             return StepResult(num_tokens, 0) if is_prefill else StepResult(0, num_tokens)
 
     def _run_verify_step(self, seqs: list[Sequence], is_prefill: bool, num_tokens: int) -> StepResult:

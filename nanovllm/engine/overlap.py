@@ -17,6 +17,19 @@ token for token the synchronous loop's.
   that finishes there (or is aborted before) has its step n+1 token dropped. Between engine steps no
   sequence holds a pending token: streams and outputs only ever see sampled tokens.
 
+Speculative decoding with a proposer that guesses past a pending token (n-gram lookup,
+Proposer.guesses_pending) runs here too. A verification step is committed as if every draft were
+accepted: its drafts are appended, then a pending token for the target's next one, all counted as
+computed (Sequence.num_assumed_tokens of them assumed), and no block they fill is shared yet. Step n+1
+is scheduled and proposed on that assumption (the proposer takes the pending token as its guess), its
+first input fed on the device from the last verified position's sampled id. Postprocess puts what the
+verification emitted in place of the assumed tokens (Scheduler.settle_verified); where a draft was
+rejected, that sequence's rows of step n+1 rest on tokens it does not have: they are void, neither
+committed nor postprocessed, and the sequence is scheduled from its settled tokens in the step after
+(their KV slots are overwritten then, as a rejected draft's are). A sequence whose latest verification
+rejected a draft is verified without overlap next time (needs_host_tokens), so a workload whose drafts
+miss often loses no more than the synchronous loop does.
+
 What needs step n's tokens on the host to build step n+1 waits for step n first (that step is not
 overlapped): penalties and bad words (their processors are built from the tokens' values) and prompt
 logprobs. A structured output's rows need step n's tokens only to fill step n+1's bitmask, which happens
@@ -29,13 +42,16 @@ leaves on the device stays inside the executor's PendingStep."""
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanovllm.engine.executor import Executor, PendingStep
-from nanovllm.engine.requests import record_step
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN_ID, Sequence
 from nanovllm.engine.step import StepBatch, build_batch
+
+if TYPE_CHECKING:
+    from nanovllm.speculative.decoding import SpeculativeDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -48,17 +64,32 @@ class InFlightStep:
     # Some sequence builds its next step from this step's tokens on the host: wait for them first.
     needs_host_tokens: bool
     is_prefill: bool
+    drafts: list[list[int]]  # per sampling row, the drafts it verifies ([] each without speculation)
+    # Per sampling row, the index of its last sampled id among the step's (one a verified position).
+    last_ids: list[int] = field(default_factory=list)
+    # Per sampling row, its sequence's length before the commit (where the assumed tokens begin).
+    starts: list[int] = field(default_factory=list)
+    # Sequences whose rows here took drafts that the step before rejected: not committed, not read.
+    void: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        end = -1
+        for drafts in self.drafts:
+            end += 1 + len(drafts)
+            self.last_ids.append(end)
 
 
 def feed_previous_tokens(batch: StepBatch, seqs: list[Sequence], prev: InFlightStep) -> None:
-    """Point each sampling row of `batch` whose last input token is still pending at its row of the
-    previous step's sampled ids."""
-    prev_rows = {prev.seqs[row].seq_id: i for i, row in enumerate(prev.sample_rows)}
-    for row in batch.sample_rows:
+    """Point each sampling row of `batch` whose first new input token is still pending (its last, or
+    the one before its drafts) at the previous step's sampled id for it."""
+    prev_rows = {prev.seqs[row].seq_id: last for row, last in zip(prev.sample_rows, prev.last_ids)
+                 if prev.seqs[row].seq_id not in prev.void}
+    spec = batch.spec_token_ids
+    for i, row in enumerate(batch.sample_rows):
         prev_row = prev_rows.get(seqs[row].seq_id)
         if prev_row is None:
             continue
-        index = batch.cu_seqlens_q[row + 1] - 1  # the row's last token: its pending one
+        index = batch.cu_seqlens_q[row + 1] - 1 - (len(spec[i]) if spec else 0)
         assert batch.input_ids[index] == PENDING_TOKEN_ID, f"sequence {seqs[row].seq_id} has no pending token"
         batch.prev_token_indices.append(index)
         batch.prev_token_rows.append(prev_row)
@@ -70,24 +101,31 @@ class OverlapLoop:
 
     def __init__(self, scheduler: Scheduler, executor: Executor,
                  run_sync: Callable[[list[Sequence], bool], None],
-                 on_finished: Callable[[list[Sequence]], None]) -> None:
+                 on_finished: Callable[[list[Sequence]], None],
+                 spec: "SpeculativeDecoding | None" = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.run_sync = run_sync
         self.on_finished = on_finished
+        self.spec = spec  # proposes and verifies drafts here while spec.overlaps
         self.in_flight: InFlightStep | None = None
+        self.num_emitted = 0  # tokens the latest postprocess appended (verification steps' count)
 
-    def step(self) -> tuple[int, bool]:
+    def step(self) -> tuple[int, int]:
         """Commit the step in flight, schedule and launch the next, then wait for and postprocess the
-        one before. Returns the number of tokens of the step launched and whether it is a prefill."""
+        one before. Returns the step's (prompt tokens, decoded tokens): those of the step launched (a
+        prefill's count as prompt tokens); while drafts are verified here, the prompt tokens of the
+        step launched and the tokens the step postprocessed emitted."""
         prev, self.in_flight = self.in_flight, None
+        self.num_emitted = 0
         if prev is not None:
             self._commit(prev)
             if prev.needs_host_tokens:
                 self._postprocess(prev)
                 prev = None
         if self.scheduler.is_finished():  # prev's tokens finished every sequence
-            return 0, False
+            return 0, self.num_emitted if self.spec is not None and self.spec.overlaps else 0
+        self._propose()
         seqs, is_prefill = self._schedule(prev)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         failed = False
@@ -101,20 +139,52 @@ class OverlapLoop:
             if prev is not None:  # even on Ctrl-C: no pending token outlives the engine step
                 self._postprocess(prev)
         if failed:
-            self.run_sync([seq for seq in seqs if not seq.is_finished], is_prefill)
+            self.run_sync(self._still_valid(seqs), is_prefill)
         elif self.in_flight is not None:
             self._sample(self.in_flight)
+        launched = self.in_flight
         self.drop_if_idle()
-        return num_tokens, is_prefill
+        if self.spec is not None and self.spec.overlaps:  # a step's decoded tokens are known once read
+            prompt = 0 if launched is None else sum(
+                seq.num_scheduled_tokens for seq in launched.seqs if seq.num_uncomputed_tokens > 1)
+            return prompt, self.num_emitted
+        return (num_tokens, 0) if is_prefill else (0, num_tokens)
+
+    def _propose(self) -> None:
+        """Give the sequences that decode next their drafts (while self.spec overlaps): proposed past a
+        pending token, which the proposer guesses."""
+        spec = self.spec
+        if spec is None or not spec.overlaps:
+            return
+        running = self.scheduler.running
+        for seq in running:
+            seq.spec_token_ids = []
+        spec.propose(running)
+
+    def _still_valid(self, seqs: list[Sequence]) -> list[Sequence]:
+        """seqs without those that finished, or whose schedule rested on drafts that postprocessing the
+        previous step rejected (their settled tokens are scheduled afresh)."""
+        void = set() if self.in_flight is None else self.in_flight.void
+        valid = []
+        for seq in seqs:
+            if seq.seq_id in void:
+                seq.num_scheduled_tokens, seq.spec_token_ids = 0, []
+            elif not seq.is_finished:
+                valid.append(seq)
+        return valid
 
     def _schedule(self, prev: InFlightStep | None) -> tuple[list[Sequence], bool]:
         """Schedule the next step, leaving out the sequences whose pending token ends them whatever
-        its value (max_tokens or max_model_len): as in the synchronous loop, where they are finished
-        by now, they take no row and reserve no KV block (postprocess retires them)."""
+        its value (max_tokens or max_model_len), even were all their assumed drafts rejected: as in the
+        synchronous loop, where they are finished by now, they take no row and reserve no KV block
+        (postprocess retires them)."""
         max_model_len = self.scheduler.stop_checker.max_model_len
-        finishing = [] if prev is None else [
-            seq for seq in (prev.seqs[row] for row in prev.sample_rows) if not seq.is_finished and (
-                seq.num_completion_tokens >= seq.sampling_params.max_tokens or len(seq) >= max_model_len)]
+        finishing = []
+        for seq in [] if prev is None else (prev.seqs[row] for row in prev.sample_rows):
+            drafts = max(seq.num_assumed_tokens - 1, 0)  # the fewest tokens it has once settled
+            if not seq.is_finished and (seq.num_completion_tokens - drafts >= seq.sampling_params.max_tokens
+                                        or len(seq) - drafts >= max_model_len):
+                finishing.append(seq)
         running = self.scheduler.running
         if not self.scheduler.waiting and len(finishing) == len(running):
             return [], False
@@ -141,8 +211,9 @@ class OverlapLoop:
         except Exception:
             logger.exception("sampling a step of %d sequences failed; running it synchronously",
                              len(step.seqs))
+            seqs = self._still_valid(step.seqs)
             self.in_flight = None
-            self.run_sync([seq for seq in step.seqs if not seq.is_finished], step.is_prefill)
+            self.run_sync(seqs, step.is_prefill)
 
     def drop_if_idle(self) -> None:
         """Forget the step in flight when nothing is queued: each of its sequences finished or was
@@ -156,26 +227,66 @@ class OverlapLoop:
         if prev is not None:
             feed_previous_tokens(batch, seqs, prev)
         needs_host_tokens = any(seq.reads_output_tokens or seq.needs_prompt_logprobs for seq in seqs)
+        if batch.spec_token_ids and not needs_host_tokens:
+            needs_host_tokens = self.spec.waits_for_tokens(seqs)
         defer_sampling = not needs_host_tokens and any(seq.grammar is not None for seq in seqs)
         output = self.executor.launch(batch, prev.output if prev is not None else None, defer_sampling)
-        return InFlightStep(seqs, batch.sample_rows, output, needs_host_tokens, is_prefill)
+        drafts = batch.spec_token_ids or [[] for _ in batch.sample_rows]
+        return InFlightStep(seqs, batch.sample_rows, output, needs_host_tokens, is_prefill, drafts)
 
     def _commit(self, step: InFlightStep) -> None:
-        """Step `step` as if done, its sampled tokens pending (see the module docstring)."""
-        self.scheduler.record_computed([seq for seq in step.seqs if not seq.is_finished])
-        for row in step.sample_rows:
+        """Step `step` as if done, its sampled tokens pending and its drafts accepted (see the module
+        docstring)."""
+        live = [seq for seq in step.seqs if not seq.is_finished and seq.seq_id not in step.void]
+        verifying = {step.seqs[row].seq_id for row, drafts in zip(step.sample_rows, step.drafts) if drafts}
+        for seq in step.seqs:
+            if seq.seq_id in step.void:
+                seq.num_scheduled_tokens, seq.spec_token_ids = 0, []
+        self.scheduler.record_computed([seq for seq in live if seq.seq_id not in verifying])
+        self.scheduler.record_computed([seq for seq in live if seq.seq_id in verifying], share_blocks=False)
+        for row, drafts in zip(step.sample_rows, step.drafts):
             seq = step.seqs[row]
-            if not seq.is_finished:
+            step.starts.append(len(seq.token_ids))
+            if not seq.is_finished and seq.seq_id not in step.void:
+                seq.token_ids.extend(drafts)
                 seq.token_ids.append(PENDING_TOKEN_ID)
+                seq.num_assumed_tokens = len(drafts) + 1
+                seq.spec_token_ids = []
 
     def _postprocess(self, step: InFlightStep) -> None:
-        """Wait for the step's sampled ids (the sync), put them in place of the pending tokens and run
-        the stop checks; the tokens of sequences that finished meanwhile are dropped."""
-        token_ids = record_step(step.seqs, step.sample_rows, step.output.wait())
-        sampled = []
-        for seq, token_id in zip(step.seqs, token_ids, strict=True):
-            if token_id is not None:
-                assert seq.token_ids[-1] == PENDING_TOKEN_ID, f"sequence {seq.seq_id} has no pending token"
-                seq.token_ids[-1] = token_id
+        """Wait for the step's sampled ids (the sync), put them in place of the assumed tokens and run
+        the stop checks; the tokens of sequences that finished meanwhile, or whose rows are void, are
+        dropped. A verification that rejected a draft voids its sequence's rows in the step in flight."""
+        out = step.output.wait()
+        finished, sampled = [], []
+        emitted = 0
+        rows = zip(step.sample_rows, step.drafts, step.last_ids, strict=True)
+        for i, (row, drafts, last) in enumerate(rows):
+            seq = step.seqs[row]
+            if seq.is_finished or seq.seq_id in step.void:
+                continue
+            first = last - len(drafts)
+            logprobs = None if out.logprobs is None else out.logprobs[first:last + 1]
+            assert seq.token_ids[-1] == PENDING_TOKEN_ID, f"sequence {seq.seq_id} has no pending token"
+            if not drafts:
+                seq.token_ids[-1] = out.token_ids[last]
+                seq.num_assumed_tokens = 0
+                if logprobs is not None and logprobs[0] is not None:
+                    seq.logprobs.append(logprobs[0])
+                    seq.cumulative_logprob += logprobs[0][out.token_ids[last]]
                 sampled.append(seq)
-        self.on_finished(self.scheduler.check_stops(sampled))
+                emitted += 1
+                continue
+            tokens = self.spec.accept(seq, out.token_ids[first:last + 1], drafts)
+            before = len(seq.token_ids)
+            if self.scheduler.settle_verified(seq, step.starts[i], tokens,
+                                              None if logprobs is None else logprobs[:len(tokens)]):
+                finished.append(seq)
+            elif len(tokens) <= len(drafts) and self.in_flight is not None:
+                self.in_flight.void.add(seq.seq_id)  # its next rows took the rejected drafts
+            emitted += len(seq.token_ids) - before + len(drafts) + 1
+        for row, prompt_logprobs in (out.prompt_logprobs or {}).items():
+            if not step.seqs[row].is_finished:
+                step.seqs[row].prompt_logprobs.extend(prompt_logprobs)
+        self.num_emitted = emitted
+        self.on_finished(finished + self.scheduler.check_stops(sampled))

@@ -238,18 +238,10 @@ class Scheduler:
                 self.record_computed([seq])
                 continue
             tokens, logprobs = result
-            reason = None
-            for j, token in enumerate(tokens):
-                seq.token_ids.append(token)
-                if logprobs is not None and logprobs[j] is not None:
-                    seq.logprobs.append(logprobs[j])
-                    seq.cumulative_logprob += logprobs[j][token]
-                reason = self.stop_checker.check(seq)
-                if reason is not None:
-                    break
+            num_appended, reason = self._append_verified(seq, tokens, logprobs)
             # KV computed: what was scheduled but the rejected drafts, and none past a stop.
-            seq.num_scheduled_tokens = min(seq.num_scheduled_tokens - num_drafts + len(tokens) - 1,
-                                           len(seq) - seq.num_computed_tokens)
+            seq.num_scheduled_tokens = (seq.num_scheduled_tokens - num_drafts
+                                        + min(len(tokens), num_appended + 1) - 1)
             self.record_computed([seq])
             if reason is not None:
                 seq.finish_reason = reason
@@ -257,16 +249,50 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def record_computed(self, seqs: list[Sequence]) -> None:
+    def settle_verified(self, seq: Sequence, start: int, tokens: list[int], logprobs: list | None
+                        ) -> bool:
+        """Record a verification that overlap scheduling committed as if all its drafts were accepted
+        (nanovllm.engine.overlap): token_ids[start:] (the drafts and the pending token) give way to the
+        tokens it emitted, appended and stop-checked as postprocess_verified does, and KV counts as
+        computed for the last token before `start` and the accepted drafts. True when seq finished."""
+        del seq.token_ids[start:]
+        seq.num_assumed_tokens = 0
+        num_appended, reason = self._append_verified(seq, tokens, logprobs)
+        if seq.block_table:  # else preempted while the step ran: it is recomputed from scratch
+            seq.num_computed_tokens = start - 1 + min(len(tokens), num_appended + 1)
+            if seq.num_computed_tokens // self.block_manager.block_size > len(seq.block_hashes):
+                self.block_manager.cache_computed_blocks(seq)
+        if reason is None:
+            return False
+        seq.finish_reason = reason
+        self._retire(seq)
+        return True
+
+    def _append_verified(self, seq: Sequence, tokens: list[int], logprobs: list | None
+                         ) -> tuple[int, str | None]:
+        """Append a verification's tokens one at a time, each checked for a stop; what follows a stop is
+        dropped. Returns (tokens appended, the stop's finish reason or None)."""
+        for j, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            if logprobs is not None and logprobs[j] is not None:
+                seq.logprobs.append(logprobs[j])
+                seq.cumulative_logprob += logprobs[j][token]
+            reason = self.stop_checker.check(seq)
+            if reason is not None:
+                return j + 1, reason
+        return len(tokens), None
+
+    def record_computed(self, seqs: list[Sequence], share_blocks: bool = True) -> None:
         """The first half of postprocess: the step's scheduled tokens have KV now. Overlap scheduling
         calls it while the step still runs: its KV is written before any later step reads it (one
-        stream), so its full blocks may already be shared."""
+        stream), so its full blocks may already be shared; not those of a verification it takes as
+        accepted (share_blocks=False): their drafts may yet be rejected (settle_verified shares them)."""
         block_size = self.block_manager.block_size
         for seq in seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block just filled up
-                self.block_manager.cache_computed_blocks(seq)
+            if share_blocks and seq.num_computed_tokens // block_size > len(seq.block_hashes):
+                self.block_manager.cache_computed_blocks(seq)  # a block just filled up
 
     def check_stops(self, seqs: list[Sequence]) -> list[Sequence]:
         """The second half of postprocess: retire the sequences that their new last token ends."""

@@ -41,6 +41,12 @@ class Sequence:
         self.num_draft_computed_tokens = 0
         # Drafts verified for it and how many of them were accepted (its output's metrics).
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        # Whether its latest verification rejected a draft: its next verification is not overlapped
+        # (nanovllm.engine.overlap), since the step after it would likely be computed for nothing.
+        self.rejected_drafts = False
+        # Overlap scheduling: tokens at the end of token_ids that a step in flight only assumes (its
+        # pending token, and the drafts it verifies, taken as accepted); 0 between engine steps.
+        self.num_assumed_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block whose KV is computed
         self.finish_reason: str | None = None

@@ -11,7 +11,7 @@ AttentionMetadata.rows_share_sequences, runs the store-then-attend path. It shar
 memory pool (the two never run at once) and is sized for the most rows verification can have:
 disable_by_batch_size sequences x (k + 1).
 
-Steps that also prefill (a prompt chunk, prompt logprobs) or take tokens from a previous step stay on the
+Steps that also prefill (a prompt chunk, prompt logprobs) stay on the
 prefill path (piecewise graphs or eager), as does a verification larger than the graphs. An eager step of
 k + 1 tokens a sequence cost about ten graph replays on an H200; in these graphs a one-stream copy
 workload with n-gram drafts went from 0.42x to 1.5x plain decoding at k = 3 (docs/performance-notes.md,
@@ -30,7 +30,7 @@ def as_decode_rows(batch: StepBatch) -> StepBatch | None:
     """A verification step as a decode step of one row per verified position (sequence by sequence, the
     last token first: the order its logits are sampled in), same tokens, slots and sampling; None where
     the step is not verification alone."""
-    if (not batch.spec_token_ids or batch.prompt_logprob_spans or batch.prev_token_indices
+    if (not batch.spec_token_ids or batch.prompt_logprob_spans
             or len(batch.sample_rows) != batch.num_seqs):  # a sequence that does not sample prefills
         return None
     cu = batch.cu_seqlens_q
@@ -44,8 +44,10 @@ def as_decode_rows(batch: StepBatch) -> StepBatch | None:
         seqlens_k.extend(range(seqlen - num + 1, seqlen + 1))
         tables.extend([table] * num)
     rows = len(batch.input_ids)
+    # A token the previous step is still sampling (overlap scheduling) keeps its index: one token a row.
     return StepBatch(False, batch.input_ids, batch.positions, batch.slot_mapping, list(range(rows + 1)),
-                     seqlens_k, tables, list(range(rows)), batch.sampling)
+                     seqlens_k, tables, list(range(rows)), batch.sampling,
+                     prev_token_indices=batch.prev_token_indices, prev_token_rows=batch.prev_token_rows)
 
 
 def verify_graph_rows(config: Config, max_rows: int) -> int:

@@ -4,6 +4,10 @@ sequence emits (rejection.py) and count drafts and acceptances. Pure Python.
 
     engine step:  schedule (drafts get slots and budget) | run | postprocess_verified | propose
 
+With async_scheduling and an n-gram proposer, the overlap loop proposes before it schedules, past the
+pending token of the step in flight, and settles each verification once its tokens are read
+(nanovllm.engine.overlap).
+
 Counters, engine-wide and per sequence (vLLM's spec_decode_* figures): drafts (a sequence's drafts
 verified in one step), draft tokens, accepted tokens, and accepted tokens by position (how often the
 i-th draft of a step was accepted)."""
@@ -20,9 +24,10 @@ from nanovllm.outputs import TokenLogprobs
 from nanovllm.speculative.proposer import Proposer
 from nanovllm.speculative.rejection import accepted_tokens
 
-# With async_scheduling, after a proposal round that found no draft at all, this many steps run the
-# overlap loop before the proposer looks again (each look is a synchronous step): output with nothing
-# to look up then loses overlap on one step in nine, not on every step.
+# With async_scheduling and a proposer that cannot guess past a pending token (a draft model), after a
+# proposal round that found no draft at all, this many steps run the overlap loop before the proposer
+# looks again (each look is a synchronous step): output with nothing to look up then loses overlap on
+# one step in nine, not on every step.
 QUIET_STEPS = 8
 
 
@@ -52,6 +57,13 @@ class SpeculativeDecoding:
         self.accepted_per_pos = [0] * self.spec.num_speculative_tokens
         self.num_proposed = 0  # proposal rounds since proposals were last dropped
         self.num_quiet_steps = 0  # steps left before the proposer looks again (QUIET_STEPS)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether verification steps run in the overlap loop: the proposer proposes past a pending
+        token (Proposer.guesses_pending), so the next step's drafts need not wait for this step's
+        tokens (nanovllm.engine.overlap)."""
+        return getattr(self.proposer, "guesses_pending", False)
 
     def active(self, num_running: int) -> bool:
         """Whether sequences get drafts with this many running (disable_by_batch_size)."""
@@ -90,6 +102,8 @@ class SpeculativeDecoding:
             # drafts before it (engine/step.with_drafts).
             if seq.num_uncomputed_tokens != 1:
                 continue  # still prefilling
+            if seq.num_assumed_tokens and seq.grammar is not None:
+                continue  # its matcher cannot take drafts that follow a token not yet sampled
             # A step with n drafts emits up to n + 1 tokens.
             num = min(k, seq.sampling_params.max_tokens - seq.num_completion_tokens - 1,
                       max_model_len - len(seq) - 1)
@@ -110,6 +124,20 @@ class SpeculativeDecoding:
         if not found:
             self.num_quiet_steps = QUIET_STEPS
 
+    def accept(self, seq: Sequence, sampled: list[int], drafts: list[int]) -> list[int]:
+        """What seq emits from a verification of `drafts` that sampled `sampled` (one id a verified
+        position): its accepted drafts, then the target's token; counted."""
+        tokens = accepted_tokens(sampled, drafts)
+        if drafts:
+            self._count(seq, len(drafts), len(tokens) - 1)
+        return tokens
+
+    def waits_for_tokens(self, seqs: list[Sequence]) -> bool:
+        """Whether the step after one that verifies these sequences' drafts should wait for its tokens
+        (overlap loop): a verifying sequence rejected a draft last time (its next rows would likely be
+        computed for nothing), or has a grammar (its next drafts are cut by the matcher)."""
+        return any(seq.spec_token_ids and (seq.rejected_drafts or seq.grammar is not None) for seq in seqs)
+
     def record(self, seqs: list[Sequence], batch: StepBatch, out: StepOutput) -> list[Verified | None]:
         """Per sequence of a verification step, what it emitted (None for those that only computed part
         of their prompt, or finished meanwhile); records prompt logprobs and the counters."""
@@ -124,9 +152,7 @@ class SpeculativeDecoding:
             pos += num + 1
             if seq.is_finished:
                 continue
-            tokens = accepted_tokens(sampled, drafts)
-            if num:
-                self._count(seq, num, len(tokens) - 1)
+            tokens = self.accept(seq, sampled, drafts)
             results[row] = Verified(tokens, None if row_logprobs is None else row_logprobs[:len(tokens)])
         assert pos == len(out.token_ids), f"{len(out.token_ids)} sampled ids for {pos} verified positions"
         for row, prompt_logprobs in (out.prompt_logprobs or {}).items():
@@ -143,6 +169,7 @@ class SpeculativeDecoding:
         seq.num_drafts += 1
         seq.num_draft_tokens += num_drafts
         seq.num_accepted_tokens += num_accepted
+        seq.rejected_drafts = num_accepted < num_drafts
 
     def stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,

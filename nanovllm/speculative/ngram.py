@@ -8,7 +8,7 @@ of packing 1,500 ids again)."""
 
 from array import array
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING_TOKEN_ID, Sequence
 
 ITEM = 8  # bytes per packed token id
 
@@ -40,22 +40,34 @@ def ngram_proposal(token_ids: list[int], min_n: int, max_n: int, k: int, packed:
 
 class NgramProposer:
     writes_kv = False
+    # A sequence whose last token is still being sampled (overlap scheduling): the lookup runs on the
+    # tokens before it and proposes one token more, whose first stands for the pending one (a guess the
+    # target checks: a wrong one makes the drafts after it rejected, never the output different).
+    guesses_pending = True
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
-        self._packed: dict[int, bytearray] = {}  # seq_id -> its token ids packed, as of the last call
+        self._packed: dict[int, bytearray] = {}  # seq_id -> its settled token ids packed, as of the last call
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
         packed, out = {}, []
         for seq, k in zip(seqs, num_tokens):
+            token_ids = seq.token_ids
+            # Settled tokens only grow at the end; the assumed ones may yet be rolled back: packed anew.
+            settled = len(token_ids) - seq.num_assumed_tokens
             data = self._packed.get(seq.seq_id)
             num_packed = 0 if data is None else len(data) // ITEM
-            if data is None or num_packed > len(seq.token_ids):
-                data = pack(seq.token_ids)
-            elif num_packed < len(seq.token_ids):  # tokens only ever grow at the end
-                data += array("q", seq.token_ids[num_packed:]).tobytes()
+            if data is None or num_packed > settled:
+                data = pack(token_ids[:settled])
+            elif num_packed < settled:
+                data += array("q", token_ids[num_packed:settled]).tobytes()
             packed[seq.seq_id] = data
-            out.append(ngram_proposal(seq.token_ids, self.min_n, self.max_n, k, data))
+            pending = bool(seq.num_assumed_tokens) and token_ids[-1] == PENDING_TOKEN_ID
+            context = token_ids[:-1] if pending else token_ids
+            if len(context) > settled:
+                data = data + array("q", context[settled:]).tobytes()
+            proposal = ngram_proposal(context, self.min_n, self.max_n, k + pending, data)
+            out.append(proposal[1:] if pending else proposal)
         self._packed = packed  # sequences not asked about this time (finished ones) are forgotten
         return out
 

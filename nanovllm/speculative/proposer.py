@@ -12,6 +12,10 @@ class Proposer(Protocol):
     # Whether proposing writes KV at the drafts' positions (a draft model's own cache, addressed through
     # the target's block table): the engine then gives each sequence slots for its drafts first.
     writes_kv: bool
+    # Whether it proposes for a sequence whose last token is still being sampled (PENDING_TOKEN_ID, with
+    # the drafts before it only assumed accepted: Sequence.num_assumed_tokens), so that verification
+    # steps can run in the overlap loop (nanovllm.engine.overlap). Optional; False when absent.
+    guesses_pending: bool
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
         """Per sequence, up to num_tokens[i] draft token ids that follow seqs[i].token_ids ([]: none)."""

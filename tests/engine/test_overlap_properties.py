@@ -11,8 +11,10 @@ pending token was fed: any reuse of a block still needed, any hash of a block be
 placeholder leaking into the inputs breaks it."""
 
 import random
+from types import SimpleNamespace
 
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_properties import EOS, MAX_STEPS, VOCAB, admit_arrivals, make_sequences, workloads
 
 from nanovllm.engine.invariants import check_invariants
@@ -21,6 +23,7 @@ from nanovllm.engine.requests import StopChecker
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN_ID, Sequence
 from nanovllm.engine.step import StepBatch, StepOutput
+from nanovllm.speculative.decoding import SpeculativeDecoding
 
 
 def model(context: tuple[int, ...]) -> int:
@@ -52,7 +55,7 @@ class FakeDevice:
         for index, row in zip(batch.prev_token_indices, batch.prev_token_rows, strict=True):
             input_ids[index] = previous.sampled[row]
         assert PENDING_TOKEN_ID not in input_ids, "a pending token reached the device"
-        contexts = []
+        contexts = []  # per input token
         for row, table in enumerate(batch.block_tables):
             for i in range(batch.cu_seqlens_q[row], batch.cu_seqlens_q[row + 1]):
                 pos = batch.positions[i]
@@ -60,14 +63,45 @@ class FakeDevice:
                 context = (self.slots[before] if pos else ()) + (input_ids[i],)
                 assert batch.slot_mapping[i] == self._slot(table, pos)
                 self.slots[batch.slot_mapping[i]] = context
-            contexts.append(context)
-        return FakePending([model(contexts[row]) for row in batch.sample_rows], self.waits)
+                contexts.append(context)
+        # One token a sampling row, or with drafts one a verified position (greedy: the model's).
+        return FakePending([model(contexts[i]) for i in batch.logits_indices], self.waits)
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
-def run_overlapped(config, requests, aborts, seed) -> Scheduler:
+class FakeProposer:
+    """Drafts up to k tokens a sequence, each the model's next token on the sequence's tokens and the
+    drafts before it with probability `right`, else a random one; a pending last token is guessed right
+    (the model's token after the tokens before it, themselves perhaps rejected drafts)."""
+
+    writes_kv = False
+    guesses_pending = True
+
+    def __init__(self, rng: random.Random, right: float) -> None:
+        self.rng, self.right = rng, right
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
+        out = []
+        for seq, num in zip(seqs, num_tokens, strict=True):
+            context = list(seq.token_ids)
+            if context[-1] == PENDING_TOKEN_ID:
+                context[-1] = model(tuple(context[:-1]))
+            drafts = []
+            for _ in range(self.rng.randint(0, num)):
+                token = model(tuple(context)) if self.rng.random() < self.right else self.rng.randrange(VOCAB)
+                drafts.append(token)
+                context.append(token)
+            out.append(drafts)
+        return out
+
+    def shutdown(self) -> None:
+        pass
+
+
+def run_overlapped(config, requests, aborts, seed, speculate: tuple[int, float] | None = None) -> OverlapLoop:
+    """speculate: (k, how often a draft is right) for n-gram-like drafts verified in the loop."""
     scheduler = Scheduler(config, config.num_kvcache_blocks, StopChecker((EOS,), max_model_len=10**6))
     device = FakeDevice(config.kvcache_block_size)
     finished: list[Sequence] = []
@@ -75,9 +109,16 @@ def run_overlapped(config, requests, aborts, seed) -> Scheduler:
     def run_sync(seqs, is_prefill):
         raise AssertionError("the fake device never fails a launch")
 
-    loop = OverlapLoop(scheduler, device, run_sync, finished.extend)
-    seqs = make_sequences(requests, config.kvcache_block_size)
     rng = random.Random(seed)
+    spec = None
+    if speculate is not None:
+        k, right = speculate
+        spec_config = SimpleNamespace(
+            speculative_config=SimpleNamespace(num_speculative_tokens=k, disable_by_batch_size=None),
+            max_model_len=10**6)
+        spec = SpeculativeDecoding(spec_config, FakeProposer(random.Random(seed + 1), right))
+    loop = OverlapLoop(scheduler, device, run_sync, finished.extend, spec)
+    seqs = make_sequences(requests, config.kvcache_block_size)
     aborted: set[int] = set()
     step = 0
     while step <= max(r.arrival for r in requests) or not scheduler.is_finished():
@@ -100,6 +141,7 @@ def run_overlapped(config, requests, aborts, seed) -> Scheduler:
         check_invariants(scheduler)
         for seq in [*scheduler.waiting, *scheduler.running]:
             assert PENDING_TOKEN_ID not in seq.token_ids, "a pending token outlived its engine step"
+            assert seq.num_assumed_tokens == 0, "an assumed draft outlived its engine step"
     ids = [seq.seq_id for seq in finished]
     assert len(ids) == len(set(ids)), "a request finished twice"
     assert not set(ids) & aborted, "an aborted request also finished"
@@ -110,10 +152,20 @@ def run_overlapped(config, requests, aborts, seed) -> Scheduler:
         for i in range(seq.num_prompt_tokens, len(seq)):  # each token is the model's on its true prefix
             assert seq.token_ids[i] == model(tuple(seq.token_ids[:i])), f"sequence {seq.seq_id} token {i}"
     assert scheduler.block_manager.num_free_blocks == config.num_kvcache_blocks
-    return scheduler
+    return loop
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_overlapped_steps_keep_kv_and_outputs_right(workload):
     run_overlapped(*workload)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.integers(1, 4), st.sampled_from([0.0, 0.6, 0.9, 1.0]))
+def test_overlapped_verification_keeps_kv_and_outputs_right(workload, k, right):
+    """Drafts verified in the loop, taken as accepted until their tokens are in: rejections void the next
+    step's rows of their sequence, whose KV slots are written again later; outputs stay the model's."""
+    stats = run_overlapped(*workload, speculate=(k, right)).spec.stats()
+    if right == 1.0:  # every draft (and every guess of a pending token) right: none rejected
+        assert stats.num_accepted_tokens == stats.num_draft_tokens

@@ -53,10 +53,31 @@ def test_a_verification_step_becomes_one_decode_row_a_position():
     dict(spec_token_ids=[]),  # nothing to verify
     dict(sample_rows=[1], spec_token_ids=[[]]),  # sequence 0 computes a prompt chunk
     dict(prompt_logprob_spans=[PromptLogprobSpan(1, 3, 1, [])]),
-    dict(prev_token_indices=[3], prev_token_rows=[0]),  # a token the previous step still samples
 ])
 def test_steps_that_are_not_verification_alone_stay_as_they_are(changes):
     assert as_decode_rows(verification(**changes)) is None
+
+
+def test_a_token_the_previous_step_still_samples_keeps_its_index_as_a_row():
+    """Overlap scheduling: sequence 0's last token (input 0) and sequence 1's (input 3) come from the
+    previous step's sampled ids; one token a row, the indices stand."""
+    rows = as_decode_rows(verification(prev_token_indices=[0, 3], prev_token_rows=[5, 2]))
+    assert (rows.prev_token_indices, rows.prev_token_rows) == ([0, 3], [5, 2])
+
+
+@pytest.mark.parametrize("params", ["greedy", "seeded"])
+def test_overlapped_verification_in_the_decode_graph_path_keeps_the_output(qwen3_dir, plain, params):
+    """async_scheduling: verification rows whose first token the step before still samples, fed in the
+    graphs' static buffers as decode rows are."""
+    with LLM(qwen3_dir, speculative_config=NGRAM, async_scheduling=True, **OPTIONS) as llm:
+        staged = with_verify_graphs(llm, max_rows=32)
+        fed = []
+        stage = llm.engine.executor.verify_graphs.stage
+        llm.engine.executor.verify_graphs.stage = lambda batch, *rest: (
+            fed.append(bool(batch.prev_token_indices)) or stage(batch, *rest))
+        outputs = llm.generate(REPEATING, GREEDY if params == "greedy" else SEEDED, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == plain[params]
+    assert staged and any(fed)
 
 
 def test_the_graphs_are_sized_for_the_largest_verification(qwen3_dir):
