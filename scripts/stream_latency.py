@@ -72,6 +72,9 @@ def main() -> None:
                         help="dummy: random weights from config.json alone (no tokenizer: token ids only)")
     parser.add_argument("--repeating", action="store_true",
                         help="with --load-format dummy: weights whose greedy output repeats its last token")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="overlap scheduling on or off (default: the engine's, on with CUDA); with "
+                             "n-gram drafts, --no-async-scheduling times the synchronous loop")
     parser.add_argument("--label", default="", help="printed first on the result line")
     args = parser.parse_args()
     if args.load_format == "dummy" and args.workload in CHAT_WORKLOADS:
@@ -84,7 +87,7 @@ def main() -> None:
         model = repeating_config(model, scratch.name)
     options = {"max_model_len": 4096, "load_format": args.load_format,
                "skip_tokenizer_init": args.load_format == "dummy"}
-    for name in ("quantization", "kv_cache_dtype"):
+    for name in ("quantization", "kv_cache_dtype", "async_scheduling"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.speculative_config is not None:

@@ -87,6 +87,12 @@ def test_stream_latency_repeating_weights_accept_every_ngram_draft(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     accepted, drafted = re.search(r"drafts accepted (\d+) / (\d+)", done.stdout).groups()
     assert int(drafted) > 0 and accepted == drafted
+    overlapped = subprocess.run(done.args + ["--async-scheduling"], cwd=SCRIPTS.parent, capture_output=True,
+                                text=True, timeout=300)  # verification in the overlap loop
+    assert overlapped.returncode == 0, overlapped.stderr[-2000:]
+    # Proposed past a pending token (a guess at the prompt's end), its drafts differ; most are kept.
+    accepted, drafted = map(int, re.search(r"drafts accepted (\d+) / (\d+)", overlapped.stdout).groups())
+    assert "single stream (copy): 24 tok in" in overlapped.stdout and accepted > drafted / 2
     refused = subprocess.run([sys.executable, "scripts/stream_latency.py", "--model", str(tmp_path),
                               "--repeating"], cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "add --load-format dummy" in refused.stderr
