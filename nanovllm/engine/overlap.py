@@ -229,7 +229,9 @@ class OverlapLoop:
         needs_host_tokens = any(seq.reads_output_tokens or seq.needs_prompt_logprobs for seq in seqs)
         if batch.spec_token_ids and not needs_host_tokens:
             needs_host_tokens = self.spec.waits_for_tokens(seqs)
-        defer_sampling = not needs_host_tokens and any(seq.grammar is not None for seq in seqs)
+        # A constrained row's bitmask comes from its matcher, which takes prev's token at its postprocess:
+        # sample after it, whether or not the step after this one waits for this one's tokens.
+        defer_sampling = prev is not None and any(seq.grammar is not None for seq in seqs)
         output = self.executor.launch(batch, prev.output if prev is not None else None, defer_sampling)
         drafts = batch.spec_token_ids or [[] for _ in batch.sample_rows]
         return InFlightStep(seqs, batch.sample_rows, output, needs_host_tokens, is_prefill, drafts)

@@ -170,6 +170,28 @@ def test_structured_outputs_sample_once_the_previous_step_is_in(engines, monkeyp
     assert deferred
 
 
+@pytest.mark.parametrize("arriving", [dict(prompt_logprobs=2), dict(repetition_penalty=1.5)],
+                         ids=["prompt-logprobs", "penalty"])
+def test_a_constrained_row_beside_a_step_that_waits_for_its_tokens(engines, arriving):
+    """A request whose next step needs this step's tokens on the host (prompt logprobs, a penalty)
+    arrives while a constrained row decodes: the step that admits it still samples the constrained row
+    only once the previous step's token is in its matcher."""
+    pytest.importorskip("xgrammar")
+    constrained = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(regex="[ab]+ [cd]+ [ab]+"))
+    outputs = []
+    for llm in engines:
+        first, results = llm.add_request(PROMPTS[1], constrained), {}
+        for _ in range(3):
+            results.update(llm.step()[0])
+        second = llm.add_request(PROMPTS[2], greedy(6, **arriving))
+        while not llm.is_finished():
+            results.update(llm.step()[0])
+        outputs.append((results[first]["text"], results[second]["token_ids"]))
+        assert_idle(llm)
+    assert outputs[1] == outputs[0]
+
+
 def test_abort_mid_run(engines):
     expected = [o["token_ids"] for o in engines[0].generate(PROMPTS, greedy(16), use_tqdm=False)]
     llm = engines[1]

@@ -18,6 +18,12 @@ REPEATING = ["The quick brown fox jumps over the lazy dog. The quick brown fox j
              "hello world hello world hello world hello", "Paris is the capital of France. Paris is the",
              *PROMPTS]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+SCHEDULER_FEATURES = [
+    dict(max_num_batched_tokens=16),  # chunked prefill; drafts trimmed to the budget
+    dict(num_kvcache_blocks=24, max_num_seqs=4),  # preemption
+    dict(enable_prefix_caching=False),
+    dict(mixed_batches=False),
+]
 
 
 def ngram(k, **extra):
@@ -118,14 +124,19 @@ def test_a_verification_step_reports_its_emitted_tokens_as_decoded(qwen3_dir, ba
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     llm = with_oracle(LLM(qwen3_dir, **OPTIONS, speculative_config=ngram(3)), base, prompt, params,
                       spoil=lambda p: False)
+    num_prompt = len(llm.engine.tokenizer.encode(prompt[0]))
+    assert step_counts(llm, prompt[0], params) == [(num_prompt, 0), (0, 4), (0, 4), (0, 1)]
+
+
+def step_counts(llm, prompt, params) -> list[tuple[int, int]]:
+    """(prompt tokens, decoded tokens) of each engine step that runs `prompt` alone to its end."""
     engine = llm.engine
-    engine.add_request(prompt[0], params)
+    engine.add_request(prompt, params)
     results = []
     while not engine.is_finished():
         result = engine.step()
         results.append((result.num_prefill_tokens, result.num_decode_tokens))
-    num_prompt = len(engine.tokenizer.encode(prompt[0]))
-    assert results == [(num_prompt, 0), (0, 4), (0, 4), (0, 1)]
+    return results
 
 
 def test_stops_inside_an_accepted_run(qwen3_dir, base, tokenizer):
@@ -176,18 +187,19 @@ def test_seeded_sampling_and_n_samples_match_plain_decoding(qwen3_dir, base):
     assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("options", [
-    dict(max_num_batched_tokens=16),  # chunked prefill; drafts trimmed to the budget
-    dict(num_kvcache_blocks=24, max_num_seqs=4),  # preemption
-    dict(enable_prefix_caching=False),
-    dict(mixed_batches=False),
-])
+@pytest.mark.parametrize("options", SCHEDULER_FEATURES)
 def test_scheduler_features_keep_greedy_output(qwen3_dir, base, options):
     llm = with_oracle(LLM(qwen3_dir, **{**OPTIONS, **options}, speculative_config=ngram(3)), base, REPEATING,
                       GREEDY)
+    assert_runs_twice_as_plain(llm, base, options)
+
+
+def assert_runs_twice_as_plain(llm, base, options) -> None:
+    """REPEATING, greedy, gives base's output twice (prefix cache hits the second time, if on), with
+    drafts accepted, and with preemption where `options` shrink the cache."""
     expected = base.generate(REPEATING, GREEDY, use_tqdm=False)
     assert_same(llm.generate(REPEATING, GREEDY, use_tqdm=False), expected)
-    assert_same(llm.generate(REPEATING, GREEDY, use_tqdm=False), expected)  # prefix cache hits, if on
+    assert_same(llm.generate(REPEATING, GREEDY, use_tqdm=False), expected)
     assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
     if "num_kvcache_blocks" in options:
         assert llm.engine.scheduler.num_preemptions > 0

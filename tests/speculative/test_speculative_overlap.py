@@ -6,7 +6,17 @@ seeded sampling with n > 1, preemption, chunked prefill, prefix caching and deco
 
 import pytest
 from conftest import PROMPTS
-from test_speculative_generate import GREEDY, OPTIONS, REPEATING, Oracle, assert_same, ngram
+from test_speculative_generate import (
+    GREEDY,
+    OPTIONS,
+    REPEATING,
+    SCHEDULER_FEATURES,
+    Oracle,
+    assert_runs_twice_as_plain,
+    assert_same,
+    ngram,
+    step_counts,
+)
 
 from nanovllm import LLM, SamplingParams
 
@@ -89,20 +99,10 @@ def test_every_draft_right_keeps_the_device_fed(qwen3_dir, base):
     assert all(b.prev_token_indices for b in verifications[1:])
 
 
-@pytest.mark.parametrize("options", [
-    dict(max_num_batched_tokens=16),  # chunked prefill; drafts trimmed to the budget
-    dict(num_kvcache_blocks=24, max_num_seqs=4),  # preemption
-    dict(enable_prefix_caching=False),
-    dict(mixed_batches=False),
-])
+@pytest.mark.parametrize("options", SCHEDULER_FEATURES)
 def test_scheduler_features_keep_greedy_output(qwen3_dir, base, options):
     llm, _ = overlapped(qwen3_dir, base, REPEATING, GREEDY, lambda p: p % 5 == 0, **options)
-    expected = base.generate(REPEATING, GREEDY, use_tqdm=False)
-    assert_same(llm.generate(REPEATING, GREEDY, use_tqdm=False), expected)
-    assert_same(llm.generate(REPEATING, GREEDY, use_tqdm=False), expected)  # prefix cache hits, if on
-    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
-    if "num_kvcache_blocks" in options:
-        assert llm.engine.scheduler.num_preemptions > 0
+    assert_runs_twice_as_plain(llm, base, options)
 
 
 def test_stops_logprobs_and_seeded_samples_match_plain_decoding(qwen3_dir, base, tokenizer):
@@ -138,11 +138,28 @@ def test_steps_report_the_tokens_verification_emitted_as_decoded(qwen3_dir, base
     prompt = PROMPTS[:1]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     llm, _ = overlapped(qwen3_dir, base, prompt, params, lambda p: False)
-    engine = llm.engine
-    engine.add_request(prompt[0], params)
-    results = []
-    while not engine.is_finished():
-        result = engine.step()
-        results.append((result.num_prefill_tokens, result.num_decode_tokens))
-    num_prompt = len(engine.tokenizer.encode(prompt[0]))
-    assert results == [(num_prompt, 0), (0, 1), (0, 4), (0, 4), (0, 1)]
+    num_prompt = len(llm.engine.tokenizer.encode(prompt[0]))
+    assert step_counts(llm, prompt[0], params) == [(num_prompt, 0), (0, 1), (0, 4), (0, 4), (0, 1)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_structured_output_rows_verify_without_overlap_beside_rows_that_overlap(qwen3_dir, base, temperature):
+    """A constrained row's drafts are cut by its matcher, which takes tokens only once they are read: it
+    gets none past a pending token, and a step where it verifies waits for its tokens. Unconstrained
+    rows beside it go on overlapped; the output is the plain engine's."""
+    pytest.importorskip("xgrammar")
+    from nanovllm import StructuredOutputsParams
+
+    constraints = [dict(regex="[ab]+ [cd]+ [ab]+"), dict(choice=["alpha beta gamma", "alpha beta delta"])]
+    params = [SamplingParams(temperature=temperature, seed=2, max_tokens=24,
+                             structured_outputs=StructuredOutputsParams(**c)) for c in constraints]
+    params += [GREEDY, GREEDY]
+    expected = base.generate(PROMPTS, params, use_tqdm=False)
+    refs = {tuple(o["prompt_token_ids"]): o["prompt_token_ids"] + o["token_ids"] + [0] * 8 for o in expected}
+    llm = LLM(qwen3_dir, **OPTIONS, async_scheduling=True, speculative_config=ngram(3))
+    llm.engine._spec.proposer = GuessingOracle(refs, spoil=lambda p: p % 5 == 0)
+    batches = spy_on_launches(llm)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert_same(outputs, expected)
+    assert all(o.metrics.num_accepted_tokens > 0 for o in outputs)
+    assert overlapped_verifications(batches) > 0
