@@ -14,11 +14,9 @@ A request is its n sequences (SamplingParams.n completions, requests.py), finish
 together; its id is its first sequence's. A request whose part of a step fails ends alone with
 finish_reason "error" (failures.py). With async_scheduling (on by default with CUDA and one rank)
 `step` launches a step before it waits for the previous one's tokens (overlap.py), so a request's
-output comes one step later. With speculative_config, each step's sequences that decode next get
-drafts after it, and the next step verifies them (nanovllm.speculative.decoding). With an n-gram
-proposer those steps run in the overlap loop too (each taken as accepted until its tokens are in); with a
-draft model they run the synchronous loop, the overlap loop only while more than disable_by_batch_size
-requests run (no drafts).
+output comes one step later. With speculative_config, the sequences that decode next get drafts, which
+their next step verifies (nanovllm.speculative.decoding): n-gram drafts in the overlap loop too, a draft
+model's in the synchronous loop (the overlap loop runs while no drafts are proposed).
 
 Threads: one engine may be driven from several threads at once (generate, stream, the server's loop):
 a lock serializes the calls, and each caller takes exactly its own requests' outputs by id, whichever

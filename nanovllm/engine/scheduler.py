@@ -223,41 +223,41 @@ class Scheduler:
                              results: list[tuple[list[int], list | None] | None]) -> list[Sequence]:
         """Record a step that verified drafts (nanovllm.speculative.decoding). results[i]: the tokens
         seqs[i] emitted (its accepted drafts, then the target's own next token) with their logprobs
-        (None unless asked), or None when it only computed part of its prompt. They are appended one at
-        a time, each checked for a stop; what follows a stop is dropped. KV is now valid for the last
-        token and the accepted drafts (the new last token has none); the rejected drafts' KV lies beyond
-        num_computed_tokens and is overwritten later."""
+        (None unless asked), or None when it only computed part of its prompt. They are appended as
+        settle_verified appends them; the rejected drafts' KV lies beyond num_computed_tokens and is
+        overwritten later."""
         assert len(seqs) == len(results), "one result (or None) per scheduled sequence"
         finished = []
         for seq, result in zip(seqs, results):
-            num_drafts = len(seq.spec_token_ids)
             seq.spec_token_ids = []
             if seq.is_finished:  # aborted meanwhile: its blocks are gone
                 continue
             if result is None:
                 self.record_computed([seq])
-                continue
-            tokens, logprobs = result
-            num_appended, reason = self._append_verified(seq, tokens, logprobs)
-            # KV computed: what was scheduled but the rejected drafts, and none past a stop.
-            seq.num_scheduled_tokens = (seq.num_scheduled_tokens - num_drafts
-                                        + min(len(tokens), num_appended + 1) - 1)
-            self.record_computed([seq])
-            if reason is not None:
-                seq.finish_reason = reason
-                self._retire(seq)
-                finished.append(seq)
+            else:
+                seq.num_scheduled_tokens = 0
+                if self.settle_verified(seq, len(seq.token_ids), *result):
+                    finished.append(seq)
         return finished
 
     def settle_verified(self, seq: Sequence, start: int, tokens: list[int], logprobs: list | None
                         ) -> bool:
-        """Record a verification that overlap scheduling committed as if all its drafts were accepted
-        (nanovllm.engine.overlap): token_ids[start:] (the drafts and the pending token) give way to the
-        tokens it emitted, appended and stop-checked as postprocess_verified does, and KV counts as
-        computed for the last token before `start` and the accepted drafts. True when seq finished."""
+        """Record a verification of seq's drafts whose first position is `start` - 1. token_ids[start:]
+        (with overlap scheduling, the drafts and the pending token it assumed: nanovllm.engine.overlap)
+        give way to the tokens it emitted, appended one at a time, each checked for a stop; what follows
+        a stop is dropped. KV counts as computed for token start - 1 and the accepted drafts (the new last
+        token has none). True when seq finished."""
         del seq.token_ids[start:]
         seq.num_assumed_tokens = 0
-        num_appended, reason = self._append_verified(seq, tokens, logprobs)
+        reason, num_appended = None, 0
+        for token, logprob in zip(tokens, logprobs or [None] * len(tokens), strict=True):
+            seq.token_ids.append(token)
+            num_appended += 1
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+                seq.cumulative_logprob += logprob[token]
+            if (reason := self.stop_checker.check(seq)) is not None:
+                break
         if seq.block_table:  # else preempted while the step ran: it is recomputed from scratch
             seq.num_computed_tokens = start - 1 + min(len(tokens), num_appended + 1)
             if seq.num_computed_tokens // self.block_manager.block_size > len(seq.block_hashes):
@@ -267,20 +267,6 @@ class Scheduler:
         seq.finish_reason = reason
         self._retire(seq)
         return True
-
-    def _append_verified(self, seq: Sequence, tokens: list[int], logprobs: list | None
-                         ) -> tuple[int, str | None]:
-        """Append a verification's tokens one at a time, each checked for a stop; what follows a stop is
-        dropped. Returns (tokens appended, the stop's finish reason or None)."""
-        for j, token in enumerate(tokens):
-            seq.token_ids.append(token)
-            if logprobs is not None and logprobs[j] is not None:
-                seq.logprobs.append(logprobs[j])
-                seq.cumulative_logprob += logprobs[j][token]
-            reason = self.stop_checker.check(seq)
-            if reason is not None:
-                return j + 1, reason
-        return len(tokens), None
 
     def record_computed(self, seqs: list[Sequence], share_blocks: bool = True) -> None:
         """The first half of postprocess: the step's scheduled tokens have KV now. Overlap scheduling
