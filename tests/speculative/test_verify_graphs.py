@@ -71,10 +71,7 @@ def test_overlapped_verification_in_the_decode_graph_path_keeps_the_output(qwen3
     graphs' static buffers as decode rows are."""
     with LLM(qwen3_dir, speculative_config=NGRAM, async_scheduling=True, **OPTIONS) as llm:
         staged = with_verify_graphs(llm, max_rows=32)
-        fed = []
-        stage = llm.engine.executor.verify_graphs.stage
-        llm.engine.executor.verify_graphs.stage = lambda batch, *rest: (
-            fed.append(bool(batch.prev_token_indices)) or stage(batch, *rest))
+        fed = fed_steps(llm)
         outputs = llm.generate(REPEATING, GREEDY if params == "greedy" else SEEDED, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == plain[params]
     assert staged and any(fed)
@@ -105,6 +102,15 @@ def with_verify_graphs(llm: LLM, max_rows: int) -> list[int]:
     staged, stage = [], graphs.stage
     graphs.stage = lambda batch, *rest: staged.append(batch.num_seqs) or stage(batch, *rest)
     return staged
+
+
+def fed_steps(llm: LLM) -> list[bool]:
+    """Per step staged in the verification graphs, whether it took tokens from the step before; filled in
+    as the engine runs."""
+    fed, graphs = [], llm.engine.executor.verify_graphs
+    stage = graphs.stage
+    graphs.stage = lambda batch, *rest: fed.append(bool(batch.prev_token_indices)) or stage(batch, *rest)
+    return fed
 
 
 @pytest.mark.parametrize("params", ["greedy", "seeded"])
@@ -139,9 +145,12 @@ def test_a_verification_larger_than_the_graphs_takes_the_prefill_path(qwen3_dir,
     assert staged == [n for n in verifications if n <= 4] and (max(verifications) > 4 or ON_GPU)
 
 
-def test_with_the_triton_backend_verification_rows_store_before_they_attend(qwen3_dir, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+def test_with_the_triton_backend_verification_rows_store_before_they_attend(qwen3_dir, monkeypatch,
+                                                                             async_scheduling):
     """The fused decode kernel stores a row's K/V and attends in one program: rows of one sequence could
-    read a position before its row stored it. Verification rows take the store-then-attend path."""
+    read a position before its row stored it. Verification rows take the store-then-attend path, also
+    in the overlap loop, where a verification's first token comes from the step before on the device."""
     from conftest import triton_test_device
     triton_test_device()
     with LLM(qwen3_dir, attention_backend="triton", **OPTIONS) as llm:
@@ -162,10 +171,13 @@ def test_with_the_triton_backend_verification_rows_store_before_they_attend(qwen
 
     monkeypatch.setattr(TritonBackend, "forward", spied_forward)
     monkeypatch.setattr(TritonBackend, "_fused_decode", spied_fused)
-    with LLM(qwen3_dir, attention_backend="triton", speculative_config=NGRAM, **OPTIONS) as llm:
+    with LLM(qwen3_dir, attention_backend="triton", speculative_config=NGRAM,
+             async_scheduling=async_scheduling, **OPTIONS) as llm:
         staged = with_verify_graphs(llm, max_rows=32)
+        fed = fed_steps(llm)
         outputs = llm.generate(REPEATING[:2], GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == expected
+    assert any(fed) == async_scheduling
     assert staged and max(staged) > 2
     assert False in fused_shared and True not in fused_shared  # plain decode rows fused, verification not
 
