@@ -64,16 +64,21 @@ class InFlightStep:
     # Some sequence builds its next step from this step's tokens on the host: wait for them first.
     needs_host_tokens: bool
     is_prefill: bool
-    drafts: list[list[int]]  # per sampling row, the drafts it verifies ([] each without speculation)
+    # Per sampling row, the drafts it verifies; [] when no row verifies any (a plain step).
+    drafts: list[list[int]]
     # Per sampling row, the index of its last sampled id among the step's (one a verified position).
-    last_ids: list[int] = field(default_factory=list)
-    # Per sampling row, its sequence's length before the commit (where the assumed tokens begin).
+    last_ids: list[int] | range = field(init=False)
+    # Per sampling row of a verification step, its sequence's length before the commit (where the
+    # assumed tokens begin).
     starts: list[int] = field(default_factory=list)
     # Sequences whose rows here took drafts that the step before rejected: not committed, not read.
     void: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        end = -1
+        if not self.drafts:
+            self.last_ids = range(len(self.sample_rows))
+            return
+        self.last_ids, end = [], -1
         for drafts in self.drafts:
             end += 1 + len(drafts)
             self.last_ids.append(end)
@@ -181,7 +186,8 @@ class OverlapLoop:
         max_model_len = self.scheduler.stop_checker.max_model_len
         finishing = []
         for seq in [] if prev is None else (prev.seqs[row] for row in prev.sample_rows):
-            drafts = max(seq.num_assumed_tokens - 1, 0)  # the fewest tokens it has once settled
+            # Its assumed drafts (beyond its pending token) may all be rejected: it has that many fewer.
+            drafts = seq.num_assumed_tokens - 1 if seq.num_assumed_tokens > 1 else 0
             if not seq.is_finished and (seq.num_completion_tokens - drafts >= seq.sampling_params.max_tokens
                                         or len(seq) - drafts >= max_model_len):
                 finishing.append(seq)
@@ -233,23 +239,33 @@ class OverlapLoop:
         # sample after it, whether or not the step after this one waits for this one's tokens.
         defer_sampling = prev is not None and any(seq.grammar is not None for seq in seqs)
         output = self.executor.launch(batch, prev.output if prev is not None else None, defer_sampling)
-        drafts = batch.spec_token_ids or [[] for _ in batch.sample_rows]
-        return InFlightStep(seqs, batch.sample_rows, output, needs_host_tokens, is_prefill, drafts)
+        return InFlightStep(seqs, batch.sample_rows, output, needs_host_tokens, is_prefill,
+                            batch.spec_token_ids)
 
     def _commit(self, step: InFlightStep) -> None:
         """Step `step` as if done, its sampled tokens pending and its drafts accepted (see the module
         docstring)."""
-        live = [seq for seq in step.seqs if not seq.is_finished and seq.seq_id not in step.void]
+        void = step.void
+        if void:
+            for seq in step.seqs:
+                if seq.seq_id in void:
+                    seq.num_scheduled_tokens, seq.spec_token_ids = 0, []
+        live = [seq for seq in step.seqs if not seq.is_finished and seq.seq_id not in void]
+        if not step.drafts:  # a plain step: each sampling row's token pending
+            self.scheduler.record_computed(live)
+            for row in step.sample_rows:
+                seq = step.seqs[row]
+                if not seq.is_finished and seq.seq_id not in void:
+                    seq.token_ids.append(PENDING_TOKEN_ID)
+                    seq.num_assumed_tokens = 1
+            return
         verifying = {step.seqs[row].seq_id for row, drafts in zip(step.sample_rows, step.drafts) if drafts}
-        for seq in step.seqs:
-            if seq.seq_id in step.void:
-                seq.num_scheduled_tokens, seq.spec_token_ids = 0, []
         self.scheduler.record_computed([seq for seq in live if seq.seq_id not in verifying])
         self.scheduler.record_computed([seq for seq in live if seq.seq_id in verifying], share_blocks=False)
-        for row, drafts in zip(step.sample_rows, step.drafts):
+        for row, drafts in zip(step.sample_rows, step.drafts, strict=True):
             seq = step.seqs[row]
             step.starts.append(len(seq.token_ids))
-            if not seq.is_finished and seq.seq_id not in step.void:
+            if not seq.is_finished and seq.seq_id not in void:
                 seq.token_ids.extend(drafts)
                 seq.token_ids.append(PENDING_TOKEN_ID)
                 seq.num_assumed_tokens = len(drafts) + 1
@@ -262,24 +278,25 @@ class OverlapLoop:
         out = step.output.wait()
         finished, sampled = [], []
         emitted = 0
-        rows = zip(step.sample_rows, step.drafts, step.last_ids, strict=True)
-        for i, (row, drafts, last) in enumerate(rows):
+        token_ids, all_logprobs, void = out.token_ids, out.logprobs, step.void
+        for i, (row, last) in enumerate(zip(step.sample_rows, step.last_ids, strict=True)):
             seq = step.seqs[row]
-            if seq.is_finished or seq.seq_id in step.void:
+            if seq.is_finished or seq.seq_id in void:
                 continue
-            first = last - len(drafts)
-            logprobs = None if out.logprobs is None else out.logprobs[first:last + 1]
+            drafts = step.drafts[i] if step.drafts else None
             assert seq.token_ids[-1] == PENDING_TOKEN_ID, f"sequence {seq.seq_id} has no pending token"
             if not drafts:
-                seq.token_ids[-1] = out.token_ids[last]
+                token = seq.token_ids[-1] = token_ids[last]
                 seq.num_assumed_tokens = 0
-                if logprobs is not None and logprobs[0] is not None:
-                    seq.logprobs.append(logprobs[0])
-                    seq.cumulative_logprob += logprobs[0][out.token_ids[last]]
+                if all_logprobs is not None and (logprob := all_logprobs[last]) is not None:
+                    seq.logprobs.append(logprob)
+                    seq.cumulative_logprob += logprob[token]
                 sampled.append(seq)
                 emitted += 1
                 continue
-            tokens = self.spec.accept(seq, out.token_ids[first:last + 1], drafts)
+            first = last - len(drafts)
+            logprobs = None if all_logprobs is None else all_logprobs[first:last + 1]
+            tokens = self.spec.accept(seq, token_ids[first:last + 1], drafts)
             before = len(seq.token_ids)
             if self.scheduler.settle_verified(seq, step.starts[i], tokens,
                                               None if logprobs is None else logprobs[:len(tokens)]):
