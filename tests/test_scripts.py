@@ -45,7 +45,7 @@ def test_stream_latency_runs_as_typed_with_speculation(qwen3_dir):
     """`python scripts/stream_latency.py` on a tiny model (CPU), n-gram drafts on its copy workload."""
     done = subprocess.run([sys.executable, "scripts/stream_latency.py", "--model", qwen3_dir,
                            "--prompt-len", "32", "--output-len", "16", "--workload", "copy",
-                           "--label", "tiny", "--speculative-config",
+                           "--label", "tiny", "--no-async-scheduling", "--speculative-config",
                            '{"method": "ngram", "num_speculative_tokens": 2}'],
                           cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
