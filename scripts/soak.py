@@ -4,6 +4,7 @@ step and the process's memory sampled throughout.
 
     python scripts/soak.py                       # 2 minutes, CPU, a tiny random Qwen3 with a small cache
     python scripts/soak.py --minutes 30 --seed 7
+    python scripts/soak.py --speculate           # n-gram drafts verified in the overlap loop
 
 Each round adds a few requests: prompts of random length built on a few shared prefixes (so the
 prefix cache is hit), token ids or text, with random sampling parameters (greedy, temperature, top-k,
@@ -38,6 +39,8 @@ from nanovllm.engine.invariants import check_invariants  # noqa: E402
 # A small cache (64 blocks of 4 tokens) under up to 16 running requests of up to 96 tokens: preemption.
 ENGINE = dict(kvcache_block_size=4, num_kvcache_blocks=64, max_model_len=96, max_num_seqs=16,
               max_num_batched_tokens=128)
+# --speculate: short n-grams, so that the random model's few repeats give drafts, most of them rejected.
+SPECULATE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 MAX_PROMPT_TOKENS = 48  # + max_tokens (at most 32) stays under max_model_len
 MAX_IN_FLIGHT = 48  # queued requests beyond this wait for the next round
 RSS_SAMPLE_S = 2.0
@@ -187,14 +190,18 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-growth-mib", type=float, default=32.0,
                         help="largest RSS growth allowed after the warm-up (the first quarter of the run)")
+    parser.add_argument("--speculate", action="store_true",
+                        help="n-gram speculative decoding (k = 3) in the overlap loop (async_scheduling): "
+                             "drafts taken as accepted until read, rejections voiding the next step's rows")
     args = parser.parse_args()
+    engine = dict(ENGINE, async_scheduling=True, speculative_config=SPECULATE) if args.speculate else ENGINE
     rng = random.Random(args.seed)
     # The model is tiny: one thread computes a step in about a millisecond, and more threads only
     # contend for the cores (on a shared 2-core host, 100x slower).
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as path:
         make_model_dir(path)
-        llm = LLM(path, **ENGINE)
+        llm = LLM(path, **engine)
         soak = Soak(llm, rng)
         start = time.monotonic()
         end, warm = start + args.minutes * 60, start + args.minutes * 15
@@ -222,6 +229,8 @@ def main() -> int:
     print(f"{'preemptions':<28}{llm.engine.scheduler.num_preemptions:>10}")
     print(f"{'prefix-cache hit tokens':<28}{llm.engine.scheduler.block_manager.num_cache_hit_tokens:>10}")
     print(f"{'steps/s':<28}{c['steps'] / elapsed:>10.1f}")
+    if (spec := llm.engine.stats().spec_decode) is not None:
+        print(f"{'drafts accepted':<28}{spec.num_accepted_tokens:>10} of {spec.num_draft_tokens}")
     print(f"{'RSS start / warm / peak / end':<28}{samples[0][1]:>7.1f} / {baseline:.1f} / "
           f"{max(rss for _, rss in samples):.1f} / {samples[-1][1]:.1f} MiB")
     print(f"{'RSS growth after warm-up':<28}{growth:>10.1f} MiB (bound {args.rss_growth_mib} MiB)")

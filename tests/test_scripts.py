@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 
 # One child process imports every script as `python scripts/NAME.py` would (scripts/ first on sys.path,
@@ -119,3 +121,18 @@ def test_fp8_quality_runs_as_typed(tmp_path):
     # Prefill attends over what a quantized cache holds on the CPU too: its error shows, int8's below fp8's.
     fp8_kv, int8_kv = (float(row[18:].split()[0]) for row in rows[2::2])
     assert 0 < int8_kv < fp8_kv
+
+
+@pytest.mark.parametrize("extra", [[], ["--speculate"]], ids=["plain", "speculate"])
+def test_soak_runs_as_typed(extra):
+    """`python scripts/soak.py` for a few seconds: requests, aborts, bad inputs and the invariants after
+    every step; with --speculate, n-gram drafts verified in the overlap loop."""
+    done = subprocess.run([sys.executable, "scripts/soak.py", "--minutes", "0.1", *extra], cwd=SCRIPTS.parent,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.rstrip().endswith("OK")
+    counts = dict(re.findall(r"^(added|finished|aborted)\s+(\d+)$", done.stdout, re.MULTILINE))
+    assert int(counts["added"]) == int(counts["finished"]) + int(counts["aborted"]) > 0
+    if extra:
+        accepted, drafted = map(int, re.search(r"drafts accepted\s+(\d+) of (\d+)", done.stdout).groups())
+        assert drafted > 0 and accepted > 0
