@@ -123,8 +123,10 @@ class OverlapLoop:
         spec.propose(running)
 
     def _still_valid(self, seqs: list[Sequence]) -> list[Sequence]:
-        """seqs without those that finished, or whose schedule rested on drafts that postprocessing the
-        previous step rejected (their settled tokens are scheduled afresh)."""
+        """seqs without those that finished, nor those whose rows in the step in flight are void (their
+        settled tokens are scheduled afresh). After a failed launch there is no step in flight: a
+        sequence whose drafts postprocessing rejected runs from its settled tokens, as its schedule
+        counts from num_computed_tokens."""
         void = set() if self.in_flight is None else self.in_flight.void
         valid = []
         for seq in seqs:

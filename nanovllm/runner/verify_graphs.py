@@ -11,12 +11,11 @@ AttentionMetadata.rows_share_sequences, runs the store-then-attend path. It shar
 memory pool (the two never run at once) and is sized for the most rows verification can have:
 disable_by_batch_size sequences x (k + 1).
 
-Steps that also prefill (a prompt chunk, prompt logprobs) stay on the
-prefill path (piecewise graphs or eager), as does a verification larger than the graphs. An eager step of
-k + 1 tokens a sequence cost about ten graph replays on an H200; in these graphs a one-stream copy
-workload with n-gram drafts went from 0.42x to 1.5x plain decoding at k = 3 (docs/performance-notes.md,
-"Speculative decoding"). A draft model's runner captures the set too, for its catch-up steps
-(nanovllm/speculative/draft.py)."""
+Steps that also prefill (a prompt chunk, prompt logprobs) stay on the prefill path (piecewise graphs or
+eager), as does a verification larger than the graphs. An eager step of k + 1 tokens a sequence cost
+about ten graph replays on an H200; in these graphs a one-stream copy workload with n-gram drafts went
+from 0.42x to 1.5x plain decoding at k = 3 (docs/performance-notes.md, "Speculative decoding"). A draft
+model's runner captures the set too, for its catch-up steps (nanovllm/speculative/draft.py)."""
 
 import torch
 from torch import nn

@@ -1,7 +1,7 @@
 """Prompt lookup: the longest tail n-gram within the bounds, its earliest earlier occurrence, and the
 tokens that followed it."""
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING_TOKEN_ID, Sequence
 from nanovllm.speculative.ngram import NgramProposer, ngram_proposal, pack
 
 
@@ -48,3 +48,21 @@ def test_packed_ids_follow_the_sequence_between_calls():
     other = Sequence([5, 5])
     assert proposer.propose([other], [1]) == [[5]]
     assert list(proposer._packed) == [other.seq_id]  # seq was not asked about: forgotten
+
+
+def test_a_pending_last_token_is_guessed_and_assumed_tokens_are_not_kept_packed():
+    """Overlap scheduling: the last token is pending and the two drafts before it only assumed. The
+    lookup runs on the tokens before the pending one and proposes one more, the first standing for it;
+    only the settled tokens stay packed, so a rollback of the assumed ones leaves no stale bytes."""
+    proposer = NgramProposer(1, 2)
+    seq = Sequence([1, 2, 3, 4, 5, 1, 2])
+    seq.token_ids += [3, 4, PENDING_TOKEN_ID]  # drafts 3, 4 assumed accepted, then the pending token
+    seq.num_assumed_tokens = 3
+    # ... 1 2 3 4 looked up: 5 followed it (the guess of the pending token), then 1 2.
+    assert proposer.propose([seq], [2]) == [[1, 2]]
+    assert bytes(proposer._packed[seq.seq_id]) == bytes(pack([1, 2, 3, 4, 5, 1, 2]))
+    del seq.token_ids[7:]  # the drafts rejected: the target's token 9 instead
+    seq.token_ids.append(9)
+    seq.num_assumed_tokens = 0
+    assert proposer.propose([seq], [2]) == [[]]  # no 9 earlier: nothing, as a fresh proposer finds
+    assert bytes(proposer._packed[seq.seq_id]) == bytes(pack([1, 2, 3, 4, 5, 1, 2, 9]))
