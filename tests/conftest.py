@@ -179,15 +179,16 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # With the GPU shown (CUDA_VISIBLE_DEVICES set), an engine sizes its KV cache to gpu_memory_utilization of
-# the whole device: under xdist the first worker's engine took 90% and every other worker's engine found
-# no memory left. Tests' engines hold a few MB of KV; this caps each at GPU_TEST_KV_BYTES.
+# the whole device: the first engine alive (a module-scoped one, or another xdist worker's) took 90% and
+# every engine after it found no memory left. Tests' engines hold a few MB of KV; this caps each at
+# GPU_TEST_KV_BYTES.
 GPU_TEST_KV_BYTES = 1 << 30
 
 
 @pytest.fixture(scope="session", autouse=True)
 def gpu_kv_share():
     """Session-wide, so that module-scoped engines are capped too."""
-    if not os.environ.get("PYTEST_XDIST_WORKER_COUNT") or not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    if not os.environ.get("CUDA_VISIBLE_DEVICES"):
         yield
         return
     from nanovllm.runner import kv_cache

@@ -198,3 +198,19 @@ def test_captured_piecewise_graphs_match_on_gpu(qwen3_dir, reference):
     graphs = llm.engine.executor.piecewise
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
     assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+
+
+def test_engine_defaults_on_gpu_keep_tokens_over_a_warm_prefix_cache(qwen3_dir):
+    """On a GPU (TRITON_INTERPRET=0), the engine as users start it (backend chosen, decode and piecewise
+    graphs captured) gives the eager torch backend's float32 tokens, on a cold cache and again over the
+    cached prompts (a prompt that is all full blocks recomputes only its last token)."""
+    if triton_test_device() != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 2 + "The", "hello world " * 3 + "hello",
+               "Paris is the capital of France. Paris is the", *PROMPTS]
+    options = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, dtype="float32")
+    with LLM(qwen3_dir, attention_backend="torch", enforce_eager=True, **options) as llm:
+        expected = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(qwen3_dir, num_kvcache_blocks=256, **options) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
