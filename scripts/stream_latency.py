@@ -10,7 +10,10 @@ ignore_eos, after one warm-up request; prints ms per output token (prefill inclu
   layer's output is small against the token's embedding and greedy decoding repeats the last token; on the
   copy workload every n-gram draft is then right, whatever the shape (the speed of a step does not depend
   on the weights' values). Measures speculation with every proposal accepted at sizes such as Qwen3-8B,
-  whose plain random weights never repeat their prompt.
+  whose plain random weights never repeat their prompt. A draft model in --speculative-config (a folder
+  with a config.json) is drawn the same way, so its proposals are right too: `"model": "configs/Qwen3-8B"`
+  beside `--model configs/Qwen3-8B` is draft = target (the machinery's cost), `"configs/Qwen3-0.6B"` a
+  small draft whose proposals all hold (its speed as the best case).
 --workload summarize: a chat model (e.g. `--model smollm2`) asked to summarise a passage of ~280 words,
   greedy, up to --output-len tokens, ending at its EOS: a summary quotes its source, which n-gram drafts
   find (speculative decoding's realistic case on real weights).
@@ -83,15 +86,20 @@ def main() -> None:
         parser.error("--repeating draws random weights; add --load-format dummy")
     model = os.path.expanduser(args.model)
     scratch = tempfile.TemporaryDirectory(prefix="nanovllm-repeating-")  # removed when the script ends
+    spec = json.loads(args.speculative_config) if args.speculative_config is not None else None
     if args.repeating:
         model = repeating_config(model, scratch.name)
+        draft = os.path.expanduser(str((spec or {}).get("model", "")))
+        if os.path.isfile(os.path.join(draft, "config.json")):  # a draft model repeats its last token too
+            os.mkdir(os.path.join(scratch.name, "draft"))
+            spec["model"] = repeating_config(draft, os.path.join(scratch.name, "draft"))
     options = {"max_model_len": 4096, "load_format": args.load_format,
                "skip_tokenizer_init": args.load_format == "dummy"}
     for name in ("quantization", "kv_cache_dtype", "async_scheduling"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
-    if args.speculative_config is not None:
-        options["speculative_config"] = json.loads(args.speculative_config)
+    if spec is not None:
+        options["speculative_config"] = spec
     llm = LLM(model, **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16), use_tqdm=False)
     seed(1)

@@ -2,6 +2,7 @@
 run only on a GPU, so nothing else in CPU CI would notice a name they use moving (startup_bench.py
 imported the model runner from engine/ for a whole round after the restructure moved it to runner/)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -74,7 +75,8 @@ def test_stream_latency_runs_on_random_weights_from_a_config(tmp_path):
 
 def test_stream_latency_repeating_weights_accept_every_ngram_draft(tmp_path):
     """`--repeating --load-format dummy --workload copy`: greedy output repeats its last token, so every
-    n-gram draft is accepted (the measurement of speculation with every proposal right)."""
+    n-gram draft is accepted (the measurement of speculation with every proposal right), and a draft model
+    given in --speculative-config is drawn the same way, so its proposals are accepted too."""
     from transformers import Qwen3Config
 
     Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -95,6 +97,13 @@ def test_stream_latency_repeating_weights_accept_every_ngram_draft(tmp_path):
     # Proposed past a pending token (a guess at the prompt's end), its drafts differ; most are kept.
     accepted, drafted = map(int, re.search(r"drafts accepted (\d+) / (\d+)", overlapped.stdout).groups())
     assert "single stream (copy): 24 tok in" in overlapped.stdout and accepted > drafted / 2
+    draft_model = json.dumps({"model": str(tmp_path), "num_speculative_tokens": 3})  # draft = target
+    with_draft = subprocess.run(done.args[:-1] + [draft_model], cwd=SCRIPTS.parent, capture_output=True,
+                                text=True, timeout=300)
+    assert with_draft.returncode == 0, with_draft.stderr[-2000:]
+    # The draft is drawn repeating too (plain random weights would propose other tokens).
+    accepted, drafted = re.search(r"drafts accepted (\d+) / (\d+)", with_draft.stdout).groups()
+    assert int(drafted) > 0 and accepted == drafted
     refused = subprocess.run([sys.executable, "scripts/stream_latency.py", "--model", str(tmp_path),
                               "--repeating"], cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "add --load-format dummy" in refused.stderr
