@@ -89,8 +89,8 @@ def main() -> None:
     spec = json.loads(args.speculative_config) if args.speculative_config is not None else None
     if args.repeating:
         model = repeating_config(model, scratch.name)
-        draft = os.path.expanduser(str((spec or {}).get("model", "")))
-        if os.path.isfile(os.path.join(draft, "config.json")):  # a draft model repeats its last token too
+        draft = os.path.expanduser(str(spec["model"])) if spec and spec.get("model") else None
+        if draft and os.path.isfile(os.path.join(draft, "config.json")):  # a draft repeats its last token too
             os.mkdir(os.path.join(scratch.name, "draft"))
             spec["model"] = repeating_config(draft, os.path.join(scratch.name, "draft"))
     options = {"max_model_len": 4096, "load_format": args.load_format,
