@@ -12,8 +12,16 @@ graph) is timed eagerly with CUDA events. Routing: softmax top-8 over random rou
 After the table, a few alternative MoeConfigs per batch are timed, to show where moe_config could be
 tuned. Last, an engine check: a tiny random Qwen3-MoE through LLM with CUDA graphs (float32) must give
 transformers' greedy tokens. Writes the results as JSON to $OUT/moe_bench.json when $OUT is set.
+
+    python scripts/moe_bench.py --fp8 channel    # e4m3 experts, one scale a row (--quantization fp8)
+    python scripts/moe_bench.py --fp8 block      # e4m3 experts, a scale a row and 128 inputs (checkpoints)
+
+--fp8: the same table for fp8 experts (W8A16: read as e4m3, widened in registers), bytes counted at one a
+weight plus the scales; max |diff| against the torch path on the dequantized weights. The alternatives
+then include K tiles as wide in bytes as bf16's (where the scale group allows).
 """
 
+import argparse
 import json
 import os
 import sys
@@ -24,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels.fused_moe import MoeConfig, fused_moe, moe_config  # noqa: E402
+from nanovllm.layers.fp8 import dequantize, quantize_groups  # noqa: E402
 from nanovllm.layers.fused_moe import route, torch_moe  # noqa: E402
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 2048, 768
@@ -36,6 +45,11 @@ COPY_BYTES = 1 << 30
 DTYPE = torch.bfloat16
 ALTERNATIVES = [MoeConfig(16, 64, 128, 4, 4), MoeConfig(16, 128, 64, 4, 4), MoeConfig(32, 64, 64, 4, 4),
                 MoeConfig(32, 128, 64, 4, 3), MoeConfig(64, 128, 64, 8, 3), MoeConfig(16, 32, 256, 4, 3)]
+# fp8 experts: K tiles of bf16's bytes (twice the inputs), where the scale group allows them.
+FP8_ALTERNATIVES = [MoeConfig(16, 64, 256, 4, 4), MoeConfig(32, 64, 128, 4, 4), MoeConfig(16, 32, 256, 4, 4),
+                    MoeConfig(64, 128, 128, 8, 3)]
+# --fp8's scale group along K: one a row (the whole K), or 128 inputs (block-scaled checkpoints).
+FP8_GROUPS = {"channel": (HIDDEN, INTERMEDIATE), "block": (128, 128)}
 
 
 def elapsed_us(fn, iters: int) -> float:
@@ -62,16 +76,37 @@ def graph_us(fn, layers) -> float:
 
 
 def triton_us(x, layers, topk_weights, topk_ids, config: MoeConfig | None) -> float:
-    return graph_us(lambda layer: fused_moe(x, layer[0], layer[1], topk_weights, topk_ids, config), layers)
+    return graph_us(lambda layer: fused_moe(x, *layer, topk_weights, topk_ids, config, **layer.fp8), layers)
 
 
 def with_routing_us(x, layers, router: torch.Tensor) -> float:
     """The whole MoE block as decode runs it: router matmul, routing kernel, experts."""
     def block(layer):
         topk_weights, topk_ids = route(F.linear(x, router), TOP_K, True)
-        return fused_moe(x, layer[0], layer[1], topk_weights, topk_ids)
+        return fused_moe(x, *layer, topk_weights, topk_ids, **layer.fp8)
 
     return graph_us(block, layers)
+
+
+class Layer(tuple):
+    """One layer's (w13, w2) as fused_moe takes them; `fp8` holds an fp8 layer's scales and groups
+    (empty for bf16), `dense` its weights as the torch path's reference reads them."""
+
+    fp8: dict
+    dense: tuple[torch.Tensor, torch.Tensor]
+
+
+def make_layer(w13: torch.Tensor, w2: torch.Tensor, fp8: str | None) -> Layer:
+    if fp8 is None:
+        layer = Layer((w13, w2))
+        layer.fp8, layer.dense = {}, (w13, w2)
+        return layer
+    g13, g2 = FP8_GROUPS[fp8]
+    (q13, s13), (q2, s2) = quantize_groups(w13, g13), quantize_groups(w2, g2)
+    layer = Layer((q13.contiguous(), q2.contiguous()))
+    layer.fp8 = dict(w13_scale=s13, w2_scale=s2, scale_groups=(g13, g2))
+    layer.dense = (dequantize(q13, s13, g13).to(w13.dtype), dequantize(q2, s2, g2).to(w2.dtype))
+    return layer
 
 
 def copy_gbps() -> float:
@@ -120,13 +155,24 @@ def engine_check() -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fp8", choices=sorted(FP8_GROUPS), default=None,
+                        help="fp8 experts, scaled per row (channel) or per row and 128 inputs (block)")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_bench.py needs a CUDA GPU")
     torch.manual_seed(0)
     gen = dict(device="cuda", dtype=DTYPE)
-    layers = [(torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, **gen) * 0.02,
-               torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, **gen) * 0.02) for _ in range(NUM_LAYERS)]
+    layers = [make_layer(torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, **gen) * 0.02,
+                         torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, **gen) * 0.02, args.fp8)
+              for _ in range(NUM_LAYERS)]
     expert_bytes = 3 * INTERMEDIATE * HIDDEN * torch.finfo(DTYPE).bits // 8
+    if args.fp8:  # a byte a weight, and each row's float32 scales
+        g13, g2 = FP8_GROUPS[args.fp8]
+        scales = 2 * INTERMEDIATE * -(-HIDDEN // g13) + HIDDEN * -(-INTERMEDIATE // g2)
+        expert_bytes = 3 * INTERMEDIATE * HIDDEN + 4 * scales
+    print(f"experts: {args.fp8 or 'bf16'}")
     copy = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:,.0f} GB/s\n")
     print(f"{'batch':>5} {'experts':>7} {'MB':>6} | {'triton us':>9} {'GB/s':>6} {'of copy':>7} | "
@@ -141,12 +187,12 @@ def main() -> None:
         config = moe_config(batch * TOP_K, NUM_EXPERTS, DTYPE)
         t_us = triton_us(x, layers, topk_weights, topk_ids, config)
         block_us = with_routing_us(x, layers, router)
-        w13, w2 = layers[0]
+        w13, w2 = layers[0].dense  # the torch path reads bf16 (dequantized fp8) weights
         torch_moe(x, w13, w2, topk_weights, topk_ids)
         torch.cuda.synchronize()
         # One layer's weights only: the torch path sees L2 hits the Triton timing does not (favours torch).
         r_us = elapsed_us(lambda: torch_moe(x, w13, w2, topk_weights, topk_ids), TORCH_ITERS)  # noqa: B023
-        diff = (fused_moe(x, w13, w2, topk_weights, topk_ids).float()
+        diff = (fused_moe(x, *layers[0], topk_weights, topk_ids, **layers[0].fp8).float()
                 - torch_moe(x, w13, w2, topk_weights, topk_ids).float()).abs().max().item()
         row = dict(batch=batch, experts=touched // expert_bytes, mb=touched / 1e6, triton_us=t_us,
                    triton_gbps=touched / t_us / 1e3, torch_us=r_us, torch_gbps=touched / r_us / 1e3,
@@ -159,8 +205,10 @@ def main() -> None:
     for row in rows:
         batch = row["batch"]
         x, topk_weights, topk_ids = inputs[batch]
+        candidates = ALTERNATIVES + (FP8_ALTERNATIVES if args.fp8 else [])
+        group = FP8_GROUPS["block"][0] if args.fp8 == "block" else None  # K tiles must split a group
         row["alternatives"] = {str(astuple(c)): triton_us(x, layers, topk_weights, topk_ids, c)
-                               for c in ALTERNATIVES}
+                               for c in candidates if group is None or group % c.block_k == 0}
         best = min(row["alternatives"].items(), key=lambda kv: kv[1])
         print(f"batch {batch:>3}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["alternatives"].items())
               + f"  -> best {best[0]} {best[1]:.1f} us (default {row['triton_us']:.1f})")
@@ -169,7 +217,7 @@ def main() -> None:
     engine = engine_check()
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_bench.json"), "w") as f:
-            json.dump({"layer": rows, "engine": engine}, f, indent=1)
+            json.dump({"experts": args.fp8 or "bf16", "layer": rows, "engine": engine}, f, indent=1)
 
 
 if __name__ == "__main__":

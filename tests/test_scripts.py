@@ -3,6 +3,7 @@ run only on a GPU, so nothing else in CPU CI would notice a name they use moving
 imported the model runner from engine/ for a whole round after the restructure moved it to runner/)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -145,3 +146,14 @@ def test_soak_runs_as_typed(extra):
     if extra:
         accepted, drafted = map(int, re.search(r"drafts accepted\s+(\d+) of (\d+)", done.stdout).groups())
         assert drafted > 0 and accepted > 0
+
+
+def test_gpu_only_benchmarks_refuse_the_cpu_and_bad_options_as_typed():
+    """`python scripts/moe_bench.py --fp8 block` says it needs a GPU; an unknown --fp8 is refused."""
+    run = [sys.executable, "scripts/moe_bench.py"]
+    done = subprocess.run(run + ["--fp8", "block"], cwd=SCRIPTS.parent, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
+    bad = subprocess.run(run + ["--fp8", "tensor"], cwd=SCRIPTS.parent, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "invalid choice: 'tensor'" in bad.stderr
