@@ -2,8 +2,11 @@
 count, microseconds of bf16 F.linear (cuBLAS) and at one row bf16's GEMV (kernels/skinny_gemm.py); of the
 one-row fp8 GEMV, the few-row CUDA-core GEMV (1-4 rows) and the 1-16 row tensor-core kernel
 (kernels/fp8_skinny.py), the W8A16 tensor-core GEMV (up to 16 rows), the Triton W8A8 GEMM with per-channel
-and 128x128 block scales, and torch._scaled_mm with row-wise scales; each beside its floor, the larger of
-reading the weight once at copy bandwidth and the FLOPs at the tensor cores' peak.
+and 128x128 block scales, torch._scaled_mm with row-wise scales, and torch's block-scaled GEMM
+(F.scaled_mm, 1x128 activation and 128x128 weight scales: what block-scaled checkpoints could run on,
+with a per-shape check of its error against the dequantized product; n/a where this torch lacks it);
+each beside its floor, the larger of reading the weight once at copy bandwidth and the FLOPs at the
+tensor cores' peak.
 
     python scripts/fp8_gemm_bench.py [--rows 1 16 64 256 1024 4096]
 
@@ -16,12 +19,12 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.fp8_gemm import scaled_mm_linear, w8a8_linear
+from nanovllm.kernels.fp8_gemm import quantize_rows, scaled_mm_linear, w8a8_linear
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear
 from nanovllm.kernels.fp8_skinny import fp8_gemv_rows_linear, fp8_rows_linear, fp8_skinny_linear
 from nanovllm.kernels.gemv_rows import MAX_ROWS as GEMV_ROWS
 from nanovllm.kernels.skinny_gemm import skinny_linear
-from nanovllm.layers.fp8 import quantize_groups
+from nanovllm.layers.fp8 import FP8, FP8_MAX, MIN_AMAX, dequantize, quantize_groups
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
           "down_proj": (4096, 12288)}  # (N, K) of Qwen3-8B at one GPU
@@ -54,6 +57,39 @@ def timed_us(fn, calls) -> float:
     return start.elapsed_time(end) * 1e3 / (REPEATS * len(calls))
 
 
+def quantize_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], float32 scales [N / block, K / block]): one scale a block x block tile,
+    the layout of block-scaled checkpoints."""
+    n, k = w.shape
+    tiles = w.float().reshape(n // block, block, k // block, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX
+    return (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(n, k), scale
+
+
+def blockwise_scaled_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x quantized per token and 128 inputs (the engine's kernel), then torch's block-scaled GEMM; rows
+    padded to a multiple of 4 (cuBLASLt's scale alignment)."""
+    m = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+    xq, xs = quantize_rows(padded, 128)
+    out = F.scaled_mm(xq, q.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, scale.t(),
+                      F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    return out[:m]
+
+
+def blockwise_error(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> str:
+    """The block-scaled GEMM's largest error against the product of its dequantized operands, relative
+    to that product's largest magnitude; or why it does not run here."""
+    try:
+        out = blockwise_scaled_mm(x, q, scale).float()
+    except (AttributeError, RuntimeError) as e:  # an older torch, or no cuBLASLt support
+        return f"n/a ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    xq, xs = quantize_rows(x, 128)
+    w = q.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    ref = dequantize(xq, xs, 128) @ w.t()
+    return f"{((out - ref).abs().max() / ref.abs().max()).item():.1e} relative error"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,13 +97,17 @@ def main() -> None:
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     columns = ("bf16", "bf16 gemv", "floor", "fp8 gemv1", "gemv rows", "fp8 rows", "gemv16", "w8a8 ch",
-               "w8a8 blk", "scaled_mm", "fp8 floor")
+               "w8a8 blk", "scaled_mm", "mm blk", "fp8 floor")
     print(f"{'shape':13s} {'rows':>5s} " + " ".join(f"{c:>9s}" for c in columns) + "  (us)")
     for name, (n, k) in SHAPES.items():
         w16 = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
                for _ in range(COPIES)]
         per_channel = [quantize_groups(w, k) for w in w16]
         block = [quantize_groups(w, 128) for w in w16]  # the block layout's [N, K / 128] scales
+        blocks = [quantize_blocks(w) for w in w16]  # one scale a 128 x 128 tile
+        x = torch.randn(max(args.rows), k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        checked = blockwise_error(x, *blocks[0])
+        print(f"{name}: torch's block-scaled GEMM: {checked}", flush=True)
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             flops = 2 * m * n * k
@@ -88,6 +128,8 @@ def main() -> None:
                 "w8a8 blk": timed_us(lambda x, q, s: w8a8_linear(x, q, s, 128, None),
                                      [(x, q, s) for q, s in block]),
                 "scaled_mm": timed_us(lambda x, q, s, k=k: scaled_mm_linear(x, q, s, k, None), channel),
+                "mm blk": (NAN if checked.startswith("n/a")
+                           else timed_us(blockwise_scaled_mm, [(x, q, s) for q, s in blocks])),
                 "fp8 floor": max(n * k / BANDWIDTH, flops / FP8_FLOPS) * 1e6,
             }
             print(f"{name:13s} {m:5d} " + " ".join(f"{times[c]:9.1f}" for c in columns), flush=True)
