@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import make_workload  # noqa: E402  (the repository's bench.py: the same requests)
 
 # One H200 (SXM): HBM3e at the copy bandwidth the benchmarks' other floors use, and the spec sheet's dense
-# tensor-core peaks (scripts/fp8_gemm_bench.py's lower 790 / 1,580 would only raise a floor: decode here
-# is bound by bytes either way).
+# tensor-core peaks. scripts/fp8_gemm_bench.py's lower 790 / 1,580 would raise the prefill's part (Qwen3-8B:
+# 2.0 -> 2.5 s); decode here is bound by bytes either way.
 BANDWIDTH = 4.3e12
 PEAK_FLOPS = {2: 989e12, 1: 1979e12}  # by weight bytes: bf16, fp8
 KV_BYTES = {"auto": 2, "fp8": 1, "int8": 1}
