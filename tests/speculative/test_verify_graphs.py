@@ -145,16 +145,23 @@ def test_a_verification_larger_than_the_graphs_takes_the_prefill_path(qwen3_dir,
     assert staged == [n for n in verifications if n <= 4] and (max(verifications) > 4 or ON_GPU)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
-def test_with_the_triton_backend_verification_rows_store_before_they_attend(qwen3_dir, monkeypatch,
-                                                                             async_scheduling):
-    """The fused decode kernel stores a row's K/V and attends in one program: rows of one sequence could
-    read a position before its row stored it. Verification rows take the store-then-attend path, also
-    in the overlap loop, where a verification's first token comes from the step before on the device."""
+@pytest.fixture(scope="module")
+def triton_greedy(qwen3_dir) -> list[list[int]]:
+    """The plain engine's greedy tokens of REPEATING[:2] on the Triton backend (interpreted on the CPU:
+    slow, so computed once for the module)."""
     from conftest import triton_test_device
     triton_test_device()
     with LLM(qwen3_dir, attention_backend="triton", **OPTIONS) as llm:
-        expected = [o["token_ids"] for o in llm.generate(REPEATING[:2], GREEDY, use_tqdm=False)]
+        return [o["token_ids"] for o in llm.generate(REPEATING[:2], GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+def test_with_the_triton_backend_verification_rows_store_before_they_attend(qwen3_dir, monkeypatch,
+                                                                             triton_greedy, async_scheduling):
+    """The fused decode kernel stores a row's K/V and attends in one program: rows of one sequence could
+    read a position before its row stored it. Verification rows take the store-then-attend path, also
+    in the overlap loop, where a verification's first token comes from the step before on the device."""
+    expected = triton_greedy
     shared, fused_shared = [], []  # shared: inside a forward of rows that share sequences
     fused, forward = TritonBackend._fused_decode, TritonBackend.forward
 
