@@ -209,8 +209,17 @@ def test_engine_defaults_on_gpu_keep_tokens_over_a_warm_prefix_cache(qwen3_dir):
     prompts = ["The quick brown fox jumps over the lazy dog. " * 2 + "The", "hello world " * 3 + "hello",
                "Paris is the capital of France. Paris is the", *PROMPTS]
     options = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, dtype="float32")
-    with LLM(qwen3_dir, attention_backend="torch", enforce_eager=True, **options) as llm:
+    first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)  # the prefill's own distribution
+    with LLM(qwen3_dir, attention_backend="torch", enforce_eager=True, enable_prefix_caching=False,
+             **options) as llm:  # every prompt computed whole
         expected = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        expected_first = [o["logprobs"][0] for o in llm.generate(prompts, first, use_tqdm=False)]
     with LLM(qwen3_dir, num_kvcache_blocks=256, **options) as llm:
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        # Over the cached prompts: first the prefill's top logprobs (float32: equal to ~1e-5; a wrong K/V
+        # read moves them by far more), then the tokens.
+        for out, ref in zip(llm.generate(prompts, first, use_tqdm=False), expected_first, strict=True):
+            got = {token: lp.logprob for token, lp in out["logprobs"][0].items()}
+            want = {token: lp.logprob for token, lp in ref.items() if token in got}
+            assert next(iter(ref)) in got and {t: got[t] for t in want} == pytest.approx(want, abs=1e-4)
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
