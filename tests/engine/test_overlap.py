@@ -16,7 +16,9 @@ from nanovllm.runner.transfers import DeferredOutput, PendingOutput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512)
+# float32 on a GPU too, where the engine's default is bfloat16 (greedy tokens equal only in float32)
+OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8,
+               max_num_batched_tokens=512, dtype="float32")
 LENGTHS = (5, 17, 1, 9)  # sequences finish at different steps
 
 

@@ -10,7 +10,9 @@ from nanovllm import LLM, SamplingParams
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Small blocks and few of them: sequences preempt each other, and drafts cross block boundaries.
-OPTIONS = dict(kvcache_block_size=4, num_kvcache_blocks=24, max_model_len=256, cpu_threads=1)
+# float32 on a GPU too, where the engine's default is bfloat16 (greedy tokens equal only in float32)
+OPTIONS = dict(kvcache_block_size=4, num_kvcache_blocks=24, max_model_len=256,
+               cpu_threads=1, dtype="float32")
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
@@ -53,7 +55,8 @@ def test_another_draft_leaves_greedy_output_unchanged(qwen3_dir, plain, other_dr
 def test_under_tensor_parallelism_the_draft_runs_whole_beside_rank_0(qwen3_dir, plain, other_draft):
     """TP=2 (rank 1 in a spawned process, gloo): the draft runs unsharded in rank 0's process, and the
     KV budget counts its whole cache on rank 0: the target's half (per rank) and the draft's."""
-    options = dict(OPTIONS, num_kvcache_blocks=None, cpu_kvcache_space_gib=2**-10)  # 1 MiB a rank
+    # On the CPU wherever it runs: the budget checked is the CPU's (1 MiB a rank)
+    options = dict(OPTIONS, num_kvcache_blocks=None, cpu_kvcache_space_gib=2**-10, device="cpu")
     spec_config = {"model": other_draft, "num_speculative_tokens": 3}
     with LLM(qwen3_dir, tensor_parallel_size=2, speculative_config=spec_config, **options) as llm:
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY)] == plain

@@ -12,7 +12,9 @@ from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.speculative.decoding import QUIET_STEPS, SpecDecodeStats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512)
+# float32 on a GPU too, where the engine's default is bfloat16 (greedy tokens equal only in float32)
+OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8,
+               max_num_batched_tokens=512, dtype="float32")
 # Prompts that repeat themselves, so that prompt lookup finds n-grams.
 REPEATING = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The",
              "hello world hello world hello world hello", "Paris is the capital of France. Paris is the",

@@ -8,7 +8,9 @@ from conftest import PROMPTS
 from nanovllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512)
+# float32 on a GPU too, where the engine's default is bfloat16 (greedy tokens equal only in float32)
+OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8,
+               max_num_batched_tokens=512, dtype="float32")
 REPEATING = ["hello world hello world hello world hello", "Paris is the capital of France. Paris is the",
              *PROMPTS]
 

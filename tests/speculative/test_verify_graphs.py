@@ -17,7 +17,9 @@ from nanovllm.runner.verify_graphs import as_decode_rows, verify_graph_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ON_GPU = torch.cuda.is_available()
-OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=32, max_num_batched_tokens=512)
+# float32 on a GPU too, where the engine's default is bfloat16 (greedy tokens equal only in float32)
+OPTIONS = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=32,
+               max_num_batched_tokens=512, dtype="float32")
 REPEATING = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The",
              "hello world hello world hello world hello", "Paris is the capital of France. Paris is the",
              PROMPTS[1]]
