@@ -184,7 +184,7 @@ def main() -> None:
         topk_weights, topk_ids = route(torch.randn(batch, NUM_EXPERTS, device="cuda"), TOP_K, True)
         inputs[batch] = x, topk_weights, topk_ids
         touched = torch.unique(topk_ids).numel() * expert_bytes
-        config = moe_config(batch * TOP_K, NUM_EXPERTS, DTYPE)
+        config = moe_config(batch * TOP_K, NUM_EXPERTS, DTYPE, fp8_weights=bool(args.fp8))
         t_us = triton_us(x, layers, topk_weights, topk_ids, config)
         block_us = with_routing_us(x, layers, router)
         w13, w2 = layers[0].dense  # the torch path reads bf16 (dequantized fp8) weights

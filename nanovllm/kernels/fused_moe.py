@@ -23,7 +23,8 @@ once. So nothing reads the routing on the host, and a decode step replays with a
 fp8 experts (e4m3 weights, float32 scales per row and K group, layers/fp8.py's layout) are read as e4m3
 and widened in registers (W8A16): half the weight bytes of bf16, which decode at small batch streams."""
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -53,18 +54,26 @@ SOME_SLOTS_PER_EXPERT = 32
 NARROW_TILE_MAX_SLOTS = 64
 
 
-def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype) -> MoeConfig:
+def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights: bool = False,
+               k_group: int = 0) -> MoeConfig:
     """Few slots per expert (decode): 16-row blocks, so padding wastes little, and narrow column tiles,
     so that the few experts hit still spread over every SM. Many (prefill): larger tiles reuse each
-    weight tile over more rows. Untuned guesses for Hopper; scripts/moe_bench.py times alternatives."""
+    weight tile over more rows. Guesses for Hopper, timed by scripts/moe_bench.py (bf16 and fp8 experts).
+    k_group: fp8 scales' group along K (0: none, or one a row); K tiles are narrowed to split it."""
     per_expert = num_slots / num_experts
     small_k = 64 if dtype == torch.float32 else 128  # same bytes per tile
     if per_expert < FEW_SLOTS_PER_EXPERT:
         block_n = 32 if num_slots < NARROW_TILE_MAX_SLOTS else 64
-        return MoeConfig(16, block_n, small_k, num_warps=4, num_stages=4)
-    if per_expert < SOME_SLOTS_PER_EXPERT:
-        return MoeConfig(32, 64, small_k // 2, num_warps=4, num_stages=4)
-    return MoeConfig(64, 128, small_k // 2, num_warps=8, num_stages=3)
+        config = MoeConfig(16, block_n, small_k, num_warps=4, num_stages=4)
+    elif per_expert < SOME_SLOTS_PER_EXPERT:
+        # fp8 weights: K tiles as many bytes wide as bf16's (moe_bench --fp8 at 256 rows: 285 -> 261 us
+        # a layer per channel, 292 -> 266 per 128-block; at 64 rows and fewer, wider tiles were slower)
+        config = MoeConfig(32, 64, small_k if fp8_weights else small_k // 2, num_warps=4, num_stages=4)
+    else:
+        config = MoeConfig(64, 128, small_k // 2, num_warps=8, num_stages=3)
+    if k_group and k_group % config.block_k:
+        config = replace(config, block_k=math.gcd(config.block_k, k_group))
+    return config
 
 
 @triton.jit
@@ -193,7 +202,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_slots = num_tokens * top_k
     if num_slots == 0:
         return torch.zeros_like(x)
-    config = config or moe_config(num_slots, num_experts, x.dtype)
+    # one config for both GEMMs: its K tiles split both scale groups (a group >= K is one a row)
+    groups = [g for g, k in zip(scale_groups, (hidden, two_i // 2)) if 0 < g < k]
+    config = config or moe_config(num_slots, num_experts, x.dtype, fp8_weights=w13.element_size() == 1,
+                                  k_group=math.gcd(*groups) if groups else 0)
     align = moe_align(topk_ids, num_experts, config.block_m)
     weights = topk_weights.reshape(-1).float()
     intermediate = torch.empty(num_slots, two_i // 2, dtype=x.dtype, device=x.device)

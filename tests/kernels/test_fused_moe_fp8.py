@@ -1,8 +1,8 @@
 """The fused MoE with fp8 experts (e4m3 weights, float32 scales per row and K group: layers/fp8.py's
 layout) against the torch path on the exactly dequantized weights with unrounded activations (W8A16), on
 CPU tensors through the Triton interpreter (or on CUDA with TRITON_INTERPRET=0): 128-wide scale groups
-(a block-wise checkpoint's) and one scale a row (per channel), few and many tokens; and the misuse it
-refuses."""
+(a block-wise checkpoint's) and one scale a row (per channel), few and many tokens; the launch parameters
+it picks for fp8 experts; and the misuse it refuses."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels.fused_moe import MoeConfig, fused_moe  # noqa: E402
+from nanovllm.kernels.fused_moe import MoeConfig, fused_moe, moe_config  # noqa: E402
 from nanovllm.layers.fp8 import dequantize, quantize_groups  # noqa: E402
 from nanovllm.layers.fused_moe import route, torch_moe  # noqa: E402
 
@@ -50,6 +50,28 @@ def test_fp8_experts_match_the_dequantized_weights(num_tokens, grouping, dtype):
     assert out.dtype == dtype and out.shape == x.shape
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_fp8_experts_take_k_tiles_that_split_their_scale_groups():
+    bf16 = torch.bfloat16
+    # 16 slots an expert (256 rows at top-8 of 128): fp8 K tiles as wide in bytes as bf16's
+    assert moe_config(2048, 128, bf16).block_k == 64
+    assert moe_config(2048, 128, bf16, fp8_weights=True).block_k == 128
+    assert moe_config(2048, 128, bf16, fp8_weights=True, k_group=128).block_k == 128
+    # a checkpoint's narrower blocks narrow the tiles to split them
+    assert moe_config(8, 128, bf16, fp8_weights=True, k_group=64).block_k == 64
+    assert moe_config(8, 128, bf16, fp8_weights=True, k_group=96).block_k == 32
+
+
+def test_fp8_experts_in_narrow_groups_run_with_the_default_config():
+    """32-wide scale groups, narrower than every default K tile: fused_moe picks tiles that split them."""
+    q13, s13, q2, s2 = fp8_experts(32, 32)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, HIDDEN, generator=gen).to(DEVICE)
+    topk_weights, topk_ids = route(torch.randn(5, NUM_EXPERTS, generator=gen).to(DEVICE), 2, True)
+    out = fused_moe(x, q13, q2, topk_weights, topk_ids, w13_scale=s13, w2_scale=s2, scale_groups=(32, 32))
+    ref = torch_moe(x, dequantize(q13, s13, 32), dequantize(q2, s2, 32), topk_weights, topk_ids)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_fp8_experts_without_scales_or_with_odd_groups_are_refused():
