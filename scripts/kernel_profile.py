@@ -1,9 +1,11 @@
 """Which GPU kernels a decode step spends its time in (torch.profiler), at a given decode batch size:
 per kernel name its calls per step and microseconds per step, the step's kernel count and total GPU
-time, and its wall time per step. Random Qwen3-0.6B weights, CUDA graphs as in a real run.
+time, and its wall time per step. Random weights (Qwen3-0.6B's shape, or --model's config folder), CUDA
+graphs as in a real run.
 
     python scripts/kernel_profile.py --batch 1 --batch 256 [--context 512] [--steps 32] [--option=value ...]
     python scripts/kernel_profile.py --mixed [--steps 32]      # mid-run steps of the 1024-request run
+    python scripts/kernel_profile.py --model configs/Qwen3-30B-A3B --quantization=fp8 --batch 256
 
 Each batch size adds `batch` prompts of `context` random tokens, steps the engine past their prefill,
 and profiles the next `steps` decode steps (twice: the first pass compiles and captures what it needs).
@@ -167,6 +169,7 @@ def main() -> None:
                         help="with --mixed: the host phases under cProfile")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--model", default=CONFIG, help="a folder with the model's config.json")
     args, extra = parser.parse_known_args()
     if args.mixed == bool(args.batch):
         parser.error("give --mixed or one or more --batch sizes")
@@ -174,7 +177,7 @@ def main() -> None:
         parser.error(f"LLM options are given as --name=value; got {bad}")
     options = dict(kv.split("=", 1) for kv in extra)
     options = {k.lstrip("-").replace("-", "_"): (int(v) if v.isdigit() else v) for k, v in options.items()}
-    llm = LLM(CONFIG, load_format="dummy", skip_tokenizer_init=True, **options)
+    llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     if args.mixed:  # leaves the run's other requests queued: nothing else may follow in this engine
         profile_mixed(llm, args.steps, args.cprofile)
