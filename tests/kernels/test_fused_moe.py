@@ -10,6 +10,7 @@ from conftest import triton_test_device
 pytest.importorskip("triton")
 
 from nanovllm.kernels.fused_moe import MoeConfig, fused_moe, max_num_blocks, moe_align  # noqa: E402
+from nanovllm.kernels.moe_align import MAX_SUMMED_CHUNKS  # noqa: E402
 from nanovllm.kernels.moe_routing import topk_softmax  # noqa: E402
 from nanovllm.layers.fused_moe import route, torch_moe  # noqa: E402
 
@@ -45,15 +46,20 @@ def random_routing(num_tokens: int, top_k: int, seed: int = 0) -> tuple[torch.Te
     return x, topk_weights, topk_ids
 
 
-# block_s None: one launch; 16: 37 tokens x top-2 = 74 slots in 5 chunks, 13 programs labelling rows.
-@pytest.mark.parametrize("block_s", [None, 16], ids=["one-launch", "chunked"])
+# block_s None: one launch; 16: 37 tokens x top-2 = 74 slots in 5 chunks, 13 programs labelling rows,
+# each scatter program summing the chunks before its own; 600 tokens: 75 chunks, more than
+# MAX_SUMMED_CHUNKS, offset by a cumsum first.
+@pytest.mark.parametrize(("block_s", "num_tokens"), [(None, 37), (16, 37), (16, 600)],
+                         ids=["one-launch", "chunked", "many-chunks"])
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_alignment_groups_slots_by_expert_in_order(block_s: int | None, block_m: int):
+def test_alignment_groups_slots_by_expert_in_order(block_s: int | None, num_tokens: int, block_m: int):
     # Experts 1 and 6 get no slot.
     gen = torch.Generator().manual_seed(3)
     used = torch.tensor([0, 2, 3, 4, 5, 7])
-    topk_ids = torch.stack([used[torch.randperm(6, generator=gen)[:2]] for _ in range(37)])
+    topk_ids = torch.stack([used[torch.randperm(6, generator=gen)[:2]] for _ in range(num_tokens)])
     num_slots = topk_ids.numel()
+    if num_tokens == 600:
+        assert -(-num_slots // block_s) > MAX_SUMMED_CHUNKS
     align = moe_align(topk_ids.to(DEVICE), NUM_EXPERTS, block_m, block_s=block_s)
     sorted_ids, expert_ids = align.sorted_ids.cpu(), align.expert_ids.cpu()
     assert expert_ids.numel() == max_num_blocks(num_slots, NUM_EXPERTS, block_m)
