@@ -1,12 +1,14 @@
 """The split-KV decode kernel (nanovllm.kernels.decode_attention) under other launch settings: tile
 length, warps, pipeline stages and programs per SM, for a bf16 and an fp8 cache, at the decode shapes
-of the benchmarks (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, 256-token blocks). Prints
+of the benchmarks (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, 256-token blocks; --heads for
+other models' GQA groups). Prints
 each case's engine choice (nanovllm.kernels.decode_launch) and the best settings found, with their
 time and KV-read bandwidth as a fraction of a plain device copy's, so that choice is made by
 measurement. Each case is timed as the engine runs it: contexts spread over [C/2, C], longest first,
 calls replayed from a CUDA graph. GPU only.
 
-    python scripts/decode_sweep.py [--quick]"""
+    python scripts/decode_sweep.py [--quick]
+    python scripts/decode_sweep.py --heads 32 4      # Qwen3-30B-A3B's heads (Qwen3-8B: --heads 32 8)"""
 
 import argparse
 import functools
@@ -21,7 +23,7 @@ from nanovllm.kernels import decode_attention as dk
 from nanovllm.kernels import decode_launch as dl
 from nanovllm.kernels.common import sm_count
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
+HEAD_DIM, BLOCK_SIZE = 128, 256
 CASES = [(1, 1024), (1, 4096), (64, 2048), (256, 512), (256, 1024), (512, 1024)]  # (batch, context)
 # Five stages: the first count at which Triton 3.6 keeps two K/V buffers (the block-table load the tile
 # addresses depend on takes a stage of its own; sm_90 SASS), so a tile's load overlaps the previous
@@ -46,21 +48,21 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def make_case(batch: int, context: int, kv_dtype: torch.dtype):
+def make_case(batch: int, context: int, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int):
     """A decode call as the engine makes one: contexts drawn from [context / 2, context] (a batch's
     sequences are at different points of their outputs), scattered blocks, sequences in the engine's
     decode order (longest first)."""
     blocks_per_seq = math.ceil(context / BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
     k_cache = torch.randn(shape, device="cuda").to(kv_dtype)
     v_cache = torch.randn(shape, device="cuda").to(kv_dtype)
     # Scattered blocks, as a long-running cache holds them.
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, num_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.randint(max(1, context // 2), context + 1, (batch,), device="cuda", dtype=torch.int32)
     order = torch.argsort(seqlens, descending=True, stable=True).to(torch.int32)
-    kv_bytes = 2 * int(seqlens.sum()) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+    kv_bytes = 2 * int(seqlens.sum()) * num_kv_heads * HEAD_DIM * k_cache.element_size()
     return q, k_cache, v_cache, seqlens, tables, order, kv_bytes
 
 
@@ -80,9 +82,9 @@ def forced(setting: dict, calls: list):
     return choose
 
 
-def default_setting(batch: int, context: int, element_size: int) -> dict:
+def default_setting(batch: int, context: int, element_size: int, num_kv_heads: int) -> dict:
     """What the engine launches for this case (decode_launch.choose_launch)."""
-    launch, _ = dl.choose_launch(batch, NUM_KV_HEADS, HEAD_DIM, context, element_size, torch.device("cuda"),
+    launch, _ = dl.choose_launch(batch, num_kv_heads, HEAD_DIM, context, element_size, torch.device("cuda"),
                                  sm_count(torch.device("cuda")))
     return dict(BLOCK_N=launch.block_n, NUM_WARPS=launch.num_warps, NUM_STAGES=launch.num_stages,
                 PROGRAMS_PER_SM=dl.PROGRAMS_PER_SM)
@@ -91,17 +93,23 @@ def default_setting(batch: int, context: int, element_size: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller grid of settings")
+    parser.add_argument("--heads", type=int, nargs=2, default=(16, 8), metavar=("Q", "KV"),
+                        help="query and KV heads (default: Qwen3-0.6B's 16 and 8)")
     args = parser.parse_args()
+    num_heads, num_kv_heads = args.heads
+    if num_heads % num_kv_heads:
+        parser.error(f"--heads: {num_heads} query heads do not split into {num_kv_heads} KV heads' groups")
     grid = QUICK if args.quick else SETTINGS
     copy_bps = copy_bandwidth()
     print(json.dumps(dict(copy_gb_s=round(copy_bps / 1e9))), flush=True)
     workspace = torch.empty(64 * 2**20, dtype=torch.float32, device="cuda")
-    counters = torch.zeros(512 * NUM_KV_HEADS, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(512 * num_kv_heads, dtype=torch.int32, device="cuda")
     for kv_dtype, (batch, context) in itertools.product((torch.bfloat16, torch.float8_e4m3fn), CASES):
-        q, k_cache, v_cache, seqlens, tables, order, kv_bytes = make_case(batch, context, kv_dtype)
+        q, k_cache, v_cache, seqlens, tables, order, kv_bytes = make_case(batch, context, kv_dtype, num_heads,
+                                                                          num_kv_heads)
         run = functools.partial(dk.paged_decode_attention, q, k_cache, v_cache, seqlens, tables,
                                 HEAD_DIM**-0.5, workspace=workspace, counters=counters, seq_order=order)
-        default = default_setting(batch, context, k_cache.element_size())
+        default = default_setting(batch, context, k_cache.element_size(), num_kv_heads)
         settings = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
         results = []
         for setting in settings + ([] if default in settings else [default]):
@@ -126,7 +134,8 @@ def main() -> None:
         best_us, best = results[0]
         copy_us = kv_bytes / copy_bps * 1e6  # a copy that reads as many bytes
         print(json.dumps(dict(
-            kv=str(kv_dtype).removeprefix("torch."), batch=batch, context=context, default=default,
+            kv=str(kv_dtype).removeprefix("torch."), heads=[num_heads, num_kv_heads], batch=batch,
+            context=context, default=default,
             default_us=round(default_us, 1), default_of_copy=round(copy_us / default_us, 3),
             best_us=round(best_us, 1), best_of_copy=round(copy_us / best_us, 3),
             best=best, next=[dict(us=round(us, 1), **s) for us, s in results[1:4]])), flush=True)

@@ -3,6 +3,8 @@ the tile form and register cap of an fp8 cache, and the shapes a warm-up builds 
 code only: no kernel runs here."""
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,11 @@ def test_decode_sweep_forces_the_launch_a_decode_call_takes(monkeypatch) -> None
                                             torch.zeros(2, 2, dtype=torch.int32), None, None, None, None)
     assert asked == [setting]
     assert call.launch == decode_launch.DecodeLaunch(32, 2, 3)
+
+
+def test_decode_sweep_refuses_heads_that_do_not_group() -> None:
+    """`--heads Q KV` (another model's GQA group) is checked before the script asks for a GPU."""
+    path = Path(__file__).parents[2] / "scripts" / "decode_sweep.py"
+    done = subprocess.run([sys.executable, str(path), "--heads", "32", "5"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "do not split into 5 KV heads" in done.stderr
