@@ -1,6 +1,7 @@
 """A step the overlap loop launched and has not read yet (nanovllm.engine.overlap): what it ran, where
 each sequence's sampled ids lie among its outputs, and how the next step takes the tokens it is still
-sampling (on the device, never through the host). Pure Python."""
+sampling (on the device, never through the host), and what a proposer of drafts is told of it. Pure
+Python."""
 
 from dataclasses import dataclass, field
 
@@ -35,6 +36,23 @@ class InFlightStep:
         for drafts in self.drafts:
             end += 1 + len(drafts)
             self.last_ids.append(end)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingTokens:
+    """Where a step in flight samples the pending last tokens (PENDING_TOKEN_ID) of the sequences it ran:
+    `rows[seq_id]` indexes `step`'s sampled ids. A draft model feeds them to its own steps on the device
+    (StepBatch.prev_token_*), as the overlap loop's next step does (speculative/draft.py)."""
+
+    step: PendingStep
+    rows: dict[int, int]
+
+    @classmethod
+    def of(cls, step: InFlightStep) -> "PendingTokens":
+        """The pending tokens of `step`'s sampling rows, but for its void sequences'."""
+        rows = zip(step.sample_rows, step.last_ids, strict=True)
+        return cls(step.output, {step.seqs[row].seq_id: last for row, last in rows
+                                 if step.seqs[row].seq_id not in step.void})
 
 
 def feed_previous_tokens(batch: StepBatch, seqs: list[Sequence], prev: InFlightStep) -> None:

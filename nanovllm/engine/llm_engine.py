@@ -15,8 +15,8 @@ together; its id is its first sequence's. A request whose part of a step fails e
 finish_reason "error" (failures.py). With async_scheduling (on by default with CUDA and one rank)
 `step` launches a step before it waits for the previous one's tokens (overlap.py), so a request's
 output comes one step later. With speculative_config, the sequences that decode next get drafts, which
-their next step verifies (nanovllm.speculative.decoding): n-gram drafts in the overlap loop too, a draft
-model's in the synchronous loop (the overlap loop runs while no drafts are proposed).
+their next step verifies (nanovllm.speculative.decoding), in the overlap loop too (n-gram and draft
+model proposers both propose past the token still being sampled).
 
 Threads: one engine may be driven from several threads at once (generate, stream, the server's loop):
 a lock serializes the calls, and each caller takes exactly its own requests' outputs by id, whichever

@@ -17,8 +17,9 @@ token for token the synchronous loop's.
   that finishes there (or is aborted before) has its step n+1 token dropped. Between engine steps no
   sequence holds a pending token: streams and outputs only ever see sampled tokens.
 
-Speculative decoding with a proposer that guesses past a pending token (n-gram lookup,
-Proposer.guesses_pending) runs here too. A verification step is committed as if every draft were
+Speculative decoding with a proposer that proposes past a pending token (Proposer.guesses_pending:
+n-gram lookup guesses it; a draft model's steps take it on the device, queued after step n) runs here
+too. A verification step is committed as if every draft were
 accepted: its drafts are appended, then a pending token for the target's next one, all counted as
 computed (Sequence.num_assumed_tokens of them assumed), and no block they fill is shared yet. Step n+1
 is scheduled and proposed on that assumption (the proposer takes the pending token as its guess), its
@@ -45,7 +46,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from nanovllm.engine.executor import Executor
-from nanovllm.engine.in_flight import InFlightStep, feed_previous_tokens
+from nanovllm.engine.in_flight import InFlightStep, PendingTokens, feed_previous_tokens
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN_ID, Sequence
 from nanovllm.engine.step import build_batch
@@ -86,8 +87,13 @@ class OverlapLoop:
                 prev = None
         if self.scheduler.is_finished():  # prev's tokens finished every sequence
             return 0, self.num_emitted if self.spec is not None and self.spec.overlaps else 0
-        self._propose()
-        seqs, is_prefill = self._schedule(prev)
+        try:
+            self._propose(prev)
+            seqs, is_prefill = self._schedule(prev)
+        except BaseException:
+            if prev is not None:  # no pending token outlives the engine step
+                self._postprocess(prev)
+            raise
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         failed = False
         try:
@@ -111,16 +117,18 @@ class OverlapLoop:
             return prompt, self.num_emitted
         return (num_tokens, 0) if is_prefill else (0, num_tokens)
 
-    def _propose(self) -> None:
+    def _propose(self, prev: InFlightStep | None) -> None:
         """Give the sequences that decode next their drafts (while self.spec overlaps): proposed past a
-        pending token, which the proposer guesses."""
+        pending token, which the proposer guesses (n-gram) or takes on the device from prev (a draft
+        model's step, queued after prev)."""
         spec = self.spec
         if spec is None or not spec.overlaps:
             return
         running = self.scheduler.running
         for seq in running:
             seq.spec_token_ids = []
-        spec.propose(running)
+        pending = None if prev is None else PendingTokens.of(prev)
+        spec.propose(running, self.scheduler.block_manager.append_slot, pending)
 
     def _still_valid(self, seqs: list[Sequence]) -> list[Sequence]:
         """seqs without those that finished, nor those whose rows in the step in flight are void (their

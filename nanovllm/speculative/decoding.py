@@ -4,9 +4,9 @@ sequence emits (rejection.py) and count drafts and acceptances. Pure Python.
 
     engine step:  schedule (drafts get slots and budget) | run | postprocess_verified | propose
 
-With async_scheduling and an n-gram proposer, the overlap loop proposes before it schedules, past the
-pending token of the step in flight, and settles each verification once its tokens are read
-(nanovllm.engine.overlap).
+With async_scheduling the overlap loop proposes before it schedules, past the pending token of the step
+in flight (n-gram lookup guesses it, a draft model takes it on the device), and settles each
+verification once its tokens are read (nanovllm.engine.overlap).
 
 Counters, engine-wide and per sequence (vLLM's spec_decode_* figures): drafts (a sequence's drafts
 verified in one step), draft tokens, accepted tokens, and accepted tokens by position (how often the
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from nanovllm.config import Config
+from nanovllm.engine.in_flight import PendingTokens
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import StepBatch, StepOutput
 from nanovllm.engine.structured_outputs import grammar_prefix
@@ -24,7 +25,7 @@ from nanovllm.outputs import TokenLogprobs
 from nanovllm.speculative.proposer import Proposer
 from nanovllm.speculative.rejection import accepted_tokens
 
-# With async_scheduling and a proposer that cannot guess past a pending token (a draft model), after a
+# With async_scheduling and a proposer that cannot propose past a pending token (guesses_pending), after a
 # proposal round that found no draft at all, this many steps run the overlap loop before the proposer
 # looks again (each look is a synchronous step): output with nothing to look up then loses overlap on
 # one step in nine, not on every step.
@@ -87,12 +88,14 @@ class SpeculativeDecoding:
         return False
 
     def propose(self, running: Collection[Sequence],
-                reserve: Callable[[Sequence, int], bool] | None = None) -> None:
+                reserve: Callable[[Sequence, int], bool] | None = None,
+                pending: PendingTokens | None = None) -> None:
         """Give each sequence that decodes next its drafts (seq.spec_token_ids), at most
         num_speculative_tokens and never past max_tokens or max_model_len; none at all while more than
         disable_by_batch_size sequences run. reserve(seq, n) (BlockManager.append_slot) gives a
         sequence KV slots for n drafts beyond its tokens, from free blocks only, before a proposer that
-        writes KV there proposes (else it finds its block table short near a block's end)."""
+        writes KV there proposes (else it finds its block table short near a block's end). pending (the
+        overlap loop): where the step in flight samples the sequences' pending last tokens."""
         if not self.active(len(running)):
             return
         k, max_model_len = self.spec.num_speculative_tokens, self.max_model_len
@@ -115,7 +118,7 @@ class SpeculativeDecoding:
             for seq, num in zip(seqs, nums, strict=True):
                 reserve(seq, num)  # short of free blocks: the proposer proposes what the table covers
         if seqs:
-            for seq, num, drafts in zip(seqs, nums, self.proposer.propose(seqs, nums), strict=True):
+            for seq, num, drafts in zip(seqs, nums, self.proposer.propose(seqs, nums, pending), strict=True):
                 # A structured output verifies only drafts its grammar allows.
                 seq.spec_token_ids = (drafts[:num] if seq.grammar is None
                                       else grammar_prefix(seq.grammar, drafts[:num]))

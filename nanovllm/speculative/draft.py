@@ -24,7 +24,14 @@ step while the device runs the next (the sampler's per-step noise seed is drawn 
 unseeded sampled requests of the target see other random numbers than without a draft, from the same
 distribution). The target keeps a prefix of the drafts; of the fed ones, those it kept are still valid
 draft KV at the next proposal, the rest are computed again. A preemption frees the blocks and resets
-num_draft_computed_tokens (BlockManager.deallocate)."""
+num_draft_computed_tokens (BlockManager.deallocate).
+
+In the overlap loop (engine/overlap.py) a proposal follows a step still in flight: a sequence's last
+token is pending (its drafts before it only assumed kept), and the catch-up's last row takes it on the
+device from that step's sampled ids (PendingTokens), queued after the step. So the target's postprocess
+of that step, and the scheduling and launch of the next, overlap the device's work; the host waits only
+to read the drafts. What the draft computed of assumed tokens a rejection voids: settling the
+verification (Scheduler.settle_verified) cuts num_draft_computed_tokens back to the kept drafts."""
 
 import copy
 import weakref
@@ -33,6 +40,7 @@ from typing import Protocol
 
 from nanovllm.config import Config
 from nanovllm.distributed.worker import threads_per_rank
+from nanovllm.engine.in_flight import PendingTokens
 from nanovllm.engine.sequence import PENDING_TOKEN_ID
 from nanovllm.engine.step import SamplingBatch, StepBatch, slots
 from nanovllm.runner.model_runner import ModelRunner
@@ -42,7 +50,8 @@ from nanovllm.utils.tokenizer import load_engine_tokenizer
 class DraftSequence(Protocol):
     """What the proposer reads and writes of a sequence (nanovllm.engine.sequence.Sequence)."""
 
-    token_ids: list[int]
+    seq_id: int
+    token_ids: list[int]  # the last may be PENDING_TOKEN_ID (overlap loop: PendingTokens says where it is)
     block_table: list[int]
     num_draft_computed_tokens: int  # positions [0, n) of the draft's cache hold token_ids[:n]
 
@@ -90,6 +99,22 @@ def _read(proposals: list[list[int]], active: list[int], pending: object, rows: 
         proposals[i].append(token)
 
 
+def _feed_pending(batch: StepBatch, seqs: list[DraftSequence], rows: list[DraftRow],
+                  pending: PendingTokens | None) -> object:
+    """Point batch's inputs that are a pending token (a row's last, in the overlap loop) at the step in
+    flight's sampled id for it; returns that step for the launch, or None when no input is pending."""
+    end = 0
+    for seq, row in zip(seqs, rows, strict=True):
+        end += len(row.input_ids)
+        if row.input_ids[-1] == PENDING_TOKEN_ID:
+            if pending is None or seq.seq_id not in pending.rows:
+                raise RuntimeError(f"sequence {seq.seq_id}'s last token is pending, and no step in flight "
+                                   "samples it")
+            batch.prev_token_indices.append(end - 1)
+            batch.prev_token_rows.append(pending.rows[seq.seq_id])
+    return pending.step if batch.prev_token_indices else None
+
+
 def check_same_tokenizer(config: Config, draft: Config) -> None:
     """The draft must speak the target's token ids: each token string with the same id in both
     tokenizers (their vocab_size is compared when the Config is built). Raises ValueError otherwise."""
@@ -108,6 +133,7 @@ def check_same_tokenizer(config: Config, draft: Config) -> None:
 
 class DraftModelProposer:
     writes_kv = True  # its cache shares the target's block tables (Proposer.writes_kv)
+    guesses_pending = True  # a pending last token is fed on the device from the step in flight
 
     def __init__(self, config: Config, num_kvcache_blocks: int) -> None:
         draft = config.draft_config
@@ -130,9 +156,12 @@ class DraftModelProposer:
         # n its num_draft_computed_tokens then. Weak: a finished sequence's entry goes with it.
         self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def propose(self, seqs: list[DraftSequence], num_tokens: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[DraftSequence], num_tokens: list[int], pending: PendingTokens | None = None
+                ) -> list[list[int]]:
         """Per sequence, up to num_tokens[i] draft tokens that follow seqs[i].token_ids, each the draft's
-        argmax. A sequence gets fewer where its block table or the draft's max_model_len ends first."""
+        argmax. A sequence gets fewer where its block table or the draft's max_model_len ends first.
+        pending: where the overlap loop's step in flight samples the last token of those whose last is
+        PENDING_TOKEN_ID; the catch-up takes it on the device."""
         proposals: list[list[int]] = [[] for _ in seqs]
         wanted: dict[int, int] = {}  # index in seqs -> drafts it can take
         for i, (seq, num) in enumerate(zip(seqs, num_tokens)):
@@ -147,9 +176,9 @@ class DraftModelProposer:
         order = list(wanted)
         # prev_rows: per sequence, the row of the last launched step whose sampled id is its next input.
         steps, previous, prev_rows = [], None, {}
-        launched = self._launch_catch_up([seqs[i] for i in order])
+        launched = self._launch_catch_up([seqs[i] for i in order], pending)
         if launched is None:
-            for j, token in self._catch_up([seqs[i] for i in order]).items():
+            for j, token in self._catch_up([seqs[i] for i in order], pending).items():
                 proposals[order[j]].append(token)
         else:
             previous, last_rows = launched
@@ -198,7 +227,8 @@ class DraftModelProposer:
                 n += 1
         seq.num_draft_computed_tokens = min(n, len(seq.token_ids) - 1)
 
-    def _launch_catch_up(self, seqs: list[DraftSequence]) -> tuple[object, list[int]] | None:
+    def _launch_catch_up(self, seqs: list[DraftSequence], pending: PendingTokens | None
+                         ) -> tuple[object, list[int]] | None:
         """Launch the catch-up of every sequence as one step of decode rows in the verification graphs:
         (the step, per sequence the row whose sampled id is its first draft); None where it does not fit
         them (then _catch_up computes it on the prefill path)."""
@@ -208,23 +238,24 @@ class DraftModelProposer:
             return None
         rows = [DraftRow(seq.token_ids[seq.num_draft_computed_tokens:], seq.num_draft_computed_tokens,
                          seq.block_table, True) for seq in seqs]
-        pending = self.runner.launch(draft_batch(rows, self.block_size, every_position=True))
+        batch = draft_batch(rows, self.block_size, every_position=True)
+        launched = self.runner.launch(batch, _feed_pending(batch, seqs, rows, pending))
         last_rows, end = [], 0
         for seq, row in zip(seqs, rows, strict=True):
             seq.num_draft_computed_tokens = len(seq.token_ids)
             end += len(row.input_ids)
             last_rows.append(end - 1)
-        return pending, last_rows
+        return launched, last_rows
 
-    def _catch_up(self, seqs: list[DraftSequence]) -> dict[int, int]:
+    def _catch_up(self, seqs: list[DraftSequence], pending: PendingTokens | None) -> dict[int, int]:
         """Compute each sequence's tokens that lack draft KV, its last one included, in steps of at most
         max_num_batched_tokens tokens (the target's chunk size: the activations the memory budget
         allowed for). Returns {index in seqs: the argmax after its last token}."""
-        pending = list(range(len(seqs)))
+        left = list(range(len(seqs)))
         first: dict[int, int] = {}
-        while pending:
+        while left:
             rows, row_seqs, budget = [], [], self.max_num_batched_tokens
-            for i in pending:
+            for i in left:
                 seq = seqs[i]
                 start = seq.num_draft_computed_tokens
                 end = min(len(seq.token_ids), start + budget)
@@ -235,16 +266,17 @@ class DraftModelProposer:
                 row_seqs.append(i)
                 budget -= end - start
             batch = draft_batch(rows, self.block_size)
-            sampled = iter(self._argmax(batch))
+            sampled = iter(self._argmax(batch, _feed_pending(batch, [seqs[i] for i in row_seqs], rows,
+                                                             pending)))
             for row, i in zip(rows, row_seqs):
                 seqs[i].num_draft_computed_tokens = row.start + len(row.input_ids)
                 if row.samples:
                     first[i] = next(sampled)
-            pending = [i for i in pending if i not in first]
+            left = [i for i in left if i not in first]
         return first
 
-    def _argmax(self, batch: StepBatch) -> list[int]:
-        logits = self.runner.logits(batch)
+    def _argmax(self, batch: StepBatch, previous: object = None) -> list[int]:
+        logits = self.runner.logits(batch, previous)
         return logits.argmax(dim=-1).tolist()
 
     def shutdown(self) -> None:

@@ -8,6 +8,7 @@ of packing 1,500 ids again)."""
 
 from array import array
 
+from nanovllm.engine.in_flight import PendingTokens
 from nanovllm.engine.sequence import PENDING_TOKEN_ID, Sequence
 
 ITEM = 8  # bytes per packed token id
@@ -49,7 +50,9 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self._packed: dict[int, bytearray] = {}  # seq_id -> its settled token ids packed, as of the last call
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int], pending: PendingTokens | None = None
+                ) -> list[list[int]]:
+        """Proposer.propose; a pending last token is guessed from the lookup (`pending` is not read)."""
         packed, out = {}, []
         for seq, k in zip(seqs, num_tokens):
             token_ids = seq.token_ids
@@ -62,12 +65,12 @@ class NgramProposer:
             elif num_packed < settled:
                 data += array("q", token_ids[num_packed:settled]).tobytes()
             packed[seq.seq_id] = data
-            pending = bool(seq.num_assumed_tokens) and token_ids[-1] == PENDING_TOKEN_ID
-            context = token_ids[:-1] if pending else token_ids
+            guess = bool(seq.num_assumed_tokens) and token_ids[-1] == PENDING_TOKEN_ID
+            context = token_ids[:-1] if guess else token_ids
             if len(context) > settled:
                 data = data + array("q", context[settled:]).tobytes()
-            proposal = ngram_proposal(context, self.min_n, self.max_n, k + pending, data)
-            out.append(proposal[1:] if pending else proposal)
+            proposal = ngram_proposal(context, self.min_n, self.max_n, k + guess, data)
+            out.append(proposal[1:] if guess else proposal)
         self._packed = packed  # sequences not asked about this time (finished ones) are forgotten
         return out
 

@@ -5,6 +5,7 @@ treats each draft as certain (a one-hot draft distribution; rejection.py)."""
 from typing import Protocol
 
 from nanovllm.config import Config
+from nanovllm.engine.in_flight import PendingTokens
 from nanovllm.engine.sequence import Sequence
 
 
@@ -14,11 +15,14 @@ class Proposer(Protocol):
     writes_kv: bool
     # Whether it proposes for a sequence whose last token is still being sampled (PENDING_TOKEN_ID, with
     # the drafts before it only assumed accepted: Sequence.num_assumed_tokens), so that verification
-    # steps can run in the overlap loop (nanovllm.engine.overlap). Optional; False when absent.
+    # steps can run in the overlap loop (nanovllm.engine.overlap): n-gram lookup guesses the token, a
+    # draft model takes it on the device (`pending`). Optional; False when absent.
     guesses_pending: bool
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
-        """Per sequence, up to num_tokens[i] draft token ids that follow seqs[i].token_ids ([]: none)."""
+    def propose(self, seqs: list[Sequence], num_tokens: list[int], pending: PendingTokens | None = None
+                ) -> list[list[int]]:
+        """Per sequence, up to num_tokens[i] draft token ids that follow seqs[i].token_ids ([]: none).
+        pending: where the step in flight samples the sequences' pending last tokens, if any has one."""
         ...
 
     def shutdown(self) -> None:

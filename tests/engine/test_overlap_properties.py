@@ -82,7 +82,7 @@ class FakeProposer:
     def __init__(self, rng: random.Random, right: float) -> None:
         self.rng, self.right = rng, right
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int], pending=None) -> list[list[int]]:
         out = []
         for seq, num in zip(seqs, num_tokens, strict=True):
             context = list(seq.token_ids)

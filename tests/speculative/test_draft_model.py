@@ -61,7 +61,7 @@ class Recorder:
             cu = batch.cu_seqlens_q
             self.steps.append([(batch.positions[cu[i]], cu[i + 1] - cu[i]) for i in range(batch.num_seqs)])
 
-        runner.logits = lambda batch: record(batch) or logits(batch)  # the catch-up step
+        runner.logits = lambda batch, previous=None: record(batch) or logits(batch, previous)  # catch-up
         runner.launch = lambda batch, previous=None: record(batch) or launch(batch, previous)  # one-token
 
 

@@ -41,7 +41,7 @@ class Oracle:
     def __init__(self, references: dict[tuple, list[int]], spoil=lambda position: position % 3 == 0):
         self.references, self.spoil = references, spoil
 
-    def propose(self, seqs, num_tokens):
+    def propose(self, seqs, num_tokens, pending=None):
         out = []
         for seq, num in zip(seqs, num_tokens):
             full = self.references[tuple(seq.token_ids[:seq.num_prompt_tokens])]
@@ -304,7 +304,7 @@ def test_overlap_loop_while_the_proposer_finds_nothing(qwen3_dir, base):
     calls = []
 
     class Empty(Oracle):
-        def propose(self, seqs, num_tokens):
+        def propose(self, seqs, num_tokens, pending=None):
             calls.append(len(seqs))
             return [[] for _ in seqs]
 
