@@ -231,11 +231,9 @@ class ModelRunner:
         return logits if logits is not None else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def logits(self, batch: StepBatch, previous: PendingOutput | DeferredOutput | None = None
-               ) -> torch.Tensor | None:
-        """Run the step's forward pass; returns the logits of the sampling rows [rows, vocab] on rank 0,
-        None on the other ranks (every rank must call it: the LM head gathers across them). previous: as
-        launch's."""
+    def logits(self, batch: StepBatch, previous: PendingOutput | DeferredOutput | None = None):
+        """Run the step's forward pass (previous: as launch's); the sampling rows' logits [rows, vocab] on
+        rank 0, None on the other ranks (every rank must call it: the LM head gathers across them)."""
         forward = self._forward(batch, previous.sampled if previous is not None else None)
         return self._sampling_logits(forward.hidden, forward.logits, batch)
 
