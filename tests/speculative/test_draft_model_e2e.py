@@ -4,6 +4,7 @@ token for token; with the target itself as the draft every draft is accepted, wi
 
 import pytest
 from conftest import PROMPTS, make_model_dir
+from test_verify_graphs import with_verify_graphs
 
 from nanovllm import LLM, SamplingParams
 
@@ -86,17 +87,9 @@ def test_catch_ups_run_as_decode_rows_in_the_drafts_verification_graphs(qwen3_di
     """After a verification a sequence's draft catches up on a few tokens: as decode rows in the draft
     runner's verification graph set (here run eagerly: the CPU has no CUDA graphs), launched, with its
     first draft fed to the next step on the device. Output and acceptance are the prefill path's."""
-    from nanovllm.runner.cuda_graph import HEAD_GRAPH_MAX_ROWS, DecodeGraphs
-
     spec_config = {"model": qwen3_dir, "num_speculative_tokens": k}
     with LLM(qwen3_dir, speculative_config=spec_config, **OPTIONS) as llm:
-        runner = llm.engine._spec.proposer.runner
-        graphs = runner.verify_graphs = DecodeGraphs(
-            runner.model, 8, 256 // 4, runner.config.hf_config.hidden_size, runner.dtype, runner.device,
-            use_cuda_graph=False, head_rows=HEAD_GRAPH_MAX_ROWS, race=runner.sampler.graph_race(),
-            shared_rows=True)
-        staged, stage = [], graphs.stage
-        graphs.stage = lambda batch, *rest: staged.append(batch.num_seqs) or stage(batch, *rest)
+        staged = with_verify_graphs(llm.engine._spec.proposer.runner, 8)
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY)] == plain
         stats = llm.engine.stats()
     spec = stats.spec_decode

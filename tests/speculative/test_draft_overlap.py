@@ -8,6 +8,7 @@ right for the rounds after it."""
 
 import pytest
 from conftest import PROMPTS, make_model_dir
+from test_verify_graphs import with_verify_graphs
 
 from nanovllm import LLM, SamplingParams
 
@@ -117,17 +118,10 @@ def test_a_rejection_leaves_the_drafts_cache_right(qwen3_dir, plain):
 def test_catch_ups_in_the_drafts_verification_graphs_take_the_pending_token(qwen3_dir, plain):
     """On a GPU a catch-up of a few tokens runs as decode rows in the draft runner's verification graphs
     (here run eagerly: the CPU has no CUDA graphs), its last row's token fed from the target's step."""
-    from nanovllm.runner.cuda_graph import HEAD_GRAPH_MAX_ROWS, DecodeGraphs
-
     spec_config = {"model": qwen3_dir, "num_speculative_tokens": 3}
     with LLM(qwen3_dir, **OPTIONS, speculative_config=spec_config) as llm:
-        runner = llm.engine._spec.proposer.runner
-        graphs = runner.verify_graphs = DecodeGraphs(
-            runner.model, 8, 256 // 4, runner.config.hf_config.hidden_size, runner.dtype, runner.device,
-            use_cuda_graph=False, head_rows=HEAD_GRAPH_MAX_ROWS, race=runner.sampler.graph_race(),
-            shared_rows=True)
-        fed, stage = [], graphs.stage
-        graphs.stage = lambda batch, *rest: fed.append(len(batch.prev_token_indices)) or stage(batch, *rest)
+        fed = with_verify_graphs(llm.engine._spec.proposer.runner, 8,
+                                 record=lambda batch: len(batch.prev_token_indices))
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY)] == plain
         spec = llm.engine.stats().spec_decode
     assert spec.num_accepted_tokens == spec.num_draft_tokens > 0

@@ -72,7 +72,7 @@ def test_overlapped_verification_in_the_decode_graph_path_keeps_the_output(qwen3
     """async_scheduling: verification rows whose first token the step before still samples, fed in the
     graphs' static buffers as decode rows are."""
     with LLM(qwen3_dir, speculative_config=NGRAM, async_scheduling=True, **OPTIONS) as llm:
-        staged = with_verify_graphs(llm, max_rows=32)
+        staged = with_verify_graphs(llm.engine.executor, max_rows=32)
         fed = fed_steps(llm)
         outputs = llm.generate(REPEATING, GREEDY if params == "greedy" else SEEDED, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == plain[params]
@@ -93,16 +93,15 @@ def plain(qwen3_dir):
                 for name, params in (("greedy", GREEDY), ("seeded", SEEDED))}
 
 
-def with_verify_graphs(llm: LLM, max_rows: int) -> list[int]:
-    """Give the CPU engine's runner the verification graph set, run eagerly; returns the row count of each
-    step it ran, filled in as the engine runs."""
-    runner = llm.engine.executor
+def with_verify_graphs(runner, max_rows: int, record=lambda batch: batch.num_seqs) -> list:
+    """Give a CPU runner (an engine's executor, or a draft model's) the verification graph set, run
+    eagerly; returns record(batch) (its rows) of each step it ran, filled in as the engine runs."""
     graphs = runner.verify_graphs = DecodeGraphs(
         runner.model, max_rows, 256 // 4, runner.config.hf_config.hidden_size, runner.dtype, runner.device,
         use_cuda_graph=False, head_rows=HEAD_GRAPH_MAX_ROWS, race=runner.sampler.graph_race(),
         shared_rows=True)
     staged, stage = [], graphs.stage
-    graphs.stage = lambda batch, *rest: staged.append(batch.num_seqs) or stage(batch, *rest)
+    graphs.stage = lambda batch, *rest: staged.append(record(batch)) or stage(batch, *rest)
     return staged
 
 
@@ -118,7 +117,7 @@ def fed_steps(llm: LLM) -> list[bool]:
 @pytest.mark.parametrize("params", ["greedy", "seeded"])
 def test_verification_in_the_decode_graph_path_keeps_the_output(qwen3_dir, plain, params):
     with LLM(qwen3_dir, speculative_config=NGRAM, **OPTIONS) as llm:
-        staged = with_verify_graphs(llm, max_rows=32)
+        staged = with_verify_graphs(llm.engine.executor, max_rows=32)
         outputs = llm.generate(REPEATING, GREEDY if params == "greedy" else SEEDED, use_tqdm=False)
         spec = llm.engine.stats().spec_decode
     assert [o["token_ids"] for o in outputs] == plain[params]
@@ -141,7 +140,7 @@ def test_a_verification_larger_than_the_graphs_takes_the_prefill_path(qwen3_dir,
     # The first request runs on alone after the others: then its verifications fit (k + 1 = 4 rows).
     params = [GREEDY] + [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 3
     with LLM(qwen3_dir, speculative_config=NGRAM, **OPTIONS) as llm:
-        staged = with_verify_graphs(llm, max_rows=4)
+        staged = with_verify_graphs(llm.engine.executor, max_rows=4)
         outputs = llm.generate(REPEATING, params, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [plain["greedy"][0]] + [t[:8] for t in plain["greedy"][1:]]
     assert staged == [n for n in verifications if n <= 4] and (max(verifications) > 4 or ON_GPU)
@@ -182,7 +181,7 @@ def test_with_the_triton_backend_verification_rows_store_before_they_attend(qwen
     monkeypatch.setattr(TritonBackend, "_fused_decode", spied_fused)
     with LLM(qwen3_dir, attention_backend="triton", speculative_config=NGRAM,
              async_scheduling=async_scheduling, **OPTIONS) as llm:
-        staged = with_verify_graphs(llm, max_rows=32)
+        staged = with_verify_graphs(llm.engine.executor, max_rows=32)
         fed = fed_steps(llm)
         outputs = llm.generate(REPEATING[:2], GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == expected
