@@ -28,9 +28,9 @@ num_draft_computed_tokens (BlockManager.deallocate).
 
 In the overlap loop (engine/overlap.py) a proposal follows a step still in flight: a sequence's last
 token is pending (its drafts before it only assumed kept), and the catch-up's last row takes it on the
-device from that step's sampled ids (PendingTokens), queued after the step. So the target's postprocess
-of that step, and the scheduling and launch of the next, overlap the device's work; the host waits only
-to read the drafts. What the draft computed of assumed tokens a rejection voids: settling the
+device from that step's sampled ids (PendingTokens), queued before the step ends. The host waits for
+the device only to read the drafts; it then schedules and launches the next step, and postprocesses the
+one before while that runs. What the draft computed of assumed tokens a rejection voids: settling the
 verification (Scheduler.settle_verified) cuts num_draft_computed_tokens back to the kept drafts."""
 
 import copy
