@@ -5,7 +5,7 @@ graphs as in a real run.
 
     python scripts/kernel_profile.py --batch 1 --batch 256 [--context 512] [--steps 32] [--option=value ...]
     python scripts/kernel_profile.py --mixed [--steps 32]      # mid-run steps of the 1024-request run
-    python scripts/kernel_profile.py --model configs/Qwen3-30B-A3B --quantization=fp8 --batch 256
+    python scripts/kernel_profile.py --model configs/Qwen3-30B-A3B --quantization=fp8 --batch 256 [--host]
 
 Each batch size adds `batch` prompts of `context` random tokens, steps the engine past their prefill,
 and profiles the next `steps` decode steps (twice: the first pass compiles and captures what it needs).
@@ -14,7 +14,9 @@ from step MIXED_WARM_STEPS on, when running requests finish and waiting ones joi
 the profile, as many steps again are timed by phase on the host (host_phases), mixed and decode apart.
 Requests wait only where they outnumber max_num_seqs or the KV cache: on a GPU of 70 GiB or more
 max_num_seqs defaults to 1024, all of them run from the start, and these steps are all decode steps
-(an H200, 2026-12-02); `--mixed --max-num-seqs=512` profiles admissions mid-run."""
+(an H200, 2026-12-02); `--mixed --max-num-seqs=512` profiles admissions mid-run. --host with --batch:
+then `steps` more decode steps timed by phase on the host, each step synchronized (is a step's wall time
+beyond its device time the host's?)."""
 
 import argparse
 import collections
@@ -170,6 +172,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--model", default=CONFIG, help="a folder with the model's config.json")
+    parser.add_argument("--host", action="store_true", help="with --batch: the host phases too")
     args, extra = parser.parse_known_args()
     if args.mixed == bool(args.batch):
         parser.error("give --mixed or one or more --batch sizes")
@@ -185,7 +188,7 @@ def main() -> None:
     seed(0)
     for batch in args.batch:
         profile_decode(llm, batch, args.context, args.steps)  # compiles and captures what it needs
-        wall, prof = profile_decode(llm, batch, args.context, args.steps)
+        wall, prof = profile_decode(llm, batch, args.context, args.steps, args.host)
         rows, kernels, gpu_us = kernel_table(prof, args.steps)
         if not rows:  # no device events (a CPU run, or a profiler that files kernels elsewhere)
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
@@ -195,11 +198,12 @@ def main() -> None:
                               top=rows)))
 
 
-def profile_decode(llm: LLM, batch: int, context: int, steps: int):
+def profile_decode(llm: LLM, batch: int, context: int, steps: int, host: bool = False):
     """(wall seconds, profile) of `steps` decode steps of `batch` requests with `context`-token prompts,
-    after every prompt is prefilled; the requests are then aborted."""
+    after every prompt is prefilled (host: then as many more timed by phase, host_phases); the requests
+    are then aborted."""
     engine = llm  # nano-vllm's loop on the LLM: step() returns (outputs, +prefill / -decode tokens)
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 64)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2 * steps + 64)
     ids = [engine.add_request([randint(0, 10000) for _ in range(context)], params) for _ in range(batch)]
     decode_steps = 0
     while decode_steps < 2:  # past the prefill and the first decode (overlap may still hold a step)
@@ -212,6 +216,8 @@ def profile_decode(llm: LLM, batch: int, context: int, steps: int):
             engine.step()
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
+    if host:
+        host_phases(engine, steps)
     for request_id in ids:
         engine.abort_request(request_id)
     while not engine.is_finished():
