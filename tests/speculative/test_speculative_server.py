@@ -1,5 +1,6 @@
 """The server with --speculative-config (vLLM's flag, JSON), in the synchronous loop (the CPU's default)
-and with --async-scheduling (a GPU's default: verification in the overlap loop): greedy completions are
+and with --async-scheduling (a GPU's default: verification in the overlap loop), with n-gram drafts and
+a draft model's: greedy completions are
 transformers' tokens, streamed ones carry every token a verification emits, and /metrics exports vLLM's
 spec_decode counters."""
 
@@ -20,11 +21,15 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, 
 REPEATING = ["hello world hello world hello world hello", "Paris is the capital of France. Paris is the"]
 
 
-@pytest.fixture(scope="module", params=[[], ["--async-scheduling"]], ids=["sync", "overlapped"])
+@pytest.fixture(scope="module", params=[("ngram", []), ("ngram", ["--async-scheduling"]),
+                                        ("draft", ["--async-scheduling"])],
+                ids=["sync", "overlapped", "draft-model-overlapped"])
 def server(qwen3_dir, request):
+    method, flags = request.param
+    # The draft model: the target itself (its drafts are all kept), proposing in the overlap loop.
+    spec = SPEC if method == "ngram" else {"model": qwen3_dir, "num_speculative_tokens": 3}
     srv = Server(qwen3_dir, "--kvcache-block-size", "4", "--max-model-len", "256", "--num-kvcache-blocks",
-                 "128", "--served-model-name", "tiny", "--speculative-config", json.dumps(SPEC),
-                 *request.param)
+                 "128", "--served-model-name", "tiny", "--speculative-config", json.dumps(spec), *flags)
     yield srv
     assert srv.terminate() == 0, srv.output()
 
