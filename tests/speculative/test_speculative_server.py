@@ -1,8 +1,7 @@
 """The server with --speculative-config (vLLM's flag, JSON), in the synchronous loop (the CPU's default)
 and with --async-scheduling (a GPU's default: verification in the overlap loop), with n-gram drafts and
-a draft model's: greedy completions are
-transformers' tokens, streamed ones carry every token a verification emits, and /metrics exports vLLM's
-spec_decode counters."""
+a draft model's: greedy completions are transformers' tokens, streamed ones carry every token a
+verification emits, and /metrics exports vLLM's spec_decode counters."""
 
 import json
 import sys
