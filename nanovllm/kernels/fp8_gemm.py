@@ -18,6 +18,7 @@ sync), so calls are CUDA-graph capturable.
 Seen on an H200: within 1.5e-2 of the float32 reference on O(1) outputs (128-element K tiles)."""
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -192,3 +193,18 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     q, scale = quantize_rows(x, k)
     return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, n), bias=bias,
                             out_dtype=x.dtype)
+
+
+def block_scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * block_scale [N / 128, K / 128], one scale a 128 x 128 block)^T
+    (+ bias), x quantized per token and 128 inputs first (quantize_rows: the rounding of w8a8_linear with
+    128-wide groups), through torch's block-scaled GEMM (torch.nn.functional.scaled_mm, cuBLASLt on sm_90):
+    at Qwen3-8B's shapes and 256-4,096 rows about half the Triton GEMM's time (docs/performance-notes.md,
+    "torch's block-scaled GEMM"). Rows are padded to a multiple of 4, its scales' alignment."""
+    m = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+    q, scale = quantize_rows(padded, 128)
+    out = F.scaled_mm(q, weight.t(), scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                      block_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:m]
+    return out if bias is None else out + bias

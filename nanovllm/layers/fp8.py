@@ -18,12 +18,7 @@ then shards and fuses it exactly as it does the weight's rows, at any offset of 
 
 `Fp8LinearMethod` is the dequantizing reference (the CPU's, and older GPUs'): the activations quantized to
 e4m3 per token (group) and back, the weight dequantized exactly, both multiplied in the model's dtype.
-`Fp8TritonLinearMethod` (CUDA, fp8 tensor cores: sm_89+) runs the Triton kernels instead: up to 16 rows
-the W8A16 GEMV (kernels/fp8_gemv.py: the weight streamed once in e4m3, activations unrounded), from 17 the
-W8A8 GEMM (kernels/fp8_gemm.py: the rounding of the reference, on fp8 tensor cores).
-`Fp8ScaledMmLinearMethod` (one scale a row, sm_90+) takes one row through bf16's GEMV over the e4m3 weight
-(kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), 2-16 rows through bf16's few-row
-kernels over it (the same file), and from 17 torch._scaled_mm."""
+GPUs with fp8 tensor cores run kernels instead (layers/fp8_methods.py)."""
 
 import math
 from collections.abc import Callable
@@ -78,47 +73,6 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     dtype: what kernels/fp8_gemv.py computes."""
     return F.linear(x.float(), dequantize(weight, weight_scale, group),
                     None if bias is None else bias.float()).to(x.dtype)
-
-
-# The GPU kernels, under the names the kernel table prints (imported when first called: no Triton here).
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-             bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    from nanovllm.kernels.fp8_gemv import fp8_gemv_linear
-    return fp8_gemv_linear(x, weight, weight_scale, group, bias, pdl)
-
-
-def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-               bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    from nanovllm.kernels.fp8_skinny import fp8_skinny_linear
-    return fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl)
-
-
-def fp8_gemv_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                  bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    from nanovllm.kernels.fp8_skinny import fp8_gemv_rows_linear
-    # A plain launch: as a programmatic dependent it took 13.0 / 31.0 us at Qwen3-8B's o and down against
-    # 9.4 / 20.1 plain (q/k/v and gate/up the same either way; H200, graph-timed back to back).
-    return fp8_gemv_rows_linear(x, weight, weight_scale, group, bias, pdl=False)
-
-
-def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-             bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    if x.dtype == torch.float32:  # the rows kernel's dot would round float32 to TF32
-        return fp8_gemv(x, weight, weight_scale, group, bias, pdl)
-    from nanovllm.kernels.fp8_skinny import fp8_rows_linear
-    return fp8_rows_linear(x, weight, weight_scale, group, bias, pdl)
-
-
-def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-             bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    from nanovllm.kernels.fp8_gemm import w8a8_linear
-    return w8a8_linear(x, weight, weight_scale, group, bias)  # a plain launch: many rows gain little by PDL
-
-
-def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                  bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    from nanovllm.kernels.fp8_gemm import scaled_mm_linear
-    return scaled_mm_linear(x, weight, weight_scale, group, bias)
 
 
 def check_block_split(what: str, size: int, block: int, tp_size: int, axis: str) -> None:
@@ -229,49 +183,3 @@ class Fp8LinearMethod(LinearMethod):
 
     def weights(self, layer: nn.Module) -> tuple:
         return layer.weight, layer.weight_scale, self.group(layer)
-
-
-class Fp8TritonLinearMethod(Fp8LinearMethod):
-    """Fp8LinearMethod on CUDA GPUs with fp8 tensor cores (sm_89+: FP8_MIN_CAPABILITY): decode-sized calls
-    through the W8A16 GEMV (the e4m3 weight streamed once: half a bf16 weight's bytes), larger ones through
-    the W8A8 block-scaled GEMM. The 16-row boundary is the GEMV's limit, not a measurement. Graph-timed on an
-    H200 at Qwen3-8B's shapes that GEMV took 1.1-3.4x bf16's time at 1 and 16 rows
-    (scripts/fp8_gemm_bench.py; docs/performance-notes.md, "fp8 weights")."""
-
-    BUCKETS = (Bucket(16, fp8_gemv), Bucket(None, fp8_gemm))  # 16: kernels/fp8_gemv.MAX_ROWS
-
-
-class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
-    """Per-channel fp8 (quantization="fp8", per-channel and per-tensor checkpoints) on sm_90+. One row:
-    bf16's GEMV over the e4m3 weight (kernels/fp8_skinny.py: 1.5-1.8x faster than bf16's GEMV at Qwen3-8B's
-    shapes, where fp8_gemv took 1.3-3.4x bf16's time), the RMSNorm and SiLU-mul in their own kernels first:
-    folded in, as bf16 has them, they made it as slow as bf16 (one-stream Qwen3-8B fp8 4.57 ms a token
-    against bf16's 4.62). Two rows: the CUDA-core few-row GEMV over the e4m3 weight (kernels/gemv_rows.py);
-    3-16: bf16's rows kernel over it with fp8's own tiles (fp8_skinny.fp8_rows_config), in place of fp8_gemv
-    (slower than bf16 cuBLAS at 16 rows; kernels/fp8_skinny.py has the times). From 17 rows
-    torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS, what vLLM runs for this scaling): 0.56-0.72x
-    of bf16 cuBLAS's time at 4,096 rows, where the Triton GEMM took 0.8-1.13x (2026-12-03, H200,
-    graph-timed). Block scales stay on Fp8TritonLinearMethod."""
-
-    BUCKETS = (Bucket(1, fp8_skinny), Bucket(2, fp8_gemv_rows), Bucket(16, fp8_rows),
-               Bucket(None, fp8_scaled_mm))
-
-
-# fp8 e4m3 tensor-core MMA (tl.dot of e4m3 operands) needs Ada (sm_89) or Hopper (sm_90) and later;
-# torch._scaled_mm's row-wise scaling, Hopper.
-FP8_MIN_CAPABILITY = (8, 9)
-ROWWISE_SCALED_MM_MIN_CAPABILITY = (9, 0)
-
-
-def fp8_linear_method(scheme: Fp8Scheme, device: torch.device, pdl: bool = False,
-                      capability: tuple[int, int] | None = None) -> Fp8LinearMethod:
-    """The fp8 method for `device`: the Triton kernels' on a CUDA GPU of FP8_MIN_CAPABILITY or later (its
-    capability read from the device when None), with torch._scaled_mm for per-channel scales on Hopper;
-    else the dequantizing reference."""
-    if device.type != "cuda":
-        return Fp8LinearMethod(scheme, pdl)
-    capability = tuple(capability or torch.cuda.get_device_capability(device))
-    if capability >= ROWWISE_SCALED_MM_MIN_CAPABILITY and scheme.block is None:
-        return Fp8ScaledMmLinearMethod(scheme, pdl)
-    method = Fp8TritonLinearMethod if capability >= FP8_MIN_CAPABILITY else Fp8LinearMethod
-    return method(scheme, pdl)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.layers.fp8 import fp8_linear_method
+from nanovllm.layers.fp8_methods import fp8_linear_method
 from nanovllm.layers.linear_methods import (
     Bucket,
     LinearMethod,

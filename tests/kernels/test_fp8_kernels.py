@@ -13,13 +13,8 @@ pytest.importorskip("triton")
 from nanovllm.kernels.fp8_gemm import quantize_rows, scaled_mm_linear, w8a8_linear  # noqa: E402
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear, gemv_block_n  # noqa: E402
 from nanovllm.layers import linear_methods  # noqa: E402
-from nanovllm.layers.fp8 import (  # noqa: E402
-    Fp8ScaledMmLinearMethod,
-    Fp8TritonLinearMethod,
-    fp8_dequant_linear,
-    fp8_weight_only_linear,
-    quantize_groups,
-)
+from nanovllm.layers.fp8 import fp8_dequant_linear, fp8_weight_only_linear, quantize_groups  # noqa: E402
+from nanovllm.layers.fp8_methods import Fp8ScaledMmLinearMethod, Fp8TritonLinearMethod  # noqa: E402
 from nanovllm.layers.linear import ReplicatedLinear  # noqa: E402
 from nanovllm.utils.config_checks import Fp8Scheme  # noqa: E402
 
@@ -220,3 +215,21 @@ def test_one_row_runs_the_norm_and_the_silu_mul_first_then_the_fp8_gemv(monkeypa
     expected = fp8_weight_only_linear(silu_and_mul(gate_up), layer.weight, layer.weight_scale, 256, None)
     torch.testing.assert_close(method.apply_silu(down, gate_up, None), expected, rtol=1e-4, atol=1e-4)
     assert called == ["norm", "silu"]
+
+
+@pytest.mark.parametrize("m", [17, 61, 256])
+def test_torchs_block_scaled_gemm_matches_the_dequantizing_reference(m):
+    """kernels/fp8_gemm.block_scaled_mm_linear (torch's block-scaled GEMM, cuBLASLt on sm_90; a GPU only)
+    against the reference with the same rounding, bf16, rows not a multiple of 4 included."""
+    if DEVICE != "cuda" or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch's block-scaled GEMM runs on sm_90 GPUs")
+    from nanovllm.kernels.fp8_gemm import block_scaled_mm_linear
+    from nanovllm.layers.fp8_methods import block_scaled_mm_available, block_scales
+
+    if not block_scaled_mm_available():
+        pytest.skip("this torch has no block-scaled scaled_mm")
+    x, weight, scale, bias = make(m, 256, 384, 128, torch.bfloat16, seed=m)
+    per_row = scale[::128].repeat_interleave(128, dim=0)  # one scale a 128 x 128 block, in the layout
+    out = block_scaled_mm_linear(x, weight, block_scales(per_row, weight, (128, 128)), bias)
+    expected = fp8_dequant_linear(x.float(), weight, per_row, 128, bias.float())
+    torch.testing.assert_close(out.float(), expected, rtol=GEMM_TOLERANCE, atol=GEMM_TOLERANCE)

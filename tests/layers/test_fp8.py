@@ -13,16 +13,16 @@ from fp8_files import dequantize_block, quantize_block, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM
-from nanovllm.layers.fp8 import (
-    Fp8LinearMethod,
+from nanovllm.layers.fp8 import Fp8LinearMethod, dequantize, quantize_activations, quantize_groups
+from nanovllm.layers.fp8_methods import (
+    Fp8BlockScaledMmLinearMethod,
     Fp8ScaledMmLinearMethod,
     Fp8TritonLinearMethod,
-    dequantize,
+    block_scaled_mm_available,
+    block_scales,
     fp8_linear_method,
-    quantize_activations,
-    quantize_groups,
 )
-from nanovllm.layers.linear import QKVParallelLinear
+from nanovllm.layers.linear import QKVParallelLinear, ReplicatedLinear
 from nanovllm.utils.config_checks import Fp8Scheme
 from nanovllm.utils.weight_tracker import WeightTracker
 
@@ -62,7 +62,10 @@ def test_block_linear_is_dequantized_weight_times_rounded_activations():
 
 
 @pytest.mark.parametrize("device, capability, block, method, gemm", [
-    ("cuda", (9, 0), (128, 128), Fp8TritonLinearMethod, "fp8_gemm"),  # Hopper: fp8 tensor cores
+    # Hopper: torch's block-scaled GEMM for 128 x 128 blocks where this torch has it
+    ("cuda", (9, 0), (128, 128), *((Fp8BlockScaledMmLinearMethod, "fp8_block_scaled_mm")
+                                   if block_scaled_mm_available() else (Fp8TritonLinearMethod, "fp8_gemm"))),
+    ("cuda", (9, 0), (64, 64), Fp8TritonLinearMethod, "fp8_gemm"),  # other blocks: the Triton GEMM
     ("cuda", (9, 0), None, Fp8ScaledMmLinearMethod, "fp8_scaled_mm"),  # per channel: row-wise _scaled_mm
     ("cuda", (8, 9), (128, 128), Fp8TritonLinearMethod, "fp8_gemm"),  # Ada
     ("cuda", (8, 9), None, Fp8TritonLinearMethod, "fp8_gemm"),  # no row-wise _scaled_mm before Hopper
@@ -76,6 +79,44 @@ def test_fp8_kernels_run_on_gpus_with_fp8_tensor_cores(device, capability, block
     # One scale a row on sm_90: bf16's one-row and few-row kernels over the e4m3 weight.
     few = ["fp8_skinny", "fp8_rows"] if method is Fp8ScaledMmLinearMethod else ["fp8_gemv"] * 2
     assert names == (few + [gemm] * 2 if gemm else ["fp8_dequant_linear"] * 4)
+
+
+def test_block_scales_are_compact_only_where_the_weight_is_whole_blocks():
+    """Fp8BlockScaledMmLinearMethod hands torch's GEMM one scale a 128 x 128 block, taken from the layout's
+    per-row copy; a layer whose rows are not whole blocks, or whose block rows differ (a merged layer's
+    part starting inside a block), keeps the per-row layout and the Triton GEMM."""
+    weight = torch.zeros(256, 384, dtype=torch.float8_e4m3fn)
+    compact = torch.rand(2, 3) + 0.5
+    per_row = compact.repeat_interleave(128, dim=0)
+    torch.testing.assert_close(block_scales(per_row, weight, (128, 128)), compact, rtol=0, atol=0)
+    uneven = per_row.clone()
+    uneven[200] += 1  # one row of the second block differs
+    assert block_scales(uneven, weight, (128, 128)) is None
+    assert block_scales(per_row[:200], weight[:200], (128, 128)) is None  # 200 rows: not whole blocks
+    assert block_scales(per_row[:, :2], weight[:, :300], (128, 128)) is None  # K = 300
+
+
+def test_the_block_method_falls_back_to_the_triton_gemm_without_whole_blocks(monkeypatch):
+    """Its kernel from 17 rows takes torch's block-scaled GEMM with the compact scales, and the Triton
+    GEMM where the layer has none."""
+    from nanovllm.kernels import fp8_gemm
+    from nanovllm.layers import fp8_methods
+
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "block_scaled_mm_linear", lambda x, w, blocks, bias: calls.append(
+        ("torch", tuple(blocks.shape))) or x.new_zeros(x.shape[0], w.shape[0]))
+    monkeypatch.setattr(fp8_methods, "fp8_gemm", lambda *args: calls.append(("triton",)))
+    method = Fp8BlockScaledMmLinearMethod(Fp8Scheme((128, 128), True))
+    assert [method.bucket(r).plain.__name__ for r in (16, 17)] == ["fp8_gemv", "fp8_block_scaled_mm"]
+    layer = ReplicatedLinear(384, 256, bias=False, quant_method=method)  # loaded: the per-row layout
+    layer.weight_scale_inv.data.copy_((torch.rand(2, 3) + 0.5).repeat_interleave(128, dim=0))
+    method.process_weights_after_loading(layer)
+    scale = layer.weight_scale
+    x = torch.zeros(17, 384, dtype=torch.bfloat16)
+    fp8_methods.fp8_block_scaled_mm(x, layer.weight, scale, 128, None)
+    scale.blocks = None
+    fp8_methods.fp8_block_scaled_mm(x, layer.weight, scale, 128, None)
+    assert calls == [("torch", (2, 3)), ("triton",)]
 
 
 @pytest.fixture(scope="module")

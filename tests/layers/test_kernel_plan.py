@@ -113,7 +113,8 @@ def test_one_rank_never_calls_the_collectives():
 def test_the_sm90_fp8_plan_runs_the_fp8_kernels():
     pytest.importorskip("triton")
     from nanovllm.attention.triton_backend import TritonBackend
-    from nanovllm.layers.fp8 import Fp8LinearMethod, Fp8ScaledMmLinearMethod
+    from nanovllm.layers.fp8 import Fp8LinearMethod
+    from nanovllm.layers.fp8_methods import Fp8ScaledMmLinearMethod
 
     config = AutoConfig.from_pretrained(os.path.join(CONFIGS, "Qwen3-0.6B"))
     config.num_hidden_layers = 1
