@@ -3,7 +3,7 @@ count, microseconds of bf16 F.linear (cuBLAS) and at one row bf16's GEMV (kernel
 one-row fp8 GEMV, the few-row CUDA-core GEMV (1-4 rows) and the 1-16 row tensor-core kernel
 (kernels/fp8_skinny.py), the W8A16 tensor-core GEMV (up to 16 rows), the Triton W8A8 GEMM with per-channel
 and 128x128 block scales, torch._scaled_mm with row-wise scales, and torch's block-scaled GEMM
-(F.scaled_mm, 1x128 activation and 128x128 weight scales: what block-scaled checkpoints could run on,
+(F.scaled_mm, 1x128 activation and 128x128 weight scales: what block-scaled checkpoints run from 17 rows,
 with a per-shape check of its error against the dequantized product; n/a where this torch lacks it);
 each beside its floor, the larger of reading the weight once at copy bandwidth and the FLOPs at the
 tensor cores' peak.
@@ -19,7 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.fp8_gemm import quantize_rows, scaled_mm_linear, w8a8_linear
+from nanovllm.kernels.fp8_gemm import block_scaled_mm_linear, quantize_rows, scaled_mm_linear, w8a8_linear
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear
 from nanovllm.kernels.fp8_skinny import fp8_gemv_rows_linear, fp8_rows_linear, fp8_skinny_linear
 from nanovllm.kernels.gemv_rows import MAX_ROWS as GEMV_ROWS
@@ -66,22 +66,11 @@ def quantize_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, to
     return (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(n, k), scale
 
 
-def blockwise_scaled_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x quantized per token and 128 inputs (the engine's kernel), then torch's block-scaled GEMM; rows
-    padded to a multiple of 4 (cuBLASLt's scale alignment)."""
-    m = x.shape[0]
-    padded = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
-    xq, xs = quantize_rows(padded, 128)
-    out = F.scaled_mm(xq, q.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, scale.t(),
-                      F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
-    return out[:m]
-
-
 def blockwise_error(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> str:
     """The block-scaled GEMM's largest error against the product of its dequantized operands, relative
     to that product's largest magnitude; or why it does not run here."""
     try:
-        out = blockwise_scaled_mm(x, q, scale).float()
+        out = block_scaled_mm_linear(x, q, scale).float()
     except (AttributeError, RuntimeError) as e:  # an older torch, or no cuBLASLt support
         return f"n/a ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     xq, xs = quantize_rows(x, 128)
@@ -129,7 +118,7 @@ def main() -> None:
                                      [(x, q, s) for q, s in block]),
                 "scaled_mm": timed_us(lambda x, q, s, k=k: scaled_mm_linear(x, q, s, k, None), channel),
                 "mm blk": (NAN if checked.startswith("n/a")
-                           else timed_us(blockwise_scaled_mm, [(x, q, s) for q, s in blocks])),
+                           else timed_us(block_scaled_mm_linear, [(x, q, s) for q, s in blocks])),
                 "fp8 floor": max(n * k / BANDWIDTH, flops / FP8_FLOPS) * 1e6,
             }
             print(f"{name:13s} {m:5d} " + " ".join(f"{times[c]:9.1f}" for c in columns), flush=True)

@@ -9,7 +9,7 @@ Triton here).
 - `Fp8ScaledMmLinearMethod` (one scale a row, sm_90+): one row through bf16's GEMV over the e4m3 weight
   (kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), 2-16 rows through bf16's
   few-row kernels over it (the same file), and from 17 torch._scaled_mm.
-- `Fp8BlockScaledMmLinearMethod` (128 x 128 blocks, sm_90+): as the Triton method to 16 rows, then
+- `Fp8BlockScaledMmLinearMethod` (128 x 128 blocks, sm_90): as the Triton method to 16 rows, then
   torch's block-scaled GEMM."""
 
 import torch
@@ -112,7 +112,7 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
 
 
 class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):
-    """128 x 128 block-scaled checkpoints (Qwen's FP8 releases) on sm_90+ where torch has its block-scaled
+    """128 x 128 block-scaled checkpoints (Qwen's FP8 releases) on sm_90 where torch has its block-scaled
     GEMM: up to 16 rows the W8A16 GEMV as Fp8TritonLinearMethod, from 17 torch.nn.functional.scaled_mm
     with 1 x 128 activation and 128 x 128 weight scales (cuBLASLt). Graph-timed on an H200 at Qwen3-8B's
     shapes it took 0.4-0.5x the Triton block GEMM's time at 256 and 4,096 rows, about bf16 cuBLAS's
@@ -139,8 +139,10 @@ def block_scaled_mm_available() -> bool:
 # torch._scaled_mm's row-wise scaling, Hopper.
 FP8_MIN_CAPABILITY = (8, 9)
 ROWWISE_SCALED_MM_MIN_CAPABILITY = (9, 0)
-# The only block torch's block-scaled GEMM takes (the block of Qwen's and DeepSeek's checkpoints).
+# The only block torch's block-scaled GEMM takes (the block of Qwen's and DeepSeek's checkpoints), and the
+# architecture it was measured on (Hopper; elsewhere the Triton GEMM, which runs on any fp8 GPU).
 BLOCK_SCALED_MM_BLOCK = (128, 128)
+BLOCK_SCALED_MM_MAJOR = 9
 
 
 def fp8_linear_method(scheme: Fp8Scheme, device: torch.device, pdl: bool = False,
@@ -153,7 +155,7 @@ def fp8_linear_method(scheme: Fp8Scheme, device: torch.device, pdl: bool = False
     capability = tuple(capability or torch.cuda.get_device_capability(device))
     if capability >= ROWWISE_SCALED_MM_MIN_CAPABILITY and scheme.block is None:
         return Fp8ScaledMmLinearMethod(scheme, pdl)
-    if (capability >= ROWWISE_SCALED_MM_MIN_CAPABILITY and scheme.block == BLOCK_SCALED_MM_BLOCK
+    if (capability[0] == BLOCK_SCALED_MM_MAJOR and scheme.block == BLOCK_SCALED_MM_BLOCK
             and block_scaled_mm_available()):
         return Fp8BlockScaledMmLinearMethod(scheme, pdl)
     method = Fp8TritonLinearMethod if capability >= FP8_MIN_CAPABILITY else Fp8LinearMethod

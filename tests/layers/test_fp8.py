@@ -66,6 +66,7 @@ def test_block_linear_is_dequantized_weight_times_rounded_activations():
     ("cuda", (9, 0), (128, 128), *((Fp8BlockScaledMmLinearMethod, "fp8_block_scaled_mm")
                                    if block_scaled_mm_available() else (Fp8TritonLinearMethod, "fp8_gemm"))),
     ("cuda", (9, 0), (64, 64), Fp8TritonLinearMethod, "fp8_gemm"),  # other blocks: the Triton GEMM
+    ("cuda", (10, 0), (128, 128), Fp8TritonLinearMethod, "fp8_gemm"),  # not measured past Hopper
     ("cuda", (9, 0), None, Fp8ScaledMmLinearMethod, "fp8_scaled_mm"),  # per channel: row-wise _scaled_mm
     ("cuda", (8, 9), (128, 128), Fp8TritonLinearMethod, "fp8_gemm"),  # Ada
     ("cuda", (8, 9), None, Fp8TritonLinearMethod, "fp8_gemm"),  # no row-wise _scaled_mm before Hopper
