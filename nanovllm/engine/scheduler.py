@@ -249,8 +249,6 @@ class Scheduler:
         token has none). True when seq finished."""
         del seq.token_ids[start:]
         seq.num_assumed_tokens = 0
-        # A draft model's cache holds what it computed of the assumed tokens: good up to the kept drafts.
-        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, start + len(tokens) - 1)
         reason, num_appended = None, 0
         for token, logprob in zip(tokens, logprobs or [None] * len(tokens), strict=True):
             seq.token_ids.append(token)

@@ -30,8 +30,9 @@ In the overlap loop (engine/overlap.py) a proposal follows a step still in fligh
 token is pending (its drafts before it only assumed kept), and the catch-up's last row takes it on the
 device from that step's sampled ids (PendingTokens), queued before the step ends. The host waits for
 the device only to read the drafts; it then schedules and launches the next step, and postprocesses the
-one before while that runs. What the draft computed of assumed tokens a rejection voids: settling the
-verification (Scheduler.settle_verified) cuts num_draft_computed_tokens back to the kept drafts."""
+one before while that runs. What the draft computed of assumed tokens stays valid up to the kept drafts:
+the assumed drafts are the drafts fed, so the next proposal's count (`_update_computed`) stops where the
+settled tokens end, before the token the target put in place of a rejected draft."""
 
 import copy
 import weakref
