@@ -7,7 +7,9 @@ draft's verification graphs, and proposals spoiled on purpose: a rejection leave
 right for the rounds after it."""
 
 import pytest
-from conftest import PROMPTS, make_model_dir
+from conftest import PROMPTS
+from test_draft_model_e2e import other_draft  # noqa: F401, F811 (a fixture: a smaller random draft)
+from test_speculative_overlap import overlapped_verifications, spy_on_launches
 from test_verify_graphs import with_verify_graphs
 
 from nanovllm import LLM, SamplingParams
@@ -26,30 +28,6 @@ def plain(qwen3_dir):
         return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY)]
 
 
-@pytest.fixture(scope="module")
-def other_draft(tmp_path_factory):
-    """A smaller random model with the same tokenizer: its greedy tokens are not the target's."""
-    path = str(tmp_path_factory.mktemp("draft"))
-    make_model_dir(path, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
-    return path
-
-
-def spy_on_launches(llm) -> list:
-    batches, launch = [], llm.engine.executor.launch
-
-    def recording(batch, *args, **kwargs):
-        batches.append(batch)
-        return launch(batch, *args, **kwargs)
-
-    llm.engine.executor.launch = recording
-    return batches
-
-
-def overlapped(batches) -> int:
-    """Launched verifications whose first input is the token the step before was still sampling."""
-    return sum(1 for b in batches if b.spec_token_ids and b.prev_token_indices)
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_the_target_as_its_own_draft_is_always_right_in_the_overlap_loop(qwen3_dir, plain, k):
     spec_config = {"model": qwen3_dir, "num_speculative_tokens": k}
@@ -61,10 +39,10 @@ def test_the_target_as_its_own_draft_is_always_right_in_the_overlap_loop(qwen3_d
     # Right drafts: the pending token reached the draft's catch-up (a wrong one spoils the drafts after it).
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
     assert stats.num_preemptions > 0
-    assert overlapped(batches) > len([b for b in batches if b.spec_token_ids]) // 2
+    assert overlapped_verifications(batches) > len([b for b in batches if b.spec_token_ids]) // 2
 
 
-def test_another_draft_leaves_greedy_output_unchanged_in_the_overlap_loop(qwen3_dir, plain, other_draft):
+def test_another_draft_leaves_greedy_output_unchanged_in_the_overlap_loop(qwen3_dir, plain, other_draft):  # noqa: F811
     spec_config = {"model": other_draft, "num_speculative_tokens": 3}
     with LLM(qwen3_dir, **OPTIONS, speculative_config=spec_config) as llm:
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY)] == plain
