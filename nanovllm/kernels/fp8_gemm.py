@@ -17,6 +17,8 @@ scale groups (BLOCK_K divides GROUP, or the whole K is one group). Sizes come fr
 sync), so calls are CUDA-graph capturable.
 Seen on an H200: within 1.5e-2 of the float32 reference on O(1) outputs (128-element K tiles)."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -33,6 +35,9 @@ QUANT_BLOCK = 1024
 # 16 KB; three stages of both operands (96 KB at 128x128) fit Hopper's shared memory with room to spare.
 GEMM_BLOCK_K = 128
 GEMM_NUM_STAGES = 3
+# The narrowest K tile of an e4m3 dot on sm_90 (16 does not compile there): the W8A8 GEMM takes scale groups
+# that tile by 32, 64 or 128 (w8a8_block_k).
+MIN_FP8_DOT_K = 32
 # float32 values whose units are integers are rounded to nearest-even by adding and subtracting this.
 ROUND_MAGIC = tl.constexpr(1.5 * 2**23)
 
@@ -151,6 +156,15 @@ def gemm_config(m: int) -> tuple[int, int, int]:
     return (64, 128, 4) if m <= 64 else (128, 128, 8)
 
 
+def w8a8_block_k(group: int, k: int) -> int | None:
+    """The W8A8 GEMM's K tile for scale groups of `group` of k inputs: GEMM_BLOCK_K, narrowed to split the
+    groups (a checkpoint's 64-wide blocks, say); None where no fp8 dot tiles them (groups of 16)."""
+    if group >= k:
+        return GEMM_BLOCK_K
+    block_k = math.gcd(GEMM_BLOCK_K, group)
+    return block_k if block_k >= MIN_FP8_DOT_K else None
+
+
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize(weight [N, K] e4m3, weight_scale [N, ceil(K / group)])^T (+ bias), x
@@ -163,9 +177,10 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if weight_scale.shape != (n, num_groups) or weight_scale.dtype != torch.float32:
         raise ValueError(f"weight_scale {tuple(weight_scale.shape)} {weight_scale.dtype} must be float32 "
                          f"({n}, {num_groups}) for groups of {group}")
-    one_group = num_groups == 1
-    if not one_group and group % GEMM_BLOCK_K:
-        raise ValueError(f"scale groups of {group} inputs are not a multiple of the K tile {GEMM_BLOCK_K}")
+    block_k = w8a8_block_k(group, k)
+    if block_k is None:
+        raise ValueError(f"scale groups of {group} inputs do not tile by {MIN_FP8_DOT_K}, the narrowest "
+                         "fp8 dot")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -174,7 +189,7 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     _w8a8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x_q, x_scale, weight, weight_scale.contiguous(), bias if bias is not None else out, out,
         m, n, k, weight.stride(0), out.stride(0), num_groups, group,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GEMM_BLOCK_K, ONE_GROUP=one_group,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_GROUP=num_groups == 1,
         HAS_BIAS=bias is not None, NUM_STAGES=GEMM_NUM_STAGES, num_warps=num_warps,
     )
     return out
@@ -195,13 +210,23 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
                             out_dtype=x.dtype)
 
 
+def padded_block_scales(block_scale: torch.Tensor) -> torch.Tensor:
+    """block_scale [N / 128, K / 128] with its K blocks padded to a multiple of 4 (zeros, never read):
+    cuBLASLt reads the weight's scales K-block-major with a 16-byte leading dimension, and torch checks
+    that shape (K = 384 is 3 blocks, taken as 4)."""
+    return F.pad(block_scale, (0, -block_scale.shape[1] % 4)).contiguous()
+
+
 def block_scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] e4m3 * block_scale [N / 128, K / 128], one scale a 128 x 128 block)^T
     (+ bias), x quantized per token and 128 inputs first (quantize_rows: the rounding of w8a8_linear with
     128-wide groups), through torch's block-scaled GEMM (torch.nn.functional.scaled_mm, cuBLASLt on sm_90):
     at Qwen3-8B's shapes and 256-4,096 rows about half the Triton GEMM's time (docs/performance-notes.md,
-    "torch's block-scaled GEMM"). Rows are padded to a multiple of 4, its scales' alignment."""
+    "torch's block-scaled GEMM"). Rows are padded to a multiple of 4, its scales' alignment; block_scale
+    may come padded already (padded_block_scales: what the linear method keeps, so no call pads it)."""
+    if block_scale.shape[1] % 4:
+        block_scale = padded_block_scales(block_scale)
     m = x.shape[0]
     padded = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
     q, scale = quantize_rows(padded, 128)

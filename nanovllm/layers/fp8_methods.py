@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.fp8 import Fp8LinearMethod
+from nanovllm.layers.fp8 import Fp8LinearMethod, fp8_dequant_linear
 from nanovllm.layers.linear_methods import Bucket
 from nanovllm.utils.config_checks import Fp8Scheme
 
@@ -52,7 +52,9 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
              bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    from nanovllm.kernels.fp8_gemm import w8a8_linear
+    from nanovllm.kernels.fp8_gemm import w8a8_block_k, w8a8_linear
+    if w8a8_block_k(group, x.shape[1]) is None:  # groups no fp8 dot tiles (16 wide): the same rounding, slow
+        return fp8_dequant_linear(x, weight, weight_scale, group, bias)
     return w8a8_linear(x, weight, weight_scale, group, bias)  # a plain launch: many rows gain little by PDL
 
 
@@ -74,15 +76,17 @@ def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 def block_scales(weight_scale: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
                  ) -> torch.Tensor | None:
     """The compact [N / rows, K / columns] scales of a block-scaled weight [N, K] from the layout's
-    per-row copy ([N, K / columns], each block's row repeated); None where the weight is not whole
-    blocks, or a block's rows differ (a merged layer whose parts do not start on a block)."""
+    per-row copy ([N, K / columns], each block's row repeated), in the padded layout torch's block-scaled
+    GEMM takes (kernels/fp8_gemm.padded_block_scales); None where the weight is not whole blocks, or a
+    block's rows differ (a merged layer whose parts do not start on a block)."""
     (n, k), (rows, columns) = weight.shape, block
     if n % rows or k % columns or weight_scale.shape != (n, k // columns):
         return None
     per_block = weight_scale.view(n // rows, rows, k // columns)
     if not torch.equal(per_block, per_block[:, :1].expand_as(per_block)):
         return None
-    return per_block[:, 0].contiguous()
+    from nanovllm.kernels.fp8_gemm import padded_block_scales
+    return padded_block_scales(per_block[:, 0])
 
 
 class Fp8TritonLinearMethod(Fp8LinearMethod):

@@ -28,8 +28,9 @@ TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 GEMM_TOLERANCE = {"cuda": 3e-2, "cpu": 1e-4}[DEVICE]
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 # (N, K, group): 128x128 blocks with partial blocks along N and K; per channel (group = K) with a K that is
-# no multiple of the 128 K tile; two whole blocks.
-LAYOUTS = [(200, 300, 128), (96, 200, 200), (128, 256, 128)]
+# no multiple of the 128 K tile; two whole blocks; groups of 64 (a checkpoint's 64-wide
+# blocks: the GEMM's K tile narrowed to them).
+LAYOUTS = [(200, 300, 128), (96, 200, 200), (128, 256, 128), (64, 384, 64)]
 
 
 def make(m: int, n: int, k: int, group: int, dtype: torch.dtype, seed: int = 0):
@@ -134,10 +135,21 @@ def test_the_kernels_refuse_what_they_cannot_tile():
     x, weight, scale, _ = make(MAX_ROWS + 1, 64, 384, 192, torch.float32)
     with pytest.raises(ValueError, match="at most 16 rows"):
         fp8_gemv_linear(x, weight, scale, 192)
-    with pytest.raises(ValueError, match="not a multiple of the K tile 128"):
-        w8a8_linear(x, weight, scale, 192)
     with pytest.raises(ValueError, match=r"weight_scale \(64, 2\)"):
         w8a8_linear(x, weight, scale[:, :2], 128)
+    x, weight, scale, _ = make(MAX_ROWS + 1, 64, 384, 48, torch.float32)
+    with pytest.raises(ValueError, match="scale groups of 48 inputs do not tile by 32"):
+        w8a8_linear(x, weight, scale, 48)
+
+
+def test_groups_no_fp8_dot_tiles_take_the_reference_in_the_engines_gemm():
+    """16-wide blocks (no e4m3 dot is that narrow on sm_90): the linear methods' GEMM entry computes them
+    with the dequantizing reference, the W8A8 GEMM's rounding, rather than failing at the first forward."""
+    from nanovllm.layers.fp8_methods import fp8_gemm
+
+    x, weight, scale, bias = make(MAX_ROWS + 1, 64, 96, 16, torch.float32)
+    torch.testing.assert_close(fp8_gemm(x, weight, scale, 16, bias),
+                               fp8_dequant_linear(x, weight, scale, 16, bias), rtol=0, atol=0)
 
 
 def test_the_triton_method_takes_the_gemv_to_16_rows_then_the_gemm():

@@ -18,7 +18,11 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.layers.fp8 import Fp8LinearMethod, quantize_activations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ENGINE = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512)
+# The CPU (TP=2 over gloo too) and float32, with a GPU shown as well: these tests check that checkpoints
+# are read exactly, through the reference's roundings; the GPU kernels have their own tests against it
+# (tests/kernels/test_fp8_kernels.py), whose decode GEMV does not round activations.
+ENGINE = dict(kvcache_block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512,
+              device="cpu", dtype="float32")
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
 # float32 on both sides, the same roundings: only the order of the float32 sums differs.
 TOL = 2e-3
