@@ -21,9 +21,12 @@ GEMV took 12.5 / 9.4 / 39.7 / 20.1 us at two rows, where the rows kernel's best 
 43.8 with bf16's (rows_config), against kernels/fp8_gemv.py's 20.5 / 12.5 / 58.4 / 26.3 and bf16 cuBLAS's
 15.7 / 13.1 / 48.8 / 28.4. The GEMV lost from four rows (18.2 / 13.5 / 59.9 / 31.3).
 
-Scales in groups along K (block-scaled checkpoints) are not taken: a variant scaling each
-tile passed in Triton's interpreter and failed on the GPU, not yet understood
-(docs/performance-notes.md, "fp8 weights"). The weight layout is layers/fp8.py's."""
+One row of a block-scaled weight (128 x 128 blocks, Qwen's FP8 checkpoints) runs the same GEMV with each
+input of x times its block's scale as it is read (fp8_skinny_block_linear): a program's columns lie in one
+block row, so its scales are one row of the compact [N / 128, K / 128] table. (An earlier variant that
+scaled each tile's partial sums passed in Triton's interpreter and failed on the GPU, not understood;
+docs/performance-notes.md, "fp8 weights".) The rows kernels take one scale a row only. The weight layout
+is layers/fp8.py's."""
 
 import torch
 
@@ -74,6 +77,32 @@ def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     config = _checked(x, weight, weight_scale, group, bias, weight.shape[1])
     out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
     return launch_gemv(x, weight, bias, out, config, pdl, weight_scale=weight_scale)
+
+
+def fp8_skinny_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
+                            block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False
+                            ) -> torch.Tensor:
+    """x [1, K] @ (weight [N, K] e4m3 * block_scale [N / rows, K / inputs] a block = (rows, inputs))^T
+    (+ bias) in x's dtype, float32 sums: the one-row GEMV with each input of x times its block's scale as
+    it is read (a program's columns lie in one block row; the scales' rows may be padded past K / inputs,
+    as kernels/fp8_gemm.padded_block_scales pads them). The weight-only reference's sum, reassociated."""
+    n, k = weight.shape
+    rows, inputs = block
+    config = skinny_config(n, k, 1, sm_count(x.device))
+    check_one_row(x, k, "x")
+    if weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
+        raise ValueError(f"weight {weight.dtype} must be {FP8_DTYPE} with a contiguous last dim")
+    if rows % config.block_n or n % rows:
+        raise ValueError(f"{rows}-row blocks do not tile {n} outputs in programs of {config.block_n}")
+    wanted = (n // rows, -(-k // inputs))
+    if (block_scale.dtype != torch.float32 or block_scale.shape[0] != wanted[0]
+            or block_scale.shape[1] < wanted[1] or block_scale.stride(-1) != 1):
+        raise ValueError(f"block_scale {tuple(block_scale.shape)} {block_scale.dtype} must be float32 "
+                         f"{wanted} (or wider rows) with a contiguous last dim")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous ({n},) {x.dtype}")
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    return launch_gemv(x, weight, bias, out, config, pdl, weight_scale=block_scale, block=block)
 
 
 def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,

@@ -1,7 +1,7 @@
 """kernels/fp8_skinny.py against layers/fp8.py's W8A16 reference (the dequantized weight, x unrounded), on
 CPU tensors through the Triton interpreter (or on CUDA when TRITON_INTERPRET=0): one scale a row, ragged
 N and K, split-K, a bias, preloaded tiles, 2 to 4 rows on CUDA cores (kernels/gemv_rows.py), 2 to 16 on
-tensor cores (kernels/skinny_rows.py), and the argument checks."""
+tensor cores (kernels/skinny_rows.py), one row of a block-scaled weight, and the argument checks."""
 
 import dataclasses
 
@@ -16,6 +16,7 @@ from nanovllm.kernels.fp8_skinny import (  # noqa: E402
     fp8_gemv_rows_linear,
     fp8_rows_config,
     fp8_rows_linear,
+    fp8_skinny_block_linear,
     fp8_skinny_linear,
 )
 from nanovllm.layers.fp8 import fp8_weight_only_linear, quantize_groups  # noqa: E402
@@ -55,6 +56,38 @@ def test_matches_the_weight_only_reference(n, k, dtype, with_bias):
     x, weight, scale, bias = make(n, k, dtype)
     bias = bias if with_bias else None
     assert_close(fp8_skinny_linear(x, weight, scale, k, bias), reference(x, weight, scale, bias), dtype)
+
+
+# (N, K, block): Qwen's 128 x 128 blocks with K = 384 (3 groups, scale rows padded to 4 as the linear
+# method keeps them) and with a long K (split-K); small blocks, 3 groups of 32 inputs.
+BLOCK_SHAPES = [(256, 384, (128, 128)), (128, 4096, (128, 128)), (64, 96, (16, 32))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,block", BLOCK_SHAPES)
+def test_block_scaled_row_matches_the_weight_only_reference(n, k, block, dtype):
+    """fp8_skinny_block_linear: each input of x times its block's scale as the GEMV reads it, against the
+    dequantized weight (per-row layout: each block's scales repeated over its rows)."""
+    rows, inputs = block
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(n, k, generator=gen) * 8).to(torch.float8_e4m3fn)
+    compact = torch.rand(n // rows, k // inputs, generator=gen) / k**0.5 / 4 + 1e-3
+    padded = torch.nn.functional.pad(compact, (0, -compact.shape[1] % 4))
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    out = fp8_skinny_block_linear(x, weight.to(DEVICE), padded.to(DEVICE), block, bias)
+    per_row = compact.repeat_interleave(rows, dim=0).to(DEVICE)
+    expected = fp8_weight_only_linear(x.float(), weight.to(DEVICE), per_row, inputs, bias.float())
+    assert_close(out, expected, dtype)
+
+
+def test_block_scaled_row_refuses_blocks_it_cannot_tile():
+    x = torch.randn(1, 96).to(DEVICE)
+    weight = torch.zeros(48, 96, dtype=torch.float8_e4m3fn, device=DEVICE)
+    with pytest.raises(ValueError, match="6-row blocks do not tile 48 outputs"):  # programs of 4-16 columns
+        fp8_skinny_block_linear(x, weight, torch.ones(8, 3, device=DEVICE), (6, 32))
+    with pytest.raises(ValueError, match=r"block_scale \(2, 2\) torch.float32 must be float32 \(3, 3\)"):
+        fp8_skinny_block_linear(x, weight, torch.ones(2, 2, device=DEVICE), (16, 32))
 
 
 def test_the_shapes_exercise_split_k_and_a_single_launch():

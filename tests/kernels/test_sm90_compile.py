@@ -7,6 +7,7 @@ named target catches those on a CPU-only machine. The compiling runs in one chil
 kernels must be imported with the interpreter off (this session imported them with it on)."""
 
 import importlib
+import inspect
 import json
 import os
 import pkgutil
@@ -67,7 +68,10 @@ def compile_all() -> dict[str, str]:
     for case, (kernel, constexprs, *rest) in cases().items():
         pointers, options = (list(rest) + [{}, {}])[:2]  # pointer types, launch options (num_warps, ...)
         for dtype in DTYPES:
-            values = dict(constexprs)
+            # A constexpr a case leaves out takes its default (the source build knows no defaults).
+            values = {name: param.default for name, param in zip(kernel.arg_names, kernel.params)
+                      if param.is_constexpr and param.default is not inspect.Parameter.empty}
+            values.update(constexprs)
             if dtype == "fp32" and "DOT_PRECISION" in values:
                 values["DOT_PRECISION"] = "ieee"  # what float32 runs use
             if dtype == "fp32" and "FP8_TILES" in values:
@@ -96,7 +100,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "rope-store-int8", "prefill-int8", "decode-int8-large-batch-one-split",
               "decode-int8-small-batch", "decode-rope-int8-pdl",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "skinny-gemm-pdl",
-              "skinny-gemm-fp8-add-rms-norm-pdl", "skinny-gemm-fp8-split-k",
+              "skinny-gemm-fp8-add-rms-norm-pdl", "skinny-gemm-fp8-blocks-pdl", "skinny-gemm-fp8-split-k",
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split", "skinny-rows-fp8-pdl",
               "skinny-rows-fp8-split",
               "decode-rope-pdl", "decode-rope-pdl-late-trigger", "split-k-reduce", "add-rms-norm", "rms-norm",
