@@ -59,8 +59,9 @@ def test_matches_the_weight_only_reference(n, k, dtype, with_bias):
 
 
 # (N, K, block): Qwen's 128 x 128 blocks with K = 384 (3 groups, scale rows padded to 4 as the linear
-# method keeps them) and with a long K (split-K); small blocks, 3 groups of 32 inputs.
-BLOCK_SHAPES = [(256, 384, (128, 128)), (128, 4096, (128, 128)), (64, 96, (16, 32))]
+# method keeps them) and with a long K (split-K); small blocks, 3 groups of 32 inputs; groups of 48 (no
+# power of two: tiles end inside a group).
+BLOCK_SHAPES = [(256, 384, (128, 128)), (128, 4096, (128, 128)), (64, 96, (16, 32)), (64, 96, (16, 48))]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
