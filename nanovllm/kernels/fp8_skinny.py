@@ -28,12 +28,14 @@ scaled each tile's partial sums passed in Triton's interpreter and failed on the
 docs/performance-notes.md, "fp8 weights".) The rows kernels take one scale a row only. The weight layout
 is layers/fp8.py's."""
 
+import dataclasses
+
 import torch
 
 from nanovllm.kernels import gemv_rows
 from nanovllm.kernels.common import sm_count
 from nanovllm.kernels.skinny_gemm import check_one_row, launch_gemv
-from nanovllm.kernels.skinny_launch import SkinnyConfig, skinny_config
+from nanovllm.kernels.skinny_launch import MAX_NUM_STAGES, SkinnyConfig, skinny_config
 from nanovllm.kernels.skinny_rows import MAX_ROWS, MIN_COLUMN_BLOCKS, SPLIT_K, RowsConfig, launch_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -80,15 +82,18 @@ def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 
 
 def fp8_skinny_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
-                            block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False
-                            ) -> torch.Tensor:
+                            block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False,
+                            config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [1, K] @ (weight [N, K] e4m3 * block_scale [N / rows, K / inputs] a block = (rows, inputs))^T
     (+ bias) in x's dtype, float32 sums: the one-row GEMV with each input of x times its block's scale as
     it is read (a program's columns lie in one block row; the scales' rows may be padded past K / inputs,
-    as kernels/fp8_gemm.padded_block_scales pads them). The weight-only reference's sum, reassociated."""
+    as kernels/fp8_gemm.padded_block_scales pads them). The weight-only reference's sum, reassociated.
+    config: the launch (default: skinny_config's, whose tiles span groups: a scale load an input;
+    tiles_in_groups gives tiles inside one group, a scale load a tile; scripts/fp8_gemm_bench.py times
+    both)."""
     n, k = weight.shape
     rows, inputs = block
-    config = skinny_config(n, k, 1, sm_count(x.device))
+    config = config or skinny_config(n, k, 1, sm_count(x.device))
     check_one_row(x, k, "x")
     if weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
         raise ValueError(f"weight {weight.dtype} must be {FP8_DTYPE} with a contiguous last dim")
@@ -103,6 +108,15 @@ def fp8_skinny_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: 
         raise ValueError(f"bias must be contiguous ({n},) {x.dtype}")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     return launch_gemv(x, weight, bias, out, config, pdl, weight_scale=block_scale, block=block)
+
+
+def tiles_in_groups(config: SkinnyConfig, inputs: int) -> SkinnyConfig:
+    """config with K tiles of at most `inputs` (a power of two), so that each lies inside one scale group,
+    and more stages for as many bytes in flight."""
+    if config.block_k <= inputs:
+        return config
+    stages = min(MAX_NUM_STAGES, (config.num_stages - 1) * config.block_k // inputs + 1)
+    return dataclasses.replace(config, block_k=inputs, num_stages=stages)
 
 
 def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,

@@ -62,7 +62,9 @@ def _gemv_tile(partial, squares, w, k, k_end, x_ptr, residual_ptr, sum_ptr, norm
     if PROLOGUE == SILU_MUL:
         up = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         xf = (xf / (1.0 + tl.exp(-xf)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    if SCALE_GROUP > 0:
+    if SCALE_GROUP >= BLOCK_K:  # the tile inside one group (k is a multiple of BLOCK_K): one scale
+        xf = xf * tl.load(scale_row + k // SCALE_GROUP)
+    elif SCALE_GROUP > 0:  # tiles across groups: each input's own
         xf = xf * tl.load(scale_row + offs_k // SCALE_GROUP, mask=k_mask, other=0.0)
     return partial + w.to(tl.float32) * xf[None, :], squares
 

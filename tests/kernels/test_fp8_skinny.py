@@ -12,12 +12,14 @@ from conftest import triton_test_device
 pytest.importorskip("triton")
 
 from nanovllm.kernels import gemv_rows, skinny_gemm  # noqa: E402
+from nanovllm.kernels.common import sm_count  # noqa: E402
 from nanovllm.kernels.fp8_skinny import (  # noqa: E402
     fp8_gemv_rows_linear,
     fp8_rows_config,
     fp8_rows_linear,
     fp8_skinny_block_linear,
     fp8_skinny_linear,
+    tiles_in_groups,
 )
 from nanovllm.layers.fp8 import fp8_weight_only_linear, quantize_groups  # noqa: E402
 
@@ -66,9 +68,13 @@ BLOCK_SHAPES = [(256, 384, (128, 128)), (128, 4096, (128, 128)), (64, 96, (16, 3
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,block", BLOCK_SHAPES)
-def test_block_scaled_row_matches_the_weight_only_reference(n, k, block, dtype):
-    """fp8_skinny_block_linear: each input of x times its block's scale as the GEMV reads it, against the
-    dequantized weight (per-row layout: each block's scales repeated over its rows)."""
+@pytest.mark.parametrize("in_groups", [False, True])
+def test_block_scaled_row_matches_the_weight_only_reference(n, k, block, dtype, in_groups):
+    """fp8_skinny_block_linear: each input of x times its block's scale as the GEMV reads it (one load an
+    input, or with tiles_in_groups one a tile), against the dequantized weight (per-row layout: each
+    block's scales repeated over its rows)."""
+    if in_groups and block[1] & (block[1] - 1):
+        pytest.skip("tiles are powers of two: 48-input groups have none inside them")
     rows, inputs = block
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
@@ -76,7 +82,11 @@ def test_block_scaled_row_matches_the_weight_only_reference(n, k, block, dtype):
     compact = torch.rand(n // rows, k // inputs, generator=gen) / k**0.5 / 4 + 1e-3
     padded = torch.nn.functional.pad(compact, (0, -compact.shape[1] % 4))
     bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
-    out = fp8_skinny_block_linear(x, weight.to(DEVICE), padded.to(DEVICE), block, bias)
+    config = skinny_gemm.skinny_config(n, k, 1, sm_count(x.device))
+    if in_groups:
+        config = tiles_in_groups(config, block[1])
+        assert config.block_k == block[1]
+    out = fp8_skinny_block_linear(x, weight.to(DEVICE), padded.to(DEVICE), block, bias, config=config)
     per_row = compact.repeat_interleave(rows, dim=0).to(DEVICE)
     expected = fp8_weight_only_linear(x.float(), weight.to(DEVICE), per_row, inputs, bias.float())
     assert_close(out, expected, dtype)
