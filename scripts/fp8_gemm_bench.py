@@ -40,7 +40,7 @@ from nanovllm.kernels.fp8_skinny import (
 from nanovllm.kernels.gemv_rows import MAX_ROWS as GEMV_ROWS
 from nanovllm.kernels.skinny_gemm import skinny_linear
 from nanovllm.kernels.skinny_launch import skinny_config
-from nanovllm.layers.fp8 import FP8, FP8_MAX, MIN_AMAX, dequantize, quantize_groups
+from nanovllm.layers.fp8 import dequantize, quantize_blocks, quantize_groups
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
           "down_proj": (4096, 12288)}  # (N, K) of Qwen3-8B at one GPU
@@ -73,15 +73,6 @@ def timed_us(fn, calls) -> float:
     return start.elapsed_time(end) * 1e3 / (REPEATS * len(calls))
 
 
-def quantize_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (e4m3 [N, K], float32 scales [N / block, K / block]): one scale a block x block tile,
-    the layout of block-scaled checkpoints."""
-    n, k = w.shape
-    tiles = w.float().reshape(n // block, block, k // block, block)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX
-    return (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(n, k), scale
-
-
 def blockwise_error(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> str:
     """The block-scaled GEMM's largest error against the product of its dequantized operands, relative
     to that product's largest magnitude; or why it does not run here."""
@@ -109,7 +100,7 @@ def main() -> None:
                for _ in range(COPIES)]
         per_channel = [quantize_groups(w, k) for w in w16]
         block = [quantize_groups(w, 128) for w in w16]  # the block layout's [N, K / 128] scales
-        blocks = [quantize_blocks(w) for w in w16]  # one scale a 128 x 128 tile
+        blocks = [quantize_blocks(w, (128, 128)) for w in w16]  # one scale a 128 x 128 tile
         padded = [(q, padded_block_scales(s)) for q, s in blocks]  # as the linear method keeps them
         spanning = skinny_config(n, k, 1, sm_count(torch.device("cuda")))
         launches = {"blk gemv1": spanning, "blk gemv1t": tiles_in_groups(spanning, 128)}

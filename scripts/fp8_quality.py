@@ -5,8 +5,9 @@ wider than usual so that its distributions are peaked and greedy decoding has cl
     python scripts/fp8_quality.py [--config configs/Qwen3-0.6B] [--prompts 16] [--prompt-len 500]
 
 Paths: bf16 (the reference engine path), fp8 weights (quantization="fp8": per-channel weight scales,
-dynamic per-token activation scales), an fp8 KV cache (kv_cache_dtype="fp8"), both, and an int8 KV cache
-(kv_cache_dtype="int8": a scale per token and KV head). For each: the
+dynamic per-token activation scales), an fp8 KV cache (kv_cache_dtype="fp8"), both, an int8 KV cache
+(kv_cache_dtype="int8": a scale per token and KV head), and an fp8 checkpoint with 128x128 block scales
+written from the same weights (Qwen's FP8 layout: activations scaled per token and 128 inputs). For each: the
 mean absolute error of the prompt tokens' logprobs against transformers in float32 (mean over each
 prompt's positions; the mean and the max over prompts), the same against the engine's bf16 path, and
 greedy agreement with the bf16 path (tokens equal before the first divergence, mean over prompts).
@@ -14,19 +15,56 @@ Prints a table last; on a CPU the fp8 weights run the dequantizing reference (sl
 
 import argparse
 import gc
+import glob
 import json
 import os
+import re
+import shutil
 import sys
 import tempfile
 
 import torch
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.layers.fp8 import quantize_blocks  # noqa: E402
 
+BLOCK_CHECKPOINT = "fp8 blocks ckpt"
 PATHS = {"bf16": {}, "fp8 weights": {"quantization": "fp8"}, "fp8 KV cache": {"kv_cache_dtype": "fp8"},
          "fp8 weights + KV": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-         "int8 KV cache": {"kv_cache_dtype": "int8"}}
+         "int8 KV cache": {"kv_cache_dtype": "int8"}, BLOCK_CHECKPOINT: {}}
+# The decoder's linear weights: what an FP8 checkpoint stores in e4m3 (embeddings, norms, the LM head and
+# MoE routers stay as they are).
+LINEAR_WEIGHT = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")
+BLOCK = (128, 128)
+
+
+def write_block_checkpoint(src: str, dst: str) -> str:
+    """dst: src's checkpoint with its decoder linear weights in e4m3, a weight_scale_inv per 128x128
+    block, and the quantization_config of Qwen's FP8 releases."""
+    shutil.copytree(src, dst)
+    added = {}
+    for file in glob.glob(os.path.join(dst, "*.safetensors")):
+        tensors = load_file(file)
+        for name in [n for n in tensors if LINEAR_WEIGHT.fullmatch(n)]:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(tensors[name], BLOCK)
+            added[name + "_scale_inv"] = os.path.basename(file)
+        save_file(tensors, file, metadata={"format": "pt"})
+    index = os.path.join(dst, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            content = json.load(f)
+        content["weight_map"].update(added)
+        with open(index, "w") as f:
+            json.dump(content, f)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(BLOCK)}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
 
 
 def write_model(config_dir: str, path: str, init_std: float, device: str) -> torch.nn.Module:
@@ -101,7 +139,8 @@ def main() -> None:
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(1)
-    with tempfile.TemporaryDirectory() as path:
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "bf16")
         hf32 = write_model(args.config, path, args.init_std, device)
         vocab = hf32.config.vocab_size
         prompts = [torch.randint(0, min(vocab, 10000), (args.prompt_len,), generator=gen).tolist()
@@ -111,8 +150,12 @@ def main() -> None:
         gc.collect()
         max_model_len = args.prompt_len + args.greedy_tokens + 16
         dtype = {} if args.dtype is None else {"dtype": args.dtype}
-        runs = {name: engine_run(path, {**PATHS[name], **dtype}, prompts, args.greedy_tokens, max_model_len)
-                for name in dict.fromkeys(["bf16", *args.paths])}
+        names = list(dict.fromkeys(["bf16", *args.paths]))
+        folders = {name: path for name in names}
+        if BLOCK_CHECKPOINT in names:
+            folders[BLOCK_CHECKPOINT] = write_block_checkpoint(path, os.path.join(scratch, "fp8-blocks"))
+        runs = {name: engine_run(folders[name], {**PATHS[name], **dtype}, prompts, args.greedy_tokens,
+                                 max_model_len) for name in names}
     bf16_logprobs, bf16_tokens = runs["bf16"]
     rows = {}
     for name, (logprobs, tokens) in runs.items():

@@ -4,7 +4,6 @@ per-tensor (`weight_scale`, vLLM's "fp8"); and the float32 checkpoint of the ver
 so that a test can tell the weights' rounding from the activations'."""
 
 import json
-import math
 import os
 import re
 import shutil
@@ -12,20 +11,12 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
+from nanovllm.layers.fp8 import quantize_blocks
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 # The decoder's linear weights (dense and experts'); embeddings, norms, the LM head and routers stay float32.
 QUANTIZED = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")
-
-
-def quantize_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, weight_scale_inv [ceil(N/bn), ceil(K/bk)]): each block's amax / 448."""
-    (n, k), (bn, bk) = w.shape, block
-    nb, kb = math.ceil(n / bn), math.ceil(k / bk)
-    padded = torch.nn.functional.pad(w, (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
-    scale = padded.abs().amax(dim=(1, 3)).clamp(min=1e-10) / FP8_MAX
-    q = (padded / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(nb * bn, kb * bk)[:n, :k].contiguous(), scale
 
 
 def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -46,7 +37,7 @@ def write_fp8_checkpoint(src: str, dst: str, layout: str, block: tuple[int, int]
             out[name] = exact[name] = w
             continue
         if layout == "block":
-            q, scale = quantize_block(w, block)
+            q, scale = quantize_blocks(w, block)
             out[name], out[name + "_scale_inv"] = q, scale
             exact[name] = dequantize_block(q, scale, block)
             continue

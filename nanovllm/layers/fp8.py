@@ -48,6 +48,18 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     return q.flatten(-2)[..., :k], scale
 
 
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], float32 scales [ceil(N / rows), ceil(K / columns)]) for block = (rows,
+    columns): a block-scaled checkpoint's weight and weight_scale_inv, each block's largest magnitude
+    scaled to FP8_MAX. For writing checkpoints (benchmarks, tests); the engine reads them."""
+    (n, k), (rows, columns) = w.shape, block
+    nb, kb = math.ceil(n / rows), math.ceil(k / columns)
+    tiles = F.pad(w.float(), (0, kb * columns - k, 0, nb * rows - n)).view(nb, rows, kb, columns)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(nb * rows, kb * columns)[:n, :k].contiguous(), scale
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """The exact float32 values of e4m3 q [..., K] with scales [..., ceil(K / group)]."""
     return q.float() * scale.repeat_interleave(group, dim=-1)[..., : q.shape[-1]]

@@ -9,11 +9,17 @@ import shutil
 import pytest
 import torch
 from conftest import make_model_dir
-from fp8_files import dequantize_block, quantize_block, write_fp8_checkpoint
+from fp8_files import dequantize_block, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM
-from nanovllm.layers.fp8 import Fp8LinearMethod, dequantize, quantize_activations, quantize_groups
+from nanovllm.layers.fp8 import (
+    Fp8LinearMethod,
+    dequantize,
+    quantize_activations,
+    quantize_blocks,
+    quantize_groups,
+)
 from nanovllm.layers.fp8_methods import (
     Fp8BlockScaledMmLinearMethod,
     Fp8ScaledMmLinearMethod,
@@ -50,7 +56,7 @@ def test_block_linear_is_dequantized_weight_times_rounded_activations():
     tracker, exact = WeightTracker(model), []
     tracker.packed = {f"{part}_proj": ("qkv_proj", part) for part in "qkv"}
     for part, rows in (("q", 40), ("k", 24), ("v", 24)):
-        q, scale = quantize_block(torch.randn(rows, 32), (16, 16))
+        q, scale = quantize_blocks(torch.randn(rows, 32), (16, 16))
         tracker.load(f"attn.{part}_proj.weight", q, "f")
         tracker.load(f"attn.{part}_proj.weight_scale_inv", scale, "f")
         exact.append(dequantize_block(q, scale, (16, 16)))
