@@ -121,13 +121,15 @@ def test_fp8_quality_runs_as_typed(tmp_path):
                            "--prompts", "2", "--prompt-len", "24", "--greedy-tokens", "4"],
                           cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    header, *rows = done.stdout.strip().splitlines()[-6:]
+    header, *rows = done.stdout.strip().splitlines()[-7:]
     assert header.startswith("path") and "greedy equal of 4" in header
     names = [row[:18].strip() for row in rows]
-    assert names == ["bf16", "fp8 weights", "fp8 KV cache", "fp8 weights + KV", "int8 KV cache"]
-    # The reference path against itself: no error, every greedy token equal; fp8 weights err above zero.
+    assert names == ["bf16", "fp8 weights", "fp8 KV cache", "fp8 weights + KV", "int8 KV cache",
+                     "fp8 blocks ckpt"]
+    # The reference path against itself: no error, every greedy token equal; fp8 weights (per channel, and
+    # the block-scaled checkpoint the script writes) err above zero.
     assert rows[0].split()[4:] == ["0.0000", "/", "0.0000", "4.0"]
-    assert float(rows[1].split()[2]) > 0
+    assert float(rows[1].split()[2]) > 0 and float(rows[5].split()[3]) > 0
     # Prefill attends over what a quantized cache holds on the CPU too: its error shows, int8's below fp8's.
     fp8_kv, int8_kv = (float(row[18:].split()[0]) for row in rows[2::2])
     assert 0 < int8_kv < fp8_kv
