@@ -111,9 +111,10 @@ def fp8_skinny_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: 
 
 
 def tiles_in_groups(config: SkinnyConfig, inputs: int) -> SkinnyConfig:
-    """config with K tiles of at most `inputs` (a power of two), so that each lies inside one scale group,
-    and more stages for as many bytes in flight."""
-    if config.block_k <= inputs:
+    """config with K tiles of `inputs` where its tiles are wider, so that each lies inside one scale group,
+    and more stages for as many bytes in flight; config itself where `inputs` is no power of two (no tile
+    fits a group then)."""
+    if config.block_k <= inputs or inputs & (inputs - 1):
         return config
     stages = min(MAX_NUM_STAGES, (config.num_stages - 1) * config.block_k // inputs + 1)
     return dataclasses.replace(config, block_k=inputs, num_stages=stages)
