@@ -1,9 +1,8 @@
 """fp8 linear kernels against bf16 on Qwen3-8B's projection shapes, one CUDA GPU: for each shape and row
 count, microseconds of bf16 F.linear (cuBLAS) and at one row bf16's GEMV (kernels/skinny_gemm.py); of the
 one-row fp8 GEMV, the few-row CUDA-core GEMV (1-4 rows) and the 1-16 row tensor-core kernel
-(kernels/fp8_skinny.py), the one-row GEMV over 128x128 block scales (x scaled per block: tiles across
-groups, a scale load an input, as the engine runs it; and tiles inside one group, a scale load a tile),
-the W8A16 tensor-core GEMV (up to 16 rows), the Triton W8A8 GEMM with per-channel
+(kernels/fp8_skinny.py), the one-row GEMV over 128x128 block scales (x times each block row's scales
+first, as the engine runs it), the W8A16 tensor-core GEMV (up to 16 rows), the Triton W8A8 GEMM with per-channel
 and 128x128 block scales, torch._scaled_mm with row-wise scales, and torch's block-scaled GEMM
 (F.scaled_mm, 1x128 activation and 128x128 weight scales: what block-scaled checkpoints run from 17 rows,
 with a per-shape check of its error against the dequantized product; n/a where this torch lacks it);
@@ -21,7 +20,6 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.common import sm_count
 from nanovllm.kernels.fp8_gemm import (
     block_scaled_mm_linear,
     padded_block_scales,
@@ -35,11 +33,9 @@ from nanovllm.kernels.fp8_skinny import (
     fp8_rows_linear,
     fp8_skinny_block_linear,
     fp8_skinny_linear,
-    tiles_in_groups,
 )
 from nanovllm.kernels.gemv_rows import MAX_ROWS as GEMV_ROWS
 from nanovllm.kernels.skinny_gemm import skinny_linear
-from nanovllm.kernels.skinny_launch import skinny_config
 from nanovllm.layers.fp8 import dequantize, quantize_blocks, quantize_groups
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
@@ -92,7 +88,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    columns = ("bf16", "bf16 gemv", "floor", "fp8 gemv1", "blk gemv1", "blk gemv1t", "gemv rows", "fp8 rows",
+    columns = ("bf16", "bf16 gemv", "floor", "fp8 gemv1", "blk gemv1", "gemv rows", "fp8 rows",
                "gemv16", "w8a8 ch", "w8a8 blk", "scaled_mm", "mm blk", "fp8 floor")
     print(f"{'shape':13s} {'rows':>5s} " + " ".join(f"{c:>9s}" for c in columns) + "  (us)")
     for name, (n, k) in SHAPES.items():
@@ -102,8 +98,6 @@ def main() -> None:
         block = [quantize_groups(w, 128) for w in w16]  # the block layout's [N, K / 128] scales
         blocks = [quantize_blocks(w, (128, 128)) for w in w16]  # one scale a 128 x 128 tile
         padded = [(q, padded_block_scales(s)) for q, s in blocks]  # as the linear method keeps them
-        spanning = skinny_config(n, k, 1, sm_count(torch.device("cuda")))
-        launches = {"blk gemv1": spanning, "blk gemv1t": tiles_in_groups(spanning, 128)}
         x = torch.randn(max(args.rows), k, device="cuda", generator=gen, dtype=torch.bfloat16)
         checked = blockwise_error(x, *blocks[0])
         print(f"{name}: torch's block-scaled GEMM: {checked}", flush=True)
@@ -117,10 +111,8 @@ def main() -> None:
                 "floor": max(n * k * 2 / BANDWIDTH, flops / BF16_FLOPS) * 1e6,
                 "fp8 gemv1": (timed_us(lambda x, q, s, k=k: fp8_skinny_linear(x, q, s, k), channel)
                               if m == 1 else NAN),
-                **{column: (timed_us(lambda x, q, s, c=config: fp8_skinny_block_linear(x, q, s, (128, 128),
-                                                                                      config=c),
-                                     [(x, q, s) for q, s in padded])
-                            if m == 1 else NAN) for column, config in launches.items()},
+                "blk gemv1": (timed_us(lambda x, q, s: fp8_skinny_block_linear(x, q, s, (128, 128)), padded)
+                              if m == 1 else NAN),
                 "gemv rows": (timed_us(lambda x, q, s, k=k: fp8_gemv_rows_linear(x, q, s, k), channel)
                               if m <= GEMV_ROWS else NAN),
                 "fp8 rows": (timed_us(lambda x, q, s, k=k: fp8_rows_linear(x, q, s, k), channel)

@@ -21,21 +21,20 @@ GEMV took 12.5 / 9.4 / 39.7 / 20.1 us at two rows, where the rows kernel's best 
 43.8 with bf16's (rows_config), against kernels/fp8_gemv.py's 20.5 / 12.5 / 58.4 / 26.3 and bf16 cuBLAS's
 15.7 / 13.1 / 48.8 / 28.4. The GEMV lost from four rows (18.2 / 13.5 / 59.9 / 31.3).
 
-One row of a block-scaled weight (128 x 128 blocks, Qwen's FP8 checkpoints) runs the same GEMV with each
-input of x times its block's scale as it is read (fp8_skinny_block_linear): a program's columns lie in one
-block row, so its scales are one row of the compact [N / 128, K / 128] table. (An earlier variant that
-scaled each tile's partial sums passed in Triton's interpreter and failed on the GPU, not understood;
-docs/performance-notes.md, "fp8 weights".) The rows kernels take one scale a row only. The weight layout
-is layers/fp8.py's."""
-
-import dataclasses
+One row of a block-scaled weight (128 x 128 blocks, Qwen's FP8 checkpoints) runs the same GEMV over x
+scaled up front (fp8_skinny_block_linear): one elementwise product makes x times each block row's scales,
+[N / 128, K] float32, and each program reads the row of its columns' block row, with no scale in its
+loop. One stream of Qwen3-8B took 4.65 ms a token so, against 6.85 with a scale load an input in the
+GEMV's loop and 5.90 with one a tile (tiles inside one group), per-channel weights 3.07 (an H200,
+2026-12-04, docs/performance-notes.md, "fp8 weights"). The rows kernels take one scale a row only. The
+weight layout is layers/fp8.py's."""
 
 import torch
 
 from nanovllm.kernels import gemv_rows
 from nanovllm.kernels.common import sm_count
 from nanovllm.kernels.skinny_gemm import check_one_row, launch_gemv
-from nanovllm.kernels.skinny_launch import MAX_NUM_STAGES, SkinnyConfig, skinny_config
+from nanovllm.kernels.skinny_launch import SkinnyConfig, skinny_config
 from nanovllm.kernels.skinny_rows import MAX_ROWS, MIN_COLUMN_BLOCKS, SPLIT_K, RowsConfig, launch_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -82,42 +81,35 @@ def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 
 
 def fp8_skinny_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
-                            block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False,
-                            config: SkinnyConfig | None = None) -> torch.Tensor:
+                            block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False
+                            ) -> torch.Tensor:
     """x [1, K] @ (weight [N, K] e4m3 * block_scale [N / rows, K / inputs] a block = (rows, inputs))^T
-    (+ bias) in x's dtype, float32 sums: the one-row GEMV with each input of x times its block's scale as
-    it is read (a program's columns lie in one block row; the scales' rows may be padded past K / inputs,
-    as kernels/fp8_gemm.padded_block_scales pads them). The weight-only reference's sum, reassociated.
-    config: the launch (default: skinny_config's, whose tiles span groups: a scale load an input;
-    tiles_in_groups gives tiles inside one group, a scale load a tile; scripts/fp8_gemm_bench.py times
-    both)."""
+    (+ bias) in x's dtype, float32 sums: x times each block row's scales first ([N / rows, K] float32, one
+    elementwise product), then the one-row GEMV over the e4m3 weight, each program reading its block row's
+    scaled x (its columns lie in one block row). The scales' rows may be padded past K / inputs, as
+    kernels/fp8_gemm.padded_block_scales pads them. The weight-only reference's sum, reassociated."""
     n, k = weight.shape
     rows, inputs = block
-    config = config or skinny_config(n, k, 1, sm_count(x.device))
+    config = skinny_config(n, k, 1, sm_count(x.device))
     check_one_row(x, k, "x")
     if weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
         raise ValueError(f"weight {weight.dtype} must be {FP8_DTYPE} with a contiguous last dim")
     if rows % config.block_n or n % rows:
         raise ValueError(f"{rows}-row blocks do not tile {n} outputs in programs of {config.block_n}")
-    wanted = (n // rows, -(-k // inputs))
-    if (block_scale.dtype != torch.float32 or block_scale.shape[0] != wanted[0]
-            or block_scale.shape[1] < wanted[1] or block_scale.stride(-1) != 1):
+    groups = -(-k // inputs)
+    if (block_scale.dtype != torch.float32 or block_scale.shape[0] != n // rows
+            or block_scale.shape[1] < groups or block_scale.stride(-1) != 1):
         raise ValueError(f"block_scale {tuple(block_scale.shape)} {block_scale.dtype} must be float32 "
-                         f"{wanted} (or wider rows) with a contiguous last dim")
+                         f"{(n // rows, groups)} (or wider rows) with a contiguous last dim")
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous ({n},) {x.dtype}")
+    if groups * inputs != k:
+        x = torch.nn.functional.pad(x, (0, groups * inputs - k))
+    # x widened to float32 and times the scale: the products the GEMV would otherwise form a tile at a
+    # time (a scale load in its loop: 1.5-2x its time, docs/performance-notes.md, "fp8 weights").
+    scaled = (x.view(1, groups, inputs) * block_scale[:, :groups, None]).view(n // rows, groups * inputs)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    return launch_gemv(x, weight, bias, out, config, pdl, weight_scale=block_scale, block=block)
-
-
-def tiles_in_groups(config: SkinnyConfig, inputs: int) -> SkinnyConfig:
-    """config with K tiles of `inputs` where its tiles are wider, so that each lies inside one scale group,
-    and more stages for as many bytes in flight; config itself where `inputs` is no power of two (no tile
-    fits a group then)."""
-    if config.block_k <= inputs or inputs & (inputs - 1):
-        return config
-    stages = min(MAX_NUM_STAGES, (config.num_stages - 1) * config.block_k // inputs + 1)
-    return dataclasses.replace(config, block_k=inputs, num_stages=stages)
+    return launch_gemv(scaled, weight, bias, out, config, pdl, x_block_stride=groups * inputs, x_rows=rows)
 
 
 def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,

@@ -42,9 +42,8 @@ PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_MUL = (tl.constexpr(i) for i in range(4))
 
 @triton.jit
 def _gemv_tile(partial, squares, w, k, k_end, x_ptr, residual_ptr, sum_ptr, norm_w_ptr, K, pid_n,
-               scale_row, PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr):
-    """partial += w * x[k : k + BLOCK_K] (x through the prologue; with SCALE_GROUP, times the scale of
-    each input's group in scale_row), and the norm's sum of squares."""
+               PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """partial += w * x[k : k + BLOCK_K] (x through the prologue), and the norm's sum of squares."""
     offs_k = k + tl.arange(0, BLOCK_K)
     k_mask = offs_k < k_end
     x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
@@ -62,10 +61,6 @@ def _gemv_tile(partial, squares, w, k, k_end, x_ptr, residual_ptr, sum_ptr, norm
     if PROLOGUE == SILU_MUL:
         up = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         xf = (xf / (1.0 + tl.exp(-xf)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    if SCALE_GROUP >= BLOCK_K:  # the tile inside one group (k is a multiple of BLOCK_K): one scale
-        xf = xf * tl.load(scale_row + k // SCALE_GROUP)
-    elif SCALE_GROUP > 0:  # tiles across groups: each input's own
-        xf = xf * tl.load(scale_row + offs_k // SCALE_GROUP, mask=k_mask, other=0.0)
     return partial + w.to(tl.float32) * xf[None, :], squares
 
 
@@ -77,7 +72,7 @@ def weight_tile(w_rows, k, k_end, offs):
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr,  # [K], contiguous ([2K] for SILU_MUL: gate then up)
+    x_ptr,  # [K], contiguous ([2K] for SILU_MUL: gate then up); rows x_block_stride apart, see there
     w_ptr,
     bias_ptr,
     out_ptr,  # [N] in x's dtype, or with WRITE_PARTIAL a [split_k, N] float32 workspace
@@ -89,10 +84,10 @@ def _skinny_gemm_kernel(
     K,
     stride_wn,
     tiles_per_split,  # K tiles per split (a tile count, so the compiler sees k is a multiple of BLOCK_K)
-    w_scale_ptr,  # SCALED: an fp8 weight's float32 [N] scales, one a row (weight[n, k] * w_scale[n]);
-    # SCALE_GROUP: its block scales, [N / SCALE_ROWS, scale_stride] (weight[n, k] * w_scale[n // SCALE_ROWS,
-    # k // SCALE_GROUP]), BLOCK_N dividing SCALE_ROWS: a program's columns share one row of them
-    scale_stride,
+    w_scale_ptr,  # SCALED: an fp8 weight's float32 [N] scales, one a row (weight[n, k] * w_scale[n])
+    # 0, or x holds a row for each X_ROWS weight rows, this far apart (a block-scaled fp8 weight's x, times
+    # each block row's scales: kernels/fp8_skinny.py); BLOCK_N divides X_ROWS
+    x_block_stride,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -102,11 +97,11 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before
     PRELOAD: tl.constexpr = 0,  # weight tiles (0-2) loaded first: before the wait under PDL
     SCALED: tl.constexpr = False,  # fp8 weights: their row's scale multiplies the finished sums
-    SCALE_GROUP: tl.constexpr = 0,  # fp8 block-scaled weights: x's inputs times their block's scale
-    SCALE_ROWS: tl.constexpr = 128,
+    X_ROWS: tl.constexpr = 128,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    x_ptr += (pid_n * BLOCK_N // X_ROWS) * x_block_stride
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # Columns past N read the last real weight row instead of being masked (their sums are never
@@ -118,7 +113,6 @@ def _skinny_gemm_kernel(
     partial = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     offs = tl.arange(0, BLOCK_K)
-    scale_row = w_scale_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * scale_stride  # read with SCALE_GROUP only
     k_loop = k_start
     # Under PDL the weight, which no kernel writes, has its first PRELOAD tiles requested while the
     # kernel before finishes; x and the rest of the weight come after the wait.
@@ -131,17 +125,16 @@ def _skinny_gemm_kernel(
         gdc_launch_dependents()  # the next kernel may launch now and preload its own weight
     if PRELOAD >= 1:
         partial, squares = _gemv_tile(partial, squares, w0, k_start, k_end, x_ptr, residual_ptr, sum_ptr,
-                                      norm_w_ptr, K, pid_n, scale_row, PROLOGUE, BLOCK_K, SCALE_GROUP)
+                                      norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
     if PRELOAD >= 2:
         partial, squares = _gemv_tile(partial, squares, w1, k_start + BLOCK_K, k_end, x_ptr,
-                                      residual_ptr, sum_ptr, norm_w_ptr, K, pid_n, scale_row, PROLOGUE,
-                                      BLOCK_K, SCALE_GROUP)
+                                      residual_ptr, sum_ptr, norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
     k_loop += PRELOAD * BLOCK_K
     # num_stages on the loop itself: Triton pipelines loads that feed no tl.dot only then.
     for k in tl.range(k_loop, k_end, BLOCK_K, num_stages=NUM_STAGES):  # w: [BLOCK_N, BLOCK_K] tiles
         w = tl.load(w_rows + (k + offs)[None, :], mask=(k + offs < K)[None, :], other=0.0)
         partial, squares = _gemv_tile(partial, squares, w, k, K, x_ptr, residual_ptr, sum_ptr, norm_w_ptr,
-                                      K, pid_n, scale_row, PROLOGUE, BLOCK_K, SCALE_GROUP)
+                                      K, pid_n, PROLOGUE, BLOCK_K)
     acc = tl.sum(partial, axis=1)  # [BLOCK_N]
     if SCALED:
         acc = acc * tl.load(w_scale_ptr + real_n)
@@ -199,10 +192,11 @@ def skinny_linear(
 
 def launch_gemv(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.constexpr = PLAIN,
                 residual=None, summed=None, norm_weight=None, eps: float = 0.0, weight_scale=None,
-                block: tuple[int, int] | None = None) -> torch.Tensor:
+                x_block_stride: int = 0, x_rows: int = 128) -> torch.Tensor:
     """The kernel's launch, arguments unchecked (the entry points here and kernels/fp8_skinny.py check
-    them). weight_scale: an e4m3 weight's float32 scales, one a row ([N] or [N, 1], contiguous), or with
-    block = (rows, inputs) one a block ([N / rows, >= K / inputs], last dim contiguous).
+    them). weight_scale: an e4m3 weight's float32 scales, one a row ([N] or [N, 1], contiguous).
+    x_block_stride: 0, or x is [N / x_rows, x_block_stride] and program columns n read its row n // x_rows
+    (x_rows a multiple of config.block_n).
     Under PDL (programmatic dependent launch, sm_90+) the kernel may start while the kernel before it
     runs: it loads its first weight tiles, waits for that kernel's results, then lets the next launch.
     Everything it reads before the wait (the weight) no kernel writes, so this is race-free; the
@@ -224,8 +218,8 @@ def launch_gemv(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue:
         k,
         weight.stride(0),
         split.tiles_per_split,
-        weight_scale if weight_scale is not None else x,  # never read unless SCALED or SCALE_GROUP
-        0 if block is None else weight_scale.stride(0),
+        weight_scale if weight_scale is not None else x,  # never read unless SCALED
+        x_block_stride,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         HAS_BIAS=bias is not None,
@@ -237,9 +231,8 @@ def launch_gemv(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue:
         PRELOAD=min(PDL_PRELOAD_TILES * pdl if config.preload is None else config.preload,
                     split.tiles_per_split),
         launch_pdl=pdl,
-        SCALED=weight_scale is not None and block is None,
-        SCALE_GROUP=0 if block is None else block[1],
-        SCALE_ROWS=128 if block is None else block[0],
+        SCALED=weight_scale is not None,
+        X_ROWS=x_rows,
     )
     return reduce_split_k(target, bias, out) if write_partial else out
 

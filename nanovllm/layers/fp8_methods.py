@@ -127,9 +127,9 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
 
 class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):
     """128 x 128 block-scaled checkpoints (Qwen's FP8 releases) on sm_90 where torch has its block-scaled
-    GEMM: one row through bf16's one-row GEMV over the e4m3 weight, x's inputs times their block's scale
-    as it reads them (kernels/fp8_skinny.fp8_skinny_block_linear; one stream of Qwen3-8B 6.86 ms a token,
-    8.33 through kernels/fp8_gemv.py, per-channel weights 3.07: H200, 2026-12-04), 2-16 rows the W8A16
+    GEMM: one row through bf16's one-row GEMV over the e4m3 weight, x times each block row's scales first
+    (kernels/fp8_skinny.fp8_skinny_block_linear; one stream of Qwen3-8B 4.65 ms a token, 8.33 through
+    kernels/fp8_gemv.py, per-channel weights 3.07: H200, 2026-12-04), 2-16 rows the W8A16
     GEMV as Fp8TritonLinearMethod, from 17 torch.nn.functional.scaled_mm
     with 1 x 128 activation and 128 x 128 weight scales (cuBLASLt). Graph-timed on an H200 at Qwen3-8B's
     shapes it took 0.4-0.5x the Triton block GEMM's time at 256 and 4,096 rows, about bf16 cuBLAS's

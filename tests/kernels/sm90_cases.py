@@ -186,16 +186,11 @@ def cases() -> dict:
             dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=5,
                  PROLOGUE=skinny_gemm.ADD_RMS_NORM.value, PDL=True, PRELOAD=2, SCALED=True),
             FP8_WEIGHT, dict(launch_pdl=True)),
-        "skinny-gemm-fp8-blocks-pdl": (  # one row of a 128 x 128 block-scaled weight, x scaled per block
+        "skinny-gemm-fp8-blocks-pdl": (  # one row of a 128 x 128 block-scaled weight: x scaled a block row
             skinny_gemm._skinny_gemm_kernel,
             dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=5, PDL=True,
-                 PRELOAD=2, SCALED=False, SCALE_GROUP=128, SCALE_ROWS=128),
-            FP8_WEIGHT, dict(launch_pdl=True)),
-        "skinny-gemm-fp8-blocks-in-groups": (  # the same with 128-input tiles: one scale load a tile
-            skinny_gemm._skinny_gemm_kernel,
-            dict(BLOCK_N=16, BLOCK_K=128, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=8, PDL=True,
-                 PRELOAD=2, SCALED=False, SCALE_GROUP=128, SCALE_ROWS=128),
-            FP8_WEIGHT, dict(launch_pdl=True)),
+                 PRELOAD=2, SCALED=False, X_ROWS=128),
+            dict(FP8_WEIGHT, x_ptr="*fp32"), dict(launch_pdl=True)),
         "skinny-gemm-fp8-split-k": (
             skinny_gemm._skinny_gemm_kernel,
             dict(BLOCK_N=4, BLOCK_K=1024, HAS_BIAS=True, WRITE_PARTIAL=True, NUM_STAGES=3, PDL=False,

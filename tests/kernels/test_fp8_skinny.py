@@ -12,14 +12,12 @@ from conftest import triton_test_device
 pytest.importorskip("triton")
 
 from nanovllm.kernels import gemv_rows, skinny_gemm  # noqa: E402
-from nanovllm.kernels.common import sm_count  # noqa: E402
 from nanovllm.kernels.fp8_skinny import (  # noqa: E402
     fp8_gemv_rows_linear,
     fp8_rows_config,
     fp8_rows_linear,
     fp8_skinny_block_linear,
     fp8_skinny_linear,
-    tiles_in_groups,
 )
 from nanovllm.layers.fp8 import fp8_weight_only_linear, quantize_groups  # noqa: E402
 
@@ -61,31 +59,27 @@ def test_matches_the_weight_only_reference(n, k, dtype, with_bias):
 
 
 # (N, K, block): Qwen's 128 x 128 blocks with K = 384 (3 groups, scale rows padded to 4 as the linear
-# method keeps them) and with a long K (split-K); small blocks, 3 groups of 32 inputs; groups of 48 (no
-# power of two: tiles end inside a group).
-BLOCK_SHAPES = [(256, 384, (128, 128)), (128, 4096, (128, 128)), (64, 96, (16, 32)), (64, 96, (16, 48))]
+# method keeps them) and with a long K (split-K); small blocks, 3 groups of 32 inputs; groups of 48; K
+# ending inside a group (80 = 2.5 groups of 32: x padded).
+BLOCK_SHAPES = [(256, 384, (128, 128)), (128, 4096, (128, 128)), (64, 96, (16, 32)), (64, 96, (16, 48)),
+                (64, 80, (16, 32))]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,block", BLOCK_SHAPES)
-@pytest.mark.parametrize("in_groups", [False, True])
-def test_block_scaled_row_matches_the_weight_only_reference(n, k, block, dtype, in_groups):
-    """fp8_skinny_block_linear: each input of x times its block's scale as the GEMV reads it (one load an
-    input, or with tiles_in_groups one a tile), against the dequantized weight (per-row layout: each
-    block's scales repeated over its rows)."""
+def test_block_scaled_row_matches_the_weight_only_reference(n, k, block, dtype):
+    """fp8_skinny_block_linear: x times each block row's scales, then the GEMV, against the dequantized
+    weight (per-row layout: each block's scales repeated over its rows)."""
 
     rows, inputs = block
+    groups = -(-k // inputs)
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
     weight = (torch.randn(n, k, generator=gen) * 8).to(torch.float8_e4m3fn)
-    compact = torch.rand(n // rows, k // inputs, generator=gen) / k**0.5 / 4 + 1e-3
+    compact = torch.rand(n // rows, groups, generator=gen) / k**0.5 / 4 + 1e-3
     padded = torch.nn.functional.pad(compact, (0, -compact.shape[1] % 4))
     bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
-    config = base = skinny_gemm.skinny_config(n, k, 1, sm_count(x.device))
-    if in_groups:  # 48-input groups: no power-of-two tile fits one, the tiles stay as they were
-        config = tiles_in_groups(base, block[1])
-        assert config.block_k == block[1] if block[1] & (block[1] - 1) == 0 else config == base
-    out = fp8_skinny_block_linear(x, weight.to(DEVICE), padded.to(DEVICE), block, bias, config=config)
+    out = fp8_skinny_block_linear(x, weight.to(DEVICE), padded.to(DEVICE), block, bias)
     per_row = compact.repeat_interleave(rows, dim=0).to(DEVICE)
     expected = fp8_weight_only_linear(x.float(), weight.to(DEVICE), per_row, inputs, bias.float())
     assert_close(out, expected, dtype)

@@ -101,7 +101,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "decode-int8-small-batch", "decode-rope-int8-pdl",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "skinny-gemm-pdl",
               "skinny-gemm-fp8-add-rms-norm-pdl", "skinny-gemm-fp8-blocks-pdl",
-              "skinny-gemm-fp8-blocks-in-groups", "skinny-gemm-fp8-split-k",
+              "skinny-gemm-fp8-split-k",
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split", "skinny-rows-fp8-pdl",
               "skinny-rows-fp8-split",
               "decode-rope-pdl", "decode-rope-pdl-late-trigger", "split-k-reduce", "add-rms-norm", "rms-norm",
