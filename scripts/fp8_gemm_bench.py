@@ -1,13 +1,14 @@
 """fp8 linear kernels against bf16 on Qwen3-8B's projection shapes, one CUDA GPU: for each shape and row
 count, microseconds of bf16 F.linear (cuBLAS) and at one row bf16's GEMV (kernels/skinny_gemm.py); of the
 one-row fp8 GEMV, the few-row CUDA-core GEMV (1-4 rows) and the 1-16 row tensor-core kernel
-(kernels/fp8_skinny.py), the one-row GEMV over 128x128 block scales (x times each block row's scales
-first, as the engine runs it), the W8A16 tensor-core GEMV (up to 16 rows), the Triton W8A8 GEMM with per-channel
-and 128x128 block scales, torch._scaled_mm with row-wise scales, and torch's block-scaled GEMM
-(F.scaled_mm, 1x128 activation and 128x128 weight scales: what block-scaled checkpoints run from 17 rows,
-with a per-shape check of its error against the dequantized product; n/a where this torch lacks it);
-each beside its floor, the larger of reading the weight once at copy bandwidth and the FLOPs at the
-tensor cores' peak.
+(kernels/fp8_skinny.py), over 128x128 block scales the one-row GEMV (x times each block row's scales
+first, as the engine runs it) and the 1-16 row kernel (each tile's product times its block's scale), the
+W8A16 tensor-core GEMV (up to 16 rows; what block scales run at 2-16 rows in the engine), the Triton W8A8
+GEMM with per-channel and 128x128 block scales, torch._scaled_mm with row-wise scales, and torch's
+block-scaled GEMM (F.scaled_mm, 1x128 activation and 128x128 weight scales: what block-scaled
+checkpoints run from 17 rows, with a per-shape check of its error against the dequantized product; n/a
+where this torch lacks it); each beside its floor, the larger of reading the weight once at copy
+bandwidth and the FLOPs at the tensor cores' peak.
 
     python scripts/fp8_gemm_bench.py [--rows 1 16 64 256 1024 4096]
 
@@ -30,6 +31,7 @@ from nanovllm.kernels.fp8_gemm import (
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear
 from nanovllm.kernels.fp8_skinny import (
     fp8_gemv_rows_linear,
+    fp8_rows_block_linear,
     fp8_rows_linear,
     fp8_skinny_block_linear,
     fp8_skinny_linear,
@@ -88,7 +90,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    columns = ("bf16", "bf16 gemv", "floor", "fp8 gemv1", "blk gemv1", "gemv rows", "fp8 rows",
+    columns = ("bf16", "bf16 gemv", "floor", "fp8 gemv1", "blk gemv1", "gemv rows", "fp8 rows", "blk rows",
                "gemv16", "w8a8 ch", "w8a8 blk", "scaled_mm", "mm blk", "fp8 floor")
     print(f"{'shape':13s} {'rows':>5s} " + " ".join(f"{c:>9s}" for c in columns) + "  (us)")
     for name, (n, k) in SHAPES.items():
@@ -116,6 +118,8 @@ def main() -> None:
                 "gemv rows": (timed_us(lambda x, q, s, k=k: fp8_gemv_rows_linear(x, q, s, k), channel)
                               if m <= GEMV_ROWS else NAN),
                 "fp8 rows": (timed_us(lambda x, q, s, k=k: fp8_rows_linear(x, q, s, k), channel)
+                             if m <= MAX_ROWS else NAN),
+                "blk rows": (timed_us(lambda x, q, s: fp8_rows_block_linear(x, q, s, (128, 128)), padded)
                              if m <= MAX_ROWS else NAN),
                 "gemv16": (timed_us(lambda x, q, s, k=k: fp8_gemv_linear(x, q, s, k, None), channel)
                            if m <= MAX_ROWS else NAN),

@@ -26,8 +26,11 @@ scaled up front (fp8_skinny_block_linear): one elementwise product makes x times
 [N / 128, K] float32, and each program reads the row of its columns' block row, with no scale in its
 loop. One stream of Qwen3-8B took 4.65 ms a token so, against 6.85 with a scale load an input in the
 GEMV's loop and 5.90 with one a tile (tiles inside one group), per-channel weights 3.07 (an H200,
-2026-12-04, docs/performance-notes.md, "fp8 weights"). The rows kernels take one scale a row only. The
-weight layout is layers/fp8.py's."""
+2026-12-04, docs/performance-notes.md, "fp8 weights"). 1 to 16 rows of one may run the rows kernel with
+tiles inside one block, each tile's product times its block's scale (fp8_rows_block_linear; not yet timed
+on a GPU). The weight layout is layers/fp8.py's."""
+
+import dataclasses
 
 import torch
 
@@ -125,6 +128,39 @@ def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     _check(x, weight, weight_scale, group, bias)
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     return launch_rows(x, weight, bias, out, fp8_rows_config(n, k), pdl, weight_scale=weight_scale)
+
+
+def fp8_rows_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
+                          block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False
+                          ) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * block_scale [N / rows, K / inputs] a block = (rows, inputs))^T
+    (+ bias) for 1 to 16 rows of float16 or bfloat16, float32 sums: the rows kernel with tiles inside one
+    block, each tile's product times its block's scale (the weight-only reference's sum, reassociated).
+    `inputs` a power of two from 16; the scales' rows may be padded past K / inputs."""
+    n, k = weight.shape
+    rows, inputs = block
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != k or x.stride(-1) != 1:
+        raise ValueError(f"x must be 1 to {MAX_ROWS} rows of {k} with a contiguous last dim; got "
+                         f"{tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"x dtype {x.dtype} is not float16 or bfloat16")
+    if weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
+        raise ValueError(f"weight {weight.dtype} must be {FP8_DTYPE} with a contiguous last dim")
+    if inputs < 16 or inputs & (inputs - 1):
+        raise ValueError(f"blocks of {inputs} inputs: the rows kernel's tiles take a power of two from 16")
+    config = fp8_rows_config(n, k)
+    config = dataclasses.replace(config, block_k=min(config.block_k, inputs))
+    if rows % config.block_n or n % rows:
+        raise ValueError(f"{rows}-row blocks do not tile {n} outputs in programs of {config.block_n}")
+    groups = -(-k // inputs)
+    if (block_scale.dtype != torch.float32 or block_scale.shape[0] != n // rows
+            or block_scale.shape[1] < groups or block_scale.stride(-1) != 1):
+        raise ValueError(f"block_scale {tuple(block_scale.shape)} {block_scale.dtype} must be float32 "
+                         f"{(n // rows, groups)} (or wider rows) with a contiguous last dim")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous ({n},) {x.dtype}")
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    return launch_rows(x, weight, bias, out, config, pdl, weight_scale=block_scale, block=block)
 
 
 def fp8_rows_config(n: int, k: int) -> RowsConfig:

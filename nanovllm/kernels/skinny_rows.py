@@ -17,7 +17,8 @@ not fold in: every column block recomputing it for 16 rows made the down project
 SiLU-mul kernel and a plain launch (257 against 211 us for 28 calls).
 
 An e4m3 weight with one scale a row (kernels/fp8_skinny.py) streams at one byte an element, each tile
-widened to x's dtype for the dot and the row's scale applied to the finished sums.
+widened to x's dtype for the dot and the row's scale applied to the finished sums; with a scale a block
+(block-scaled checkpoints), each tile lies inside one block and its product is scaled before it is added.
 
 On sm_90+ it launches as a programmatic dependent, as skinny_gemm does: it loads its first weight tiles,
 waits for the kernel before, then lets the next one launch. Split-K (float32 partials summed in a fixed
@@ -62,8 +63,9 @@ class RowsConfig:
 
 @triton.jit
 def _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, store_rows, norm_w_ptr, K, pid_n,
-               PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += w @ x[:, k : k + BLOCK_K]^T (x through the prologue), and the norm's sums of squares."""
+               scale_row, PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr):
+    """acc += w @ x[:, k : k + BLOCK_K]^T (x through the prologue; with SCALE_GROUP, the tile's product
+    times its block's scale in scale_row), and the norm's sums of squares."""
     offs_k = k + tl.arange(0, BLOCK_K)
     k_mask = offs_k < k_end
     x = tl.load(x_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)  # [ROWS, BLOCK_K]
@@ -78,6 +80,8 @@ def _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, store
         squares += xf * xf
         x = (xf * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
     # An e4m3 weight tile is widened to x's dtype (exactly) for the dot; x's own weight passes as it is.
+    if SCALE_GROUP > 0:  # the tile lies inside one block (k a multiple of BLOCK_K, which divides a group)
+        return acc + tl.dot(w.to(x.dtype), tl.trans(x)) * tl.load(scale_row + k // SCALE_GROUP), squares
     return tl.dot(w.to(x.dtype), tl.trans(x), acc), squares
 
 
@@ -99,7 +103,10 @@ def _skinny_rows_kernel(
     stride_om,
     stride_rm,
     tiles_per_split,
-    w_scale_ptr,  # SCALED: an fp8 weight's float32 [N] scales, one a row (weight[n, k] * w_scale[n])
+    w_scale_ptr,  # SCALED: an fp8 weight's float32 [N] scales, one a row (weight[n, k] * w_scale[n]);
+    # SCALE_GROUP: its block scales, [N / SCALE_ROWS, scale_stride] (weight[n, k] * w_scale[n // SCALE_ROWS,
+    # k // SCALE_GROUP]), BLOCK_N dividing SCALE_ROWS and BLOCK_K SCALE_GROUP: a tile, one scale
+    scale_stride,
     ROWS_: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -110,6 +117,8 @@ def _skinny_rows_kernel(
     PDL: tl.constexpr = False,
     PRELOAD: tl.constexpr = 0,
     SCALED: tl.constexpr = False,  # fp8 weights: their row's scale multiplies the sums (partials too)
+    SCALE_GROUP: tl.constexpr = 0,  # fp8 block-scaled weights: each tile's product times its block's scale
+    SCALE_ROWS: tl.constexpr = 128,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -128,6 +137,7 @@ def _skinny_rows_kernel(
     acc = tl.zeros([BLOCK_N, ROWS_], dtype=tl.float32)
     squares = tl.zeros([ROWS_, BLOCK_K], dtype=tl.float32)
     offs = tl.arange(0, BLOCK_K)
+    scale_row = w_scale_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * scale_stride  # read with SCALE_GROUP only
     if PRELOAD >= 1:
         w0 = weight_tile(w_rows, k_start, k_end, offs)
     if PRELOAD >= 2:
@@ -137,14 +147,14 @@ def _skinny_rows_kernel(
         gdc_launch_dependents()
     if PRELOAD >= 1:
         acc, squares = _rows_tile(acc, squares, w0, k_start, k_end, x_rows, residual_rows, sum_rows, m_mask,
-                                  norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
+                                  norm_w_ptr, K, pid_n, scale_row, PROLOGUE, BLOCK_K, SCALE_GROUP)
     if PRELOAD >= 2:
         acc, squares = _rows_tile(acc, squares, w1, k_start + BLOCK_K, k_end, x_rows, residual_rows, sum_rows,
-                                  m_mask, norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
+                                  m_mask, norm_w_ptr, K, pid_n, scale_row, PROLOGUE, BLOCK_K, SCALE_GROUP)
     for k in tl.range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
         w = weight_tile(w_rows, k, k_end, offs)
         acc, squares = _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, m_mask,
-                                  norm_w_ptr, K, pid_n, PROLOGUE, BLOCK_K)
+                                  norm_w_ptr, K, pid_n, scale_row, PROLOGUE, BLOCK_K, SCALE_GROUP)
     if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
         acc = acc * tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[None, :]
     if SCALED:
@@ -160,10 +170,12 @@ def _skinny_rows_kernel(
 
 
 def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, prologue: tl.constexpr = PLAIN,
-                residual=None, summed=None, norm_weight=None, eps: float = 0.0, weight_scale=None
-                ) -> torch.Tensor:
+                residual=None, summed=None, norm_weight=None, eps: float = 0.0, weight_scale=None,
+                block: tuple[int, int] | None = None) -> torch.Tensor:
     """out[:M] = prologue(x) @ weight.T (+ bias); the callers check shapes and dtypes. weight_scale: an e4m3
-    weight's float32 scales, one a row ([N] or [N, 1], contiguous)."""
+    weight's float32 scales, one a row ([N] or [N, 1], contiguous), or with block = (rows, inputs) one a
+    block ([N / rows, >= K / inputs], last dim contiguous; config.block_n dividing rows, config.block_k
+    inputs)."""
     m, (n, k) = x.shape[0], weight.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the rows kernel takes 1 to {MAX_ROWS} rows, not {m}")
@@ -175,11 +187,13 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
         residual if residual is not None else x, summed if summed is not None else x,
         norm_weight if norm_weight is not None else x, eps, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
-        split.tiles_per_split, weight_scale if weight_scale is not None else x,  # never read unless SCALED
+        split.tiles_per_split, weight_scale if weight_scale is not None else x,  # never read unless scaled
+        0 if block is None else weight_scale.stride(0),
         ROWS_=ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
         WRITE_PARTIAL=write_partial, NUM_STAGES=config.num_stages, PROLOGUE=prologue.value, PDL=pdl,
         PRELOAD=min(config.preload if pdl else 0, split.tiles_per_split),
-        num_warps=config.num_warps, launch_pdl=pdl, SCALED=weight_scale is not None,
+        num_warps=config.num_warps, launch_pdl=pdl, SCALED=weight_scale is not None and block is None,
+        SCALE_GROUP=0 if block is None else block[1], SCALE_ROWS=128 if block is None else block[0],
     )
     return reduce_split_k(target, bias, out) if write_partial else out
 

@@ -215,6 +215,11 @@ def cases() -> dict:
                                   dict(ROWS_=16, BLOCK_N=16, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True,
                                        NUM_STAGES=5, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
                                        SCALED=True), FP8_WEIGHT, dict(num_warps=2, launch_pdl=True)),
+        "skinny-rows-fp8-blocks-split": (  # 128 x 128 block scales: a tile's product times its block's
+            skinny_rows._skinny_rows_kernel,
+            dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, WRITE_PARTIAL=True, NUM_STAGES=4,
+                 PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2, SCALED=False, SCALE_GROUP=128,
+                 SCALE_ROWS=128), FP8_WEIGHT, dict(num_warps=4, launch_pdl=True)),
         "split-k-reduce": (split_k.split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
         "add-rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
         "rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=1024)),

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from nanovllm.kernels import gemv_rows, skinny_gemm  # noqa: E402
 from nanovllm.kernels.fp8_skinny import (  # noqa: E402
     fp8_gemv_rows_linear,
+    fp8_rows_block_linear,
     fp8_rows_config,
     fp8_rows_linear,
     fp8_skinny_block_linear,
@@ -161,6 +162,42 @@ def test_rows_reject_what_they_cannot_read():
         fp8_rows_linear(x, weight.half(), scale, 256)
     with pytest.raises(ValueError, match="one scale a row"):
         fp8_rows_linear(x, weight, quantize_groups(weight.float().cpu(), 128)[1].to(DEVICE), 128)
+
+
+# (N, K, block) for the rows kernel's block scales: 128 x 128 blocks in 16-row column blocks (K = 384: the
+# scales' rows padded to 4), in 64-row ones, and with a long K split in four; 32-input blocks (tiles of 32).
+ROWS_BLOCK_SHAPES = [(256, 384, (128, 128)), (4096, 256, (128, 128)), (128, 4096, (128, 128)),
+                     (64, 96, (16, 32))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("n,k,block", ROWS_BLOCK_SHAPES)
+@pytest.mark.parametrize("rows", [2, 7, 16])
+def test_block_scaled_rows_match_the_weight_only_reference(n, k, block, dtype, rows):
+    """fp8_rows_block_linear: each tile's product times its block's scale, against the dequantized
+    weight."""
+    block_rows, inputs = block
+    gen = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(n, k, generator=gen) * 8).to(torch.float8_e4m3fn)
+    compact = torch.rand(n // block_rows, k // inputs, generator=gen) / k**0.5 / 4 + 1e-3
+    padded = torch.nn.functional.pad(compact, (0, -compact.shape[1] % 4))
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    out = fp8_rows_block_linear(x, weight.to(DEVICE), padded.to(DEVICE), block, bias)
+    per_row = compact.repeat_interleave(block_rows, dim=0).to(DEVICE)
+    expected = fp8_weight_only_linear(x.float(), weight.to(DEVICE), per_row, inputs, bias.float())
+    assert_close(out, expected, dtype)
+
+
+def test_block_scaled_rows_refuse_blocks_no_tile_fits():
+    x = torch.randn(4, 96, dtype=torch.float16).to(DEVICE)
+    weight = torch.zeros(64, 96, dtype=torch.float8_e4m3fn, device=DEVICE)
+    with pytest.raises(ValueError, match="blocks of 48 inputs"):
+        fp8_rows_block_linear(x, weight, torch.ones(4, 2, device=DEVICE), (16, 48))
+    with pytest.raises(ValueError, match="8-row blocks do not tile 64 outputs in programs of 16"):
+        fp8_rows_block_linear(x, weight, torch.ones(8, 3, device=DEVICE), (8, 32))
+    with pytest.raises(ValueError, match="not float16 or bfloat16"):
+        fp8_rows_block_linear(x.float(), weight, torch.ones(4, 3, device=DEVICE), (16, 32))
 
 
 @pytest.mark.parametrize("preload", [1, 2])

@@ -104,6 +104,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "skinny-gemm-fp8-split-k",
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split", "skinny-rows-fp8-pdl",
               "skinny-rows-fp8-split",
+              "skinny-rows-fp8-blocks-split",
               "decode-rope-pdl", "decode-rope-pdl-late-trigger", "split-k-reduce", "add-rms-norm", "rms-norm",
               "silu-and-mul",
               "moe-count", "moe-scatter", "moe-scatter-summed", "moe-gate-up", "moe-down",
