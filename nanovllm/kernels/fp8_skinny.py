@@ -83,6 +83,25 @@ def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     return launch_gemv(x, weight, bias, out, config, pdl, weight_scale=weight_scale)
 
 
+def _check_blocks(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor, block: tuple[int, int],
+                  block_n: int, bias: torch.Tensor | None) -> int:
+    """Check a block-scaled weight, its scales and the bias for programs of block_n columns; returns the
+    scale groups along K."""
+    (n, k), (rows, inputs) = weight.shape, block
+    if weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
+        raise ValueError(f"weight {weight.dtype} must be {FP8_DTYPE} with a contiguous last dim")
+    if rows % block_n or n % rows:
+        raise ValueError(f"{rows}-row blocks do not tile {n} outputs in programs of {block_n}")
+    groups = -(-k // inputs)
+    if (block_scale.dtype != torch.float32 or block_scale.shape[0] != n // rows
+            or block_scale.shape[1] < groups or block_scale.stride(-1) != 1):
+        raise ValueError(f"block_scale {tuple(block_scale.shape)} {block_scale.dtype} must be float32 "
+                         f"{(n // rows, groups)} (or wider rows) with a contiguous last dim")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous ({n},) {x.dtype}")
+    return groups
+
+
 def fp8_skinny_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
                             block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False
                             ) -> torch.Tensor:
@@ -95,17 +114,7 @@ def fp8_skinny_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: 
     rows, inputs = block
     config = skinny_config(n, k, 1, sm_count(x.device))
     check_one_row(x, k, "x")
-    if weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
-        raise ValueError(f"weight {weight.dtype} must be {FP8_DTYPE} with a contiguous last dim")
-    if rows % config.block_n or n % rows:
-        raise ValueError(f"{rows}-row blocks do not tile {n} outputs in programs of {config.block_n}")
-    groups = -(-k // inputs)
-    if (block_scale.dtype != torch.float32 or block_scale.shape[0] != n // rows
-            or block_scale.shape[1] < groups or block_scale.stride(-1) != 1):
-        raise ValueError(f"block_scale {tuple(block_scale.shape)} {block_scale.dtype} must be float32 "
-                         f"{(n // rows, groups)} (or wider rows) with a contiguous last dim")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous ({n},) {x.dtype}")
+    groups = _check_blocks(x, weight, block_scale, block, config.block_n, bias)
     if groups * inputs != k:
         x = torch.nn.functional.pad(x, (0, groups * inputs - k))
     # x widened to float32 and times the scale: the products the GEMV would otherwise form a tile at a
@@ -144,21 +153,11 @@ def fp8_rows_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: to
                          f"{tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"x dtype {x.dtype} is not float16 or bfloat16")
-    if weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
-        raise ValueError(f"weight {weight.dtype} must be {FP8_DTYPE} with a contiguous last dim")
     if inputs < 16 or inputs & (inputs - 1):
         raise ValueError(f"blocks of {inputs} inputs: the rows kernel's tiles take a power of two from 16")
     config = fp8_rows_config(n, k)
     config = dataclasses.replace(config, block_k=min(config.block_k, inputs))
-    if rows % config.block_n or n % rows:
-        raise ValueError(f"{rows}-row blocks do not tile {n} outputs in programs of {config.block_n}")
-    groups = -(-k // inputs)
-    if (block_scale.dtype != torch.float32 or block_scale.shape[0] != n // rows
-            or block_scale.shape[1] < groups or block_scale.stride(-1) != 1):
-        raise ValueError(f"block_scale {tuple(block_scale.shape)} {block_scale.dtype} must be float32 "
-                         f"{(n // rows, groups)} (or wider rows) with a contiguous last dim")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous ({n},) {x.dtype}")
+    _check_blocks(x, weight, block_scale, block, config.block_n, bias)
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     return launch_rows(x, weight, bias, out, config, pdl, weight_scale=block_scale, block=block)
 

@@ -70,20 +70,24 @@ BLOCK_SHAPES = [(256, 384, (128, 128)), (128, 4096, (128, 128)), (64, 96, (16, 3
 @pytest.mark.parametrize("n,k,block", BLOCK_SHAPES)
 def test_block_scaled_row_matches_the_weight_only_reference(n, k, block, dtype):
     """fp8_skinny_block_linear: x times each block row's scales, then the GEMV, against the dequantized
-    weight (per-row layout: each block's scales repeated over its rows)."""
+    weight."""
+    x, weight, scales, bias, expected = block_case(n, k, block, 1, dtype)
+    assert_close(fp8_skinny_block_linear(x, weight, scales, block, bias), expected, dtype)
 
-    rows, inputs = block
-    groups = -(-k // inputs)
-    gen = torch.Generator().manual_seed(n + k)
-    x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
-    weight = (torch.randn(n, k, generator=gen) * 8).to(torch.float8_e4m3fn)
-    compact = torch.rand(n // rows, groups, generator=gen) / k**0.5 / 4 + 1e-3
-    padded = torch.nn.functional.pad(compact, (0, -compact.shape[1] % 4))
+
+def block_case(n: int, k: int, block: tuple[int, int], rows: int, dtype: torch.dtype) -> tuple:
+    """(x [rows, K], a block-scaled e4m3 weight [N, K], its scales as the linear method keeps them (rows
+    padded to a multiple of 4), bias, the weight-only reference's output), on DEVICE."""
+    block_rows, inputs = block
+    gen = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(n, k, generator=gen) * 8).to(torch.float8_e4m3fn).to(DEVICE)
+    compact = torch.rand(n // block_rows, -(-k // inputs), generator=gen) / k**0.5 / 4 + 1e-3
+    padded = torch.nn.functional.pad(compact, (0, -compact.shape[1] % 4)).to(DEVICE)
     bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
-    out = fp8_skinny_block_linear(x, weight.to(DEVICE), padded.to(DEVICE), block, bias)
-    per_row = compact.repeat_interleave(rows, dim=0).to(DEVICE)
-    expected = fp8_weight_only_linear(x.float(), weight.to(DEVICE), per_row, inputs, bias.float())
-    assert_close(out, expected, dtype)
+    per_row = compact.repeat_interleave(block_rows, dim=0).to(DEVICE)  # the reference's layout
+    expected = fp8_weight_only_linear(x.float(), weight, per_row, inputs, bias.float())
+    return x, weight, padded, bias, expected
 
 
 def test_block_scaled_row_refuses_blocks_it_cannot_tile():
@@ -176,17 +180,8 @@ ROWS_BLOCK_SHAPES = [(256, 384, (128, 128)), (4096, 256, (128, 128)), (128, 4096
 def test_block_scaled_rows_match_the_weight_only_reference(n, k, block, dtype, rows):
     """fp8_rows_block_linear: each tile's product times its block's scale, against the dequantized
     weight."""
-    block_rows, inputs = block
-    gen = torch.Generator().manual_seed(n + k + rows)
-    x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
-    weight = (torch.randn(n, k, generator=gen) * 8).to(torch.float8_e4m3fn)
-    compact = torch.rand(n // block_rows, k // inputs, generator=gen) / k**0.5 / 4 + 1e-3
-    padded = torch.nn.functional.pad(compact, (0, -compact.shape[1] % 4))
-    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
-    out = fp8_rows_block_linear(x, weight.to(DEVICE), padded.to(DEVICE), block, bias)
-    per_row = compact.repeat_interleave(block_rows, dim=0).to(DEVICE)
-    expected = fp8_weight_only_linear(x.float(), weight.to(DEVICE), per_row, inputs, bias.float())
-    assert_close(out, expected, dtype)
+    x, weight, scales, bias, expected = block_case(n, k, block, rows, dtype)
+    assert_close(fp8_rows_block_linear(x, weight, scales, block, bias), expected, dtype)
 
 
 def test_block_scaled_rows_refuse_blocks_no_tile_fits():
