@@ -151,13 +151,18 @@ def test_soak_runs_as_typed(extra):
 
 
 def test_gpu_only_benchmarks_refuse_the_cpu_and_bad_options_as_typed():
-    """`python scripts/moe_bench.py --fp8 block` and `scripts/spec_cycle.py` say they need a GPU; an unknown
-    --fp8 is refused."""
+    """`python scripts/moe_bench.py --fp8 block` and `scripts/spec_cycle.py` (with a draft, and plain decode
+    steps of five streams) say they need a GPU; an unknown --fp8 is refused."""
     cycle = subprocess.run([sys.executable, "scripts/spec_cycle.py", "--model", "configs/Qwen3-8B", "--draft",
                             "configs/Qwen3-0.6B", "--load-format", "dummy", "--repeating", "--k", "4"],
                            cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=120,
                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert cycle.returncode == 2 and "run it on a CUDA GPU" in cycle.stderr
+    plain = subprocess.run([sys.executable, "scripts/spec_cycle.py", "--model", "configs/Qwen3-8B",
+                            "--load-format", "dummy", "--streams", "5"], cwd=SCRIPTS.parent,
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert plain.returncode == 2 and "run it on a CUDA GPU" in plain.stderr
     run = [sys.executable, "scripts/moe_bench.py"]
     done = subprocess.run(run + ["--fp8", "block"], cwd=SCRIPTS.parent, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
