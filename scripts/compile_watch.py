@@ -86,6 +86,8 @@ def main() -> None:
     workload = pop_workload()
     sys.argv += [] if "--model" in sys.argv else ["--model", CONFIG, "--load-format", "dummy"]
     args = bench.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("compile_watch.py: it watches the GPU kernels' builds: run it on a CUDA GPU")
     watch = TritonBuilds()
     start = time.perf_counter()
     options = dict(load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout: this tree's nanovllm and bench.py
 
@@ -70,6 +72,8 @@ def main() -> None:
     parser.add_argument("--max-output-len", type=int, default=1024, help="as bench.py")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row, in a fresh process
     args = parser.parse_args()
+    if torch.cuda.device_count() < 2:
+        parser.error(f"DP=2 and TP=2 need 2 CUDA GPUs; {torch.cuda.device_count()} visible here")
     if args.row:
         print(RESULT_PREFIX + json.dumps(run_row(*json.loads(args.row))), flush=True)
         return

@@ -89,6 +89,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("it times CUDA kernels: run it on a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     columns = ("bf16", "bf16 gemv", "floor", "fp8 gemv1", "blk gemv1", "gemv rows", "fp8 rows", "blk rows",
                "gemv16", "w8a8 ch", "w8a8 blk", "scaled_mm", "mm blk", "fp8 floor")

@@ -18,6 +18,8 @@ import sys
 import time
 from random import randint, seed
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.runner.transfers import PendingOutput  # noqa: E402
@@ -51,6 +53,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("it times the host against the device's steps: run it on a CUDA GPU")
     llm = LLM(args.model, max_model_len=args.max_model_len, load_format=args.load_format,
               skip_tokenizer_init=True)  # the prompts are token ids
     waits: list[float] = []

@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--model", default=CONFIG, help="a folder with the model's config.json")
     parser.add_argument("--host", action="store_true", help="with --batch: the host phases too")
     args, extra = parser.parse_known_args()
+    if not torch.cuda.is_available():
+        parser.error("it profiles GPU kernels: run it on a CUDA GPU")
     if args.mixed == bool(args.batch):
         parser.error("give --mixed or one or more --batch sizes")
     if bad := [kv for kv in extra if not kv.startswith("--") or "=" not in kv]:

@@ -105,6 +105,11 @@ def speed():
 
 
 if __name__ == "__main__":
+    sections = sys.argv[1:]
+    if not sections or set(sections) - {"check", "speed"}:
+        sys.exit(f"usage: python scripts/overlap_check.py check speed (one or both); got {sections}")
+    if not torch.cuda.is_available():
+        sys.exit("overlap_check.py runs the engine with CUDA graphs and Triton kernels: run it on a CUDA GPU")
     if "check" in sys.argv:
         correctness()
     if "speed" in sys.argv:

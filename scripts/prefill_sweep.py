@@ -6,6 +6,7 @@ GPU only.
 
     python scripts/prefill_sweep.py"""
 
+import argparse
 import math
 
 import torch
@@ -82,6 +83,10 @@ def sweep(seqs: int, tokens: int) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()  # no options: --help, and anything else refused
+    if not torch.cuda.is_available():
+        parser.error("it times the Triton prefill kernel: run it on a CUDA GPU")
     torch.manual_seed(0)
     for seqs, tokens in CASES:
         sweep(seqs, tokens)

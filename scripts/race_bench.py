@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, action="append",
                         help="batch rows (repeatable); default 1, 64, 256")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("it times CUDA kernels: run it on a CUDA GPU")
     for rows in args.rows or [1, 64, 256]:
         print(json.dumps(bench_rows(rows)), flush=True)
 

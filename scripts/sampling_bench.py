@@ -10,6 +10,8 @@ import os
 import time
 from random import randint, seed
 
+import torch
+
 from nanovllm import LLM, SamplingParams
 
 VARIANTS = {
@@ -32,6 +34,8 @@ def main() -> None:
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=512)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("it times bench.py's workload per sampling option: run it on a CUDA GPU")
 
     seed(0)
     llm = LLM(os.path.expanduser(args.model), load_format=args.load_format,

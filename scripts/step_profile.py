@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--label", default="")
     args, extra = parser.parse_known_args()
+    if not torch.cuda.is_available():
+        parser.error("the model runner's share of each step is timed with CUDA events: run it on a CUDA GPU")
     options = dict(kv.split("=", 1) for kv in extra)
     options = {k.lstrip("-").replace("-", "_"): (int(v) if v.isdigit() else v) for k, v in options.items()}
     llm = LLM(CONFIG, load_format="dummy", skip_tokenizer_init=True, attention_backend=args.attention_backend,

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
@@ -83,6 +85,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--seed", type=int, default=0, help="seeds the dummy weights and the prompts")
     args = parser.parse_args()
+    if torch.cuda.device_count() < args.tp:
+        parser.error(f"TP={args.tp} needs {args.tp} CUDA GPUs; {torch.cuda.device_count()} visible here")
 
     rng = random.Random(args.seed)
     lengths = [rng.randint(args.min_prompt_len, args.max_prompt_len) for _ in range(args.num_prompts)]

@@ -150,6 +150,37 @@ def test_soak_runs_as_typed(extra):
         assert drafted > 0 and accepted > 0
 
 
+# README's commands for scripts that run on the CPU, as typed there, and a line their output ends with.
+CPU_AS_TYPED = {"sched_overhead.py": "ms per decode step at 256 requests",
+                "listen_check.py": "0 beyond loopback",
+                "decode_sass.py": "words-s3"}
+
+
+@pytest.mark.parametrize("script", CPU_AS_TYPED)
+def test_cpu_scripts_run_as_typed(script):
+    done = subprocess.run([sys.executable, f"scripts/{script}"], cwd=SCRIPTS.parent, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert CPU_AS_TYPED[script] in done.stdout.strip().splitlines()[-1]
+
+
+# README's commands for the scripts that time or check GPU work, as typed there.
+GPU_ONLY = ["fp8_gemm_bench.py", "kernel_profile.py --batch 1 --batch 256", "race_bench.py",
+            "prefill_sweep.py", "overlap_check.py check speed", "host_bound.py", "sampling_bench.py",
+            "step_profile.py", "compile_watch.py", "tp_check.py --model configs/Qwen3-8B", "dp_check.py"]
+
+
+@pytest.mark.parametrize("command", GPU_ONLY, ids=[c.split()[0] for c in GPU_ONLY])
+def test_gpu_scripts_say_they_need_a_gpu_as_typed(command):
+    """On a machine without a CUDA GPU each says so and exits, before it loads a model (tp_check's 8B in
+    float32 would not fit this machine's memory): no traceback."""
+    done = subprocess.run([sys.executable, f"scripts/{command.split()[0]}", *command.split()[1:]],
+                          cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode in (1, 2) and "CUDA GPU" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
 def test_gpu_only_benchmarks_refuse_the_cpu_and_bad_options_as_typed():
     """`python scripts/moe_bench.py --fp8 block` and `scripts/spec_cycle.py` (with a draft, and plain decode
     steps of five streams) say they need a GPU; an unknown --fp8 is refused."""
