@@ -50,7 +50,8 @@ class Executor(Protocol):
     def launch(self, batch: StepBatch, previous: PendingStep | None, defer_sampling: bool = False
                ) -> PendingStep:
         """Queue one step without waiting for it (world_size 1 only). The batch's prev_token_* inputs
-        are read on the device from `previous`, the step launched before it. defer_sampling: queue the
+        are read on the device from `previous`'s sampled ids: the step launched before it's (or those
+        joined with a draft model's last drafts, speculative/draft_steps.FedTokens). defer_sampling: queue the
         forward pass only, and sample at the PendingStep's `sample()`: what sampling reads on the host
         (a structured output's matcher) may take the previous step's tokens meanwhile."""
         ...

@@ -17,19 +17,20 @@ token for token the synchronous loop's.
   that finishes there (or is aborted before) has its step n+1 token dropped. Between engine steps no
   sequence holds a pending token: streams and outputs only ever see sampled tokens.
 
-Speculative decoding with a proposer that proposes past a pending token (Proposer.guesses_pending:
-n-gram lookup guesses it; a draft model's steps take it on the device, queued after step n) runs here
-too. A verification step is committed as if every draft were
-accepted: its drafts are appended, then a pending token for the target's next one, all counted as
-computed (Sequence.num_assumed_tokens of them assumed), and no block they fill is shared yet. Step n+1
-is scheduled and proposed on that assumption (the proposer takes the pending token as its guess), its
-first input fed on the device from the last verified position's sampled id. Postprocess puts what the
-verification emitted in place of the assumed tokens (Scheduler.settle_verified); where a draft was
-rejected, that sequence's rows of step n+1 rest on tokens it does not have: they are void, neither
-committed nor postprocessed, and the sequence is scheduled from its settled tokens in the step after
-(their KV slots are overwritten then, as a rejected draft's are). A sequence whose latest verification
-rejected a draft is verified without overlap next time (needs_host_tokens), so a workload whose drafts
-miss often loses no more than the synchronous loop does.
+Speculative decoding with a proposer that proposes past a pending token (Proposer.guesses_pending: n-gram
+lookup guesses it; a draft model's steps take it on the device, queued after step n) runs here too. A
+verification step is committed as if every draft were accepted: its drafts are appended, then a pending
+token for the target's next one, all counted as computed (Sequence.num_assumed_tokens of them assumed),
+and no block they fill is shared yet. Step n+1 is scheduled and proposed on that assumption (the proposer
+takes the pending token as its guess), its first input fed on the device from the last verified
+position's sampled id (and a draft model's last draft from the draft's final step, read once step n+1 is
+launched: SpeculativeDecoding.settle_last_drafts). Postprocess puts what the verification emitted in
+place of the assumed tokens (Scheduler.settle_verified); where a draft was rejected, that sequence's rows
+of step n+1 rest on tokens it does not have: they are void, neither committed nor postprocessed, and the
+sequence is scheduled from its settled tokens in the step after (their KV slots are overwritten then, as
+a rejected draft's are). A sequence whose latest verification rejected a draft is verified without
+overlap next time (needs_host_tokens), so a workload whose drafts miss often loses no more than the
+synchronous loop does.
 
 What needs step n's tokens on the host to build step n+1 waits for step n first (that step is not
 overlapped): penalties and bad words (their processors are built from the tokens' values) and prompt
@@ -91,6 +92,7 @@ class OverlapLoop:
             self._propose(prev)
             seqs, is_prefill = self._schedule(prev)
         except BaseException:
+            self._settle_drafts()
             if prev is not None:  # no pending token outlives the engine step
                 self._postprocess(prev)
             raise
@@ -103,6 +105,7 @@ class OverlapLoop:
             logger.exception("launching a step of %d sequences failed; running it synchronously", len(seqs))
             failed = True
         finally:
+            self._settle_drafts()  # read while the step runs, before anything reads them on the host
             if prev is not None:  # even on Ctrl-C: no pending token outlives the engine step
                 self._postprocess(prev)
         if failed:
@@ -128,7 +131,13 @@ class OverlapLoop:
         for seq in running:
             seq.spec_token_ids = []
         pending = None if prev is None else PendingTokens.of(prev)
-        spec.propose(running, self.scheduler.block_manager.append_slot, pending)
+        spec.propose(running, self.scheduler.block_manager.append_slot, pending, defer_last=True)
+
+    def _settle_drafts(self) -> None:
+        """The drafts the proposal left on the device (the verification launched took them there), read
+        and put in place on the host."""
+        if self.spec is not None:
+            self.spec.settle_last_drafts()
 
     def _still_valid(self, seqs: list[Sequence]) -> list[Sequence]:
         """seqs without those that finished, nor those whose rows in the step in flight are void (their
@@ -198,13 +207,16 @@ class OverlapLoop:
         batch = build_batch(seqs, is_prefill)
         if prev is not None:
             feed_previous_tokens(batch, seqs, prev)
+        previous = prev.output if prev is not None else None
+        if batch.spec_token_ids:  # drafts the proposal left on the device: taken there too
+            previous = self.spec.feed_last_drafts(batch, seqs, previous)
         needs_host_tokens = any(seq.reads_output_tokens or seq.needs_prompt_logprobs for seq in seqs)
         if batch.spec_token_ids and not needs_host_tokens:
             needs_host_tokens = self.spec.waits_for_tokens(seqs)
         # A constrained row's bitmask comes from its matcher, which takes prev's token at its postprocess:
         # sample after it, whether or not the step after this one waits for this one's tokens.
         defer_sampling = prev is not None and any(seq.grammar is not None for seq in seqs)
-        output = self.executor.launch(batch, prev.output if prev is not None else None, defer_sampling)
+        output = self.executor.launch(batch, previous, defer_sampling)
         return InFlightStep(seqs, batch.sample_rows, output, needs_host_tokens, is_prefill,
                             batch.spec_token_ids)
 

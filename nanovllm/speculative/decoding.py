@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from nanovllm.config import Config
+from nanovllm.engine.executor import PendingStep
 from nanovllm.engine.in_flight import PendingTokens
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING_TOKEN_ID, Sequence
 from nanovllm.engine.step import StepBatch, StepOutput
 from nanovllm.engine.structured_outputs import grammar_prefix
 from nanovllm.outputs import TokenLogprobs
@@ -58,6 +59,7 @@ class SpeculativeDecoding:
         self.accepted_per_pos = [0] * self.spec.num_speculative_tokens
         self.num_proposed = 0  # proposal rounds since proposals were last dropped
         self.num_quiet_steps = 0  # steps left before the proposer looks again (QUIET_STEPS)
+        self.last_drafts = None  # the latest proposal's drafts left on the device (draft.LastDrafts)
 
     @property
     def overlaps(self) -> bool:
@@ -89,13 +91,17 @@ class SpeculativeDecoding:
 
     def propose(self, running: Collection[Sequence],
                 reserve: Callable[[Sequence, int], bool] | None = None,
-                pending: PendingTokens | None = None) -> None:
+                pending: PendingTokens | None = None, defer_last: bool = False) -> None:
         """Give each sequence that decodes next its drafts (seq.spec_token_ids), at most
         num_speculative_tokens and never past max_tokens or max_model_len; none at all while more than
         disable_by_batch_size sequences run. reserve(seq, n) (BlockManager.append_slot) gives a
         sequence KV slots for n drafts beyond its tokens, from free blocks only, before a proposer that
         writes KV there proposes (else it finds its block table short near a block's end). pending (the
-        overlap loop): where the step in flight samples the sequences' pending last tokens."""
+        overlap loop): where the step in flight samples the sequences' pending last tokens. defer_last
+        (the overlap loop): a proposer that can (Proposer.defers_last_draft) leaves each sequence's last
+        draft on the device, PENDING_TOKEN_ID until settle_last_drafts, where no sequence proposed for
+        builds anything from draft values on the host (logits processors, a grammar)."""
+        self.last_drafts = None
         if not self.active(len(running)):
             return
         k, max_model_len = self.spec.num_speculative_tokens, self.max_model_len
@@ -118,7 +124,12 @@ class SpeculativeDecoding:
             for seq, num in zip(seqs, nums, strict=True):
                 reserve(seq, num)  # short of free blocks: the proposer proposes what the table covers
         if seqs:
-            for seq, num, drafts in zip(seqs, nums, self.proposer.propose(seqs, nums, pending), strict=True):
+            defer = (defer_last and getattr(self.proposer, "defers_last_draft", False)
+                     and not any(seq.uses_logits_processors for seq in seqs))
+            proposals = (self.proposer.propose(seqs, nums, pending, defer_last=True) if defer
+                         else self.proposer.propose(seqs, nums, pending))
+            self.last_drafts = self.proposer.last_drafts if defer else None
+            for seq, num, drafts in zip(seqs, nums, proposals, strict=True):
                 # A structured output verifies only drafts its grammar allows.
                 seq.spec_token_ids = (drafts[:num] if seq.grammar is None
                                       else grammar_prefix(seq.grammar, drafts[:num]))
@@ -126,6 +137,36 @@ class SpeculativeDecoding:
             self.num_proposed += 1
         if not found:
             self.num_quiet_steps = QUIET_STEPS
+
+    def feed_last_drafts(self, batch: StepBatch, seqs: list[Sequence], previous: PendingStep | None
+                         ) -> PendingStep | None:
+        """Point each row of `batch` whose last draft the proposal left on the device at it
+        (StepBatch.prev_token_*); returns what the launch reads those inputs from, `previous` (the step
+        in flight, or None) extended by the drafts where any is fed."""
+        last, spec = self.last_drafts, batch.spec_token_ids
+        fed = [(batch.cu_seqlens_q[row + 1] - 1, last.rows[seqs[row].seq_id])
+               for row, drafts in zip(batch.sample_rows, spec) if drafts and drafts[-1] == PENDING_TOKEN_ID
+               ] if last is not None and spec else []
+        if not fed:
+            return previous
+        previous, offset = last.feeding(previous)
+        for index, row in fed:
+            batch.prev_token_indices.append(index)
+            batch.prev_token_rows.append(offset + row)
+        return previous
+
+    def settle_last_drafts(self) -> None:
+        """Read the drafts the latest proposal left on the device and put them in place of their
+        PENDING_TOKEN_ID, in each sequence's drafts (and so in the step built from them). Between engine
+        steps no draft is pending."""
+        last, self.last_drafts = self.last_drafts, None
+        if last is None:
+            return
+        tokens = last.read()
+        for seq in last.seqs:
+            drafts = seq.spec_token_ids
+            if drafts and drafts[-1] == PENDING_TOKEN_ID:
+                drafts[-1] = tokens[seq.seq_id]
 
     def accept(self, seq: Sequence, sampled: list[int], drafts: list[int]) -> list[int]:
         """What seq emits from a verification of `drafts` that sampled `sampled` (one id a verified

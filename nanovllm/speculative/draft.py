@@ -28,92 +28,35 @@ num_draft_computed_tokens (BlockManager.deallocate).
 
 In the overlap loop (engine/overlap.py) a proposal follows a step still in flight: a sequence's last
 token is pending (its drafts before it only assumed kept), and the catch-up's last row takes it on the
-device from that step's sampled ids (PendingTokens), queued before the step ends. The host waits for
-the device only to read the drafts; it then schedules and launches the next step, and postprocesses the
-one before while that runs. What the draft computed of assumed tokens stays valid up to the kept drafts:
-the assumed drafts are the drafts fed, so the next proposal's count (`_update_computed`) stops where the
-settled tokens end, before the token the target put in place of a rejected draft."""
+device from that step's sampled ids (PendingTokens), queued before the step ends. The final step is not
+read there (propose's defer_last): each sequence's last draft stays PENDING_TOKEN_ID while the next step
+is scheduled and built, the verification takes it on the device from that step's sampled ids
+(LastDrafts.feeding, beside the target's own pending tokens), and the host reads it once the verification
+is launched, so the device does not idle while the host builds it. Not where a sequence's logits
+processors or grammar are built from the drafts' values (engine side: SpeculativeDecoding). The host then
+postprocesses the step before while the verification runs. What the draft computed of assumed tokens
+stays valid up to the kept drafts: the assumed drafts are the drafts fed, so the next proposal's count
+(`_update_computed`) stops where the settled tokens end, before the token the target put in place of a
+rejected draft."""
 
 import copy
 import weakref
-from dataclasses import dataclass
-from typing import Protocol
 
 from nanovllm.config import Config
 from nanovllm.distributed.worker import threads_per_rank
 from nanovllm.engine.in_flight import PendingTokens
 from nanovllm.engine.sequence import PENDING_TOKEN_ID
-from nanovllm.engine.step import SamplingBatch, StepBatch, slots
+from nanovllm.engine.step import StepBatch
 from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.speculative.draft_steps import (
+    DraftRow,
+    DraftSequence,
+    LastDrafts,
+    draft_batch,
+    feed_pending,
+    read_step,
+)
 from nanovllm.utils.tokenizer import load_engine_tokenizer
-
-
-class DraftSequence(Protocol):
-    """What the proposer reads and writes of a sequence (nanovllm.engine.sequence.Sequence)."""
-
-    seq_id: int
-    token_ids: list[int]  # the last may be PENDING_TOKEN_ID (overlap loop: PendingTokens says where it is)
-    block_table: list[int]
-    num_draft_computed_tokens: int  # positions [0, n) of the draft's cache hold token_ids[:n]
-
-
-@dataclass(slots=True)
-class DraftRow:
-    """Positions [start, start + len(input_ids)) of one sequence, computed by one draft step."""
-
-    input_ids: list[int]
-    start: int
-    block_table: list[int]
-    samples: bool  # its last token's logits propose the next draft
-
-
-def draft_batch(rows: list[DraftRow], block_size: int, greedy: bool = False, every_position: bool = False
-                ) -> StepBatch:
-    """The step record of `rows` (a decode step when each computes one token): without a sampling part
-    (the proposer takes the argmax of the logits itself), or greedy for every row. every_position: shaped
-    as a verification of each row's tokens after its first, greedy at every position (each row samples)."""
-    input_ids, positions, slot_mapping, cu_q, seqlens_k, tables = [], [], [], [0], [], []
-    for row in rows:
-        end = row.start + len(row.input_ids)
-        input_ids.extend(row.input_ids)
-        positions.extend(range(row.start, end))
-        slot_mapping.extend(slots(row.block_table, row.start, end, block_size))
-        cu_q.append(len(input_ids))
-        seqlens_k.append(end)
-        tables.append(row.block_table[:-(-end // block_size)])  # only the blocks it reads
-    sample_rows = [i for i, row in enumerate(rows) if row.samples]
-    n = len(input_ids) if every_position else len(sample_rows)
-    sampling = (SamplingBatch([0.0] * n, [-1] * n, [1.0] * n, [0.0] * n, [None] * n, [None] * n)
-                if greedy or every_position else None)
-    batch = StepBatch(len(input_ids) > len(rows), input_ids, positions, slot_mapping, cu_q, seqlens_k, tables,
-                      sample_rows, sampling)
-    if every_position:
-        batch.spec_token_ids = [row.input_ids[1:] for row in rows]
-    return batch
-
-
-def _read(proposals: list[list[int]], active: list[int], pending: object, rows: list[int] | None) -> None:
-    """Append a launched step's sampled ids (those at `rows`, or all) to the proposals of the sequences
-    it ran."""
-    token_ids = pending.wait().token_ids
-    for i, token in zip(active, token_ids if rows is None else [token_ids[r] for r in rows], strict=True):
-        proposals[i].append(token)
-
-
-def _feed_pending(batch: StepBatch, seqs: list[DraftSequence], rows: list[DraftRow],
-                  pending: PendingTokens | None) -> object:
-    """Point batch's inputs that are a pending token (a row's last, in the overlap loop) at the step in
-    flight's sampled id for it; returns that step for the launch, or None when no input is pending."""
-    end = 0
-    for seq, row in zip(seqs, rows, strict=True):
-        end += len(row.input_ids)
-        if row.input_ids[-1] == PENDING_TOKEN_ID:
-            if pending is None or seq.seq_id not in pending.rows:
-                raise RuntimeError(f"sequence {seq.seq_id}'s last token is pending, and no step in flight "
-                                   "samples it")
-            batch.prev_token_indices.append(end - 1)
-            batch.prev_token_rows.append(pending.rows[seq.seq_id])
-    return pending.step if batch.prev_token_indices else None
 
 
 def check_same_tokenizer(config: Config, draft: Config) -> None:
@@ -135,6 +78,7 @@ def check_same_tokenizer(config: Config, draft: Config) -> None:
 class DraftModelProposer:
     writes_kv = True  # its cache shares the target's block tables (Proposer.writes_kv)
     guesses_pending = True  # a pending last token is fed on the device from the step in flight
+    defers_last_draft = True  # propose(defer_last=True): the final step's drafts left on the device
 
     def __init__(self, config: Config, num_kvcache_blocks: int) -> None:
         draft = config.draft_config
@@ -156,13 +100,16 @@ class DraftModelProposer:
         # Per sequence, (n, drafts): the drafts fed at positions n, n + 1, ... by its latest proposal,
         # n its num_draft_computed_tokens then. Weak: a finished sequence's entry goes with it.
         self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.last_drafts: LastDrafts | None = None  # of the latest propose(defer_last=True), until taken
 
-    def propose(self, seqs: list[DraftSequence], num_tokens: list[int], pending: PendingTokens | None = None
-                ) -> list[list[int]]:
+    def propose(self, seqs: list[DraftSequence], num_tokens: list[int], pending: PendingTokens | None = None,
+                defer_last: bool = False) -> list[list[int]]:
         """Per sequence, up to num_tokens[i] draft tokens that follow seqs[i].token_ids, each the draft's
         argmax. A sequence gets fewer where its block table or the draft's max_model_len ends first.
         pending: where the overlap loop's step in flight samples the last token of those whose last is
-        PENDING_TOKEN_ID; the catch-up takes it on the device."""
+        PENDING_TOKEN_ID; the catch-up takes it on the device. defer_last: the final step is not read;
+        its sequences' last draft is PENDING_TOKEN_ID, and `last_drafts` says where it is sampled."""
+        self.last_drafts = None
         proposals: list[list[int]] = [[] for _ in seqs]
         wanted: dict[int, int] = {}  # index in seqs -> drafts it can take
         for i, (seq, num) in enumerate(zip(seqs, num_tokens)):
@@ -204,12 +151,19 @@ class DraftModelProposer:
             previous = self.runner.launch(batch, previous)
             steps.append((active, previous, None))
             if len(steps) > 1:
-                _read(proposals, *steps.pop(0))
+                read_step(proposals, *steps.pop(0))
             prev_rows = {i: row for row, i in enumerate(active)}
             for i in active:
                 counts[i] += 1
+        if defer_last and steps:  # the verification takes them on the device; the host reads them after
+            active, last_step, rows = steps.pop()
+            rows = rows or range(len(active))
+            self.last_drafts = LastDrafts(last_step, {seqs[i].seq_id: row for i, row in zip(active, rows)},
+                                          [seqs[i] for i in active])
+            for i in active:
+                proposals[i].append(PENDING_TOKEN_ID)
         for step in steps:
-            _read(proposals, *step)
+            read_step(proposals, *step)
         for i in wanted:  # what the next proposal finds of these in the draft's cache
             seq = seqs[i]
             self._fed[seq] = (len(seq.token_ids), proposals[i][:-1])
@@ -240,7 +194,7 @@ class DraftModelProposer:
         rows = [DraftRow(seq.token_ids[seq.num_draft_computed_tokens:], seq.num_draft_computed_tokens,
                          seq.block_table, True) for seq in seqs]
         batch = draft_batch(rows, self.block_size, every_position=True)
-        launched = self.runner.launch(batch, _feed_pending(batch, seqs, rows, pending))
+        launched = self.runner.launch(batch, feed_pending(batch, seqs, rows, pending))
         last_rows, end = [], 0
         for seq, row in zip(seqs, rows, strict=True):
             seq.num_draft_computed_tokens = len(seq.token_ids)
@@ -267,7 +221,7 @@ class DraftModelProposer:
                 row_seqs.append(i)
                 budget -= end - start
             batch = draft_batch(rows, self.block_size)
-            sampled = iter(self._argmax(batch, _feed_pending(batch, [seqs[i] for i in row_seqs], rows,
+            sampled = iter(self._argmax(batch, feed_pending(batch, [seqs[i] for i in row_seqs], rows,
                                                              pending)))
             for row, i in zip(rows, row_seqs):
                 seqs[i].num_draft_computed_tokens = row.start + len(row.input_ids)

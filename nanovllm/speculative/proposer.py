@@ -18,11 +18,16 @@ class Proposer(Protocol):
     # steps can run in the overlap loop (nanovllm.engine.overlap): n-gram lookup guesses the token, a
     # draft model takes it on the device (`pending`). Optional; False when absent.
     guesses_pending: bool
+    # Whether propose(..., defer_last=True) may leave each sequence's last draft on the device
+    # (PENDING_TOKEN_ID, fed to the verification there; `last_drafts` says where, and reads them): a draft
+    # model's final step, not waited for before the verification is launched. Optional; False when absent.
+    defers_last_draft: bool
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int], pending: PendingTokens | None = None
                 ) -> list[list[int]]:
         """Per sequence, up to num_tokens[i] draft token ids that follow seqs[i].token_ids ([]: none).
-        pending: where the step in flight samples the sequences' pending last tokens, if any has one."""
+        pending: where the step in flight samples the sequences' pending last tokens, if any has one.
+        (With defers_last_draft, also a keyword defer_last.)"""
         ...
 
     def shutdown(self) -> None:

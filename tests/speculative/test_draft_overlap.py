@@ -4,7 +4,8 @@ still being sampled (engine/in_flight.PendingTokens). Greedy output is plain gre
 token (tiny random models, float32, CPU), with the target as its own draft (every draft right), another
 draft (nearly every draft wrong), preemption, chunked prefill, a warm prefix cache, the catch-up in the
 draft's verification graphs, and proposals spoiled on purpose: a rejection leaves the draft's cache
-right for the rounds after it."""
+right for the rounds after it. The draft's final step reaches the verification on the device (read on
+the host after the launch), but where logits processors need the drafts' values."""
 
 import pytest
 from conftest import PROMPTS
@@ -13,6 +14,7 @@ from test_speculative_overlap import overlapped_verifications, spy_on_launches
 from test_verify_graphs import with_verify_graphs
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sequence import PENDING_TOKEN_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,18 +74,19 @@ def test_a_rejection_leaves_the_drafts_cache_right(qwen3_dir, plain):
         proposer, propose, accept = spec.proposer, spec.proposer.propose, spec.accept
         spoiled, verified = set(), []
 
-        def spoiling(seqs, num_tokens, pending=None):
-            out = propose(seqs, num_tokens, pending)
+        def spoiling(seqs, num_tokens, pending=None, **options):
+            out = propose(seqs, num_tokens, pending, **options)
             for seq, drafts in zip(seqs, out):
                 seq.num_rounds = getattr(seq, "num_rounds", 0) + 1
-                if drafts and seq.num_rounds % 3 == 0:
+                if len(drafts) > 1 and seq.num_rounds % 3 == 0:
                     drafts[0] = (drafts[0] + 1) % 300
-                    spoiled.add((seq.seq_id, tuple(drafts)))
+                    # The last draft may still be on the device (defer_last): known by the ones before it.
+                    spoiled.add((seq.seq_id, tuple(drafts[:-1])))
             return out
 
         def recording(seq, sampled, drafts):
             tokens = accept(seq, sampled, drafts)
-            verified.append(((seq.seq_id, tuple(drafts)) in spoiled, len(drafts), len(tokens) - 1))
+            verified.append(((seq.seq_id, tuple(drafts[:-1])) in spoiled, len(drafts), len(tokens) - 1))
             return tokens
 
         proposer.propose, spec.accept = spoiling, recording
@@ -131,11 +134,11 @@ def test_a_failing_proposal_leaves_no_pending_token(qwen3_dir, plain):
         proposer = llm.engine._spec.proposer
         propose, calls = proposer.propose, []
 
-        def failing(seqs, num_tokens, pending=None):
+        def failing(seqs, num_tokens, pending=None, **options):
             calls.append(pending)
             if pending is not None and len(calls) > 3:
                 raise RuntimeError("the proposer broke")
-            return propose(seqs, num_tokens, pending)
+            return propose(seqs, num_tokens, pending, **options)
 
         proposer.propose = failing
         with pytest.raises(RuntimeError, match="the proposer broke"):
@@ -143,3 +146,76 @@ def test_a_failing_proposal_leaves_no_pending_token(qwen3_dir, plain):
         assert all(-1 not in seq.token_ids for seq in llm.engine.scheduler.running)
         proposer.propose = propose
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY)] == plain
+
+
+def own_draft(model: str, k: int) -> dict:
+    return {"model": model, "num_speculative_tokens": k}
+
+
+def spy_on_fed_drafts(llm) -> list:
+    """Per verification launched, whether every row's last input (its last draft) was pending on the
+    host and fed on the device (StepBatch.prev_token_*), recorded at launch."""
+    fed, executor = [], llm.engine.executor
+    launch = executor.launch
+
+    def recording(batch, *args, **kwargs):
+        if batch.spec_token_ids:
+            last = [batch.cu_seqlens_q[row + 1] - 1 for row, drafts in
+                    zip(batch.sample_rows, batch.spec_token_ids) if drafts]
+            fed.append(all(batch.input_ids[i] == PENDING_TOKEN_ID and i in batch.prev_token_indices
+                           for i in last))
+        return launch(batch, *args, **kwargs)
+
+    executor.launch = recording
+    return fed
+
+
+@pytest.mark.parametrize("k,graphs", [(3, False), (1, True), (3, True)],
+                         ids=["k3-eager", "k1-graphs", "k3-graphs"])
+def test_the_last_draft_reaches_the_verification_on_the_device(qwen3_dir, plain, k, graphs):
+    """The draft's final step is not read before the verification is launched: each row's last draft
+    is taken on the device, and read on the host while the verification runs. With both runners'
+    verification graph sets (run eagerly here): k = 1's one draft comes from the catch-up launched there,
+    and the target's graphs place a row's first token and last draft from two steps' sampled ids."""
+    with LLM(qwen3_dir, **OPTIONS, speculative_config=own_draft(qwen3_dir, k)) as llm:
+        if graphs:
+            with_verify_graphs(llm.engine._spec.proposer.runner, 8)
+            staged = with_verify_graphs(llm.engine.executor, 32)
+        fed = spy_on_fed_drafts(llm)
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY)] == plain
+        spec = llm.engine.stats().spec_decode
+        assert all(PENDING_TOKEN_ID not in seq.spec_token_ids for seq in llm.engine.scheduler.running)
+    assert spec.num_accepted_tokens == spec.num_draft_tokens > 0
+    assert sum(fed) > len(fed) // 2
+    assert not graphs or staged
+
+
+def test_rows_with_logits_processors_get_their_last_draft_on_the_host(qwen3_dir):
+    """A repetition penalty's processors are built from the drafts before each verified position: those
+    proposals are read whole before the verification is built, and the output is plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3)
+    with LLM(qwen3_dir, **OPTIONS) as llm:
+        expected = [o["token_ids"] for o in llm.generate(PROMPTS, params)]
+    with LLM(qwen3_dir, **OPTIONS, speculative_config=own_draft(qwen3_dir, 3)) as llm:
+        fed = spy_on_fed_drafts(llm)
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, params)] == expected
+        assert llm.engine.stats().spec_decode.num_draft_tokens > 0
+    assert fed and not any(fed)
+
+
+def test_a_failing_launch_reruns_with_the_last_drafts_read(qwen3_dir, plain):
+    """A verification whose launch fails after its last drafts were left on the device runs again
+    synchronously: by then they are read, and the output is plain decoding's."""
+    with LLM(qwen3_dir, **OPTIONS, speculative_config=own_draft(qwen3_dir, 3)) as llm:
+        executor = llm.engine.executor
+        launch, failed = executor.launch, []
+
+        def failing(batch, *args, **kwargs):
+            if batch.spec_token_ids and PENDING_TOKEN_ID in batch.input_ids[1:] and len(failed) < 3:
+                failed.append(batch)
+                raise RuntimeError("the launch broke")
+            return launch(batch, *args, **kwargs)
+
+        executor.launch = failing
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY)] == plain
+    assert len(failed) == 3
