@@ -59,7 +59,7 @@ class SpeculativeDecoding:
         self.accepted_per_pos = [0] * self.spec.num_speculative_tokens
         self.num_proposed = 0  # proposal rounds since proposals were last dropped
         self.num_quiet_steps = 0  # steps left before the proposer looks again (QUIET_STEPS)
-        self.last_drafts = None  # the latest proposal's drafts left on the device (draft.LastDrafts)
+        self.last_drafts = None  # the latest proposal's drafts left on the device (draft_steps.LastDrafts)
 
     @property
     def overlaps(self) -> bool:

@@ -100,7 +100,7 @@ class DraftModelProposer:
         # Per sequence, (n, drafts): the drafts fed at positions n, n + 1, ... by its latest proposal,
         # n its num_draft_computed_tokens then. Weak: a finished sequence's entry goes with it.
         self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.last_drafts: LastDrafts | None = None  # of the latest propose(defer_last=True), until taken
+        self.last_drafts: LastDrafts | None = None  # left on the device: latest propose(defer_last=True)
 
     def propose(self, seqs: list[DraftSequence], num_tokens: list[int], pending: PendingTokens | None = None,
                 defer_last: bool = False) -> list[list[int]]:
