@@ -1,5 +1,6 @@
 """fp8 linear kernels against bf16 on Qwen3-8B's projection shapes, one CUDA GPU: for each shape and row
-count, microseconds of bf16 F.linear (cuBLAS) and at one row bf16's GEMV (kernels/skinny_gemm.py); of the
+count, microseconds of bf16 F.linear (cuBLAS), at one row bf16's GEMV (kernels/skinny_gemm.py), at 1-4
+rows its few-row GEMV (kernels/gemv_rows.py) and at 1-16 its rows kernel (kernels/skinny_rows.py); of the
 one-row fp8 GEMV, the few-row CUDA-core GEMV (1-4 rows) and the 1-16 row tensor-core kernel
 (kernels/fp8_skinny.py), over 128x128 block scales the one-row GEMV (x times each block row's scales
 first, as the engine runs it) and the 1-16 row kernel (each tile's product times its block's scale), the
@@ -37,7 +38,9 @@ from nanovllm.kernels.fp8_skinny import (
     fp8_skinny_linear,
 )
 from nanovllm.kernels.gemv_rows import MAX_ROWS as GEMV_ROWS
+from nanovllm.kernels.gemv_rows import gemv_rows_linear
 from nanovllm.kernels.skinny_gemm import skinny_linear
+from nanovllm.kernels.skinny_rows import rows_linear
 from nanovllm.layers.fp8 import dequantize, quantize_blocks, quantize_groups
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
@@ -92,8 +95,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         parser.error("it times CUDA kernels: run it on a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    columns = ("bf16", "bf16 gemv", "floor", "fp8 gemv1", "blk gemv1", "gemv rows", "fp8 rows", "blk rows",
-               "gemv16", "w8a8 ch", "w8a8 blk", "scaled_mm", "mm blk", "fp8 floor")
+    columns = ("bf16", "bf16 gemv", "bf16 gemvr", "bf16 rows", "floor", "fp8 gemv1", "blk gemv1", "gemv rows",
+               "fp8 rows", "blk rows", "gemv16", "w8a8 ch", "w8a8 blk", "scaled_mm", "mm blk", "fp8 floor")
     print(f"{'shape':13s} {'rows':>5s} " + " ".join(f"{c:>9s}" for c in columns) + "  (us)")
     for name, (n, k) in SHAPES.items():
         w16 = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
@@ -112,6 +115,9 @@ def main() -> None:
             times = {
                 "bf16": timed_us(F.linear, [(x, w) for w in w16]),
                 "bf16 gemv": timed_us(skinny_linear, [(x, w) for w in w16]) if m == 1 else NAN,
+                "bf16 gemvr": (timed_us(gemv_rows_linear, [(x, w) for w in w16]) if m <= GEMV_ROWS
+                               else NAN),
+                "bf16 rows": timed_us(rows_linear, [(x, w) for w in w16]) if m <= MAX_ROWS else NAN,
                 "floor": max(n * k * 2 / BANDWIDTH, flops / BF16_FLOPS) * 1e6,
                 "fp8 gemv1": (timed_us(lambda x, q, s, k=k: fp8_skinny_linear(x, q, s, k), channel)
                               if m == 1 else NAN),
