@@ -36,6 +36,7 @@ import torch
 
 from nanovllm.kernels import gemv_rows
 from nanovllm.kernels.common import sm_count
+from nanovllm.kernels.fp8_block_gemv import launch_block_gemv
 from nanovllm.kernels.skinny_gemm import check_one_row, launch_gemv
 from nanovllm.kernels.skinny_launch import SkinnyConfig, skinny_config
 from nanovllm.kernels.skinny_rows import MAX_ROWS, MIN_COLUMN_BLOCKS, SPLIT_K, RowsConfig, launch_rows
@@ -122,6 +123,22 @@ def fp8_skinny_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: 
     scaled = (x.view(1, groups, inputs) * block_scale[:, :groups, None]).view(n // rows, groups * inputs)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     return launch_gemv(scaled, weight, bias, out, config, pdl, x_block_stride=groups * inputs, x_rows=rows)
+
+
+def fp8_block_gemv_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
+                          block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False
+                          ) -> torch.Tensor:
+    """What fp8_skinny_block_linear computes, in one kernel (kernels/fp8_block_gemv.py): each K tile
+    runs of inputs inside one block, a scale a run; `inputs` a power of two."""
+    n, k = weight.shape
+    rows, inputs = block
+    config = skinny_config(n, k, 1, sm_count(x.device))
+    check_one_row(x, k, "x")
+    if inputs & (inputs - 1):
+        raise ValueError(f"blocks of {inputs} inputs: the block GEMV's runs take a power of two")
+    _check_blocks(x, weight, block_scale, block, config.block_n, bias)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    return launch_block_gemv(x, weight, block_scale, block, bias, out, config, pdl)
 
 
 def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,

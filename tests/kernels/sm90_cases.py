@@ -53,6 +53,7 @@ def cases() -> dict:
         decode_inputs,
         decode_launch,
         decode_rope,
+        fp8_block_gemv,
         fp8_gemm,
         fp8_gemv,
         fused_moe,
@@ -191,6 +192,18 @@ def cases() -> dict:
             dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=5, PDL=True,
                  PRELOAD=2, SCALED=False, X_ROWS=128),
             dict(FP8_WEIGHT, x_ptr="*fp32"), dict(launch_pdl=True)),
+        # One row of a 128 x 128 block-scaled weight in one kernel (kernels/fp8_block_gemv.py): tiles of
+        # runs inside one block, a scale a run.
+        "fp8-block-gemv-pdl": (
+            fp8_block_gemv._block_gemv_kernel,
+            dict(BLOCK_N=16, GROUPS=2, WIDTH=128, ROWS=128, INPUTS=128, HAS_BIAS=False, WRITE_PARTIAL=False,
+                 NUM_STAGES=5, PDL=True, PRELOAD=2),
+            {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, dict(launch_pdl=True)),
+        "fp8-block-gemv-split": (
+            fp8_block_gemv._block_gemv_kernel,
+            dict(BLOCK_N=4, GROUPS=8, WIDTH=128, ROWS=128, INPUTS=128, HAS_BIAS=True, WRITE_PARTIAL=True,
+                 NUM_STAGES=3, PDL=False, PRELOAD=0),
+            {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
         "skinny-gemm-fp8-split-k": (
             skinny_gemm._skinny_gemm_kernel,
             dict(BLOCK_N=4, BLOCK_K=1024, HAS_BIAS=True, WRITE_PARTIAL=True, NUM_STAGES=3, PDL=False,

@@ -12,7 +12,9 @@ from conftest import triton_test_device
 pytest.importorskip("triton")
 
 from nanovllm.kernels import gemv_rows, skinny_gemm  # noqa: E402
+from nanovllm.kernels.fp8_block_gemv import launch_block_gemv  # noqa: E402
 from nanovllm.kernels.fp8_skinny import (  # noqa: E402
+    fp8_block_gemv_linear,
     fp8_gemv_rows_linear,
     fp8_rows_block_linear,
     fp8_rows_config,
@@ -73,6 +75,34 @@ def test_block_scaled_row_matches_the_weight_only_reference(n, k, block, dtype):
     weight."""
     x, weight, scales, bias, expected = block_case(n, k, block, 1, dtype)
     assert_close(fp8_skinny_block_linear(x, weight, scales, block, bias), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,block", [shape for shape in BLOCK_SHAPES if shape[2][1] != 48]
+                         + [(64, 512, (16, 256)), (64, 64, (16, 128))])
+def test_block_gemv_in_one_kernel_matches_the_weight_only_reference(n, k, block, dtype):
+    """fp8_block_gemv_linear: each tile's runs inside one block times their scale; also blocks as wide as
+    a tile (256 inputs) or wider (128 inputs, K = 64: one run a tile), and a long K split in K."""
+    x, weight, scales, bias, expected = block_case(n, k, block, 1, dtype)
+    assert_close(fp8_block_gemv_linear(x, weight, scales, block, bias), expected, dtype)
+
+
+@pytest.mark.parametrize("preload", [1, 2])
+def test_block_gemv_preloaded_tiles_give_the_same_bits(preload):
+    """Tiles loaded ahead of the loop (as under PDL) give what the loop alone gives."""
+    x, weight, scales, _, _ = block_case(128, 1024, (128, 128), 1, torch.float32)
+    config = skinny_gemm.skinny_config(128, 1024, 1, 132)
+    outs = [launch_block_gemv(x, weight, scales, (128, 128), None, torch.empty(1, 128, device=DEVICE),
+                              dataclasses.replace(config, block_k=256, split_k=1, preload=p), False)
+            for p in (0, preload)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_block_gemv_refuses_runs_no_tile_takes():
+    x = torch.randn(1, 96).to(DEVICE)
+    weight = torch.zeros(64, 96, dtype=torch.float8_e4m3fn, device=DEVICE)
+    with pytest.raises(ValueError, match="blocks of 48 inputs"):
+        fp8_block_gemv_linear(x, weight, torch.ones(4, 2, device=DEVICE), (16, 48))
 
 
 def block_case(n: int, k: int, block: tuple[int, int], rows: int, dtype: torch.dtype) -> tuple:
