@@ -26,7 +26,8 @@ scaled up front (fp8_skinny_block_linear): one elementwise product makes x times
 [N / 128, K] float32, and each program reads the row of its columns' block row, with no scale in its
 loop. One stream of Qwen3-8B took 4.65 ms a token so, against 6.85 with a scale load an input in the
 GEMV's loop and 5.90 with one a tile (tiles inside one group), per-channel weights 3.07 (an H200,
-2026-12-04, docs/performance-notes.md, "fp8 weights"). 1 to 16 rows of one may run the rows kernel with
+2026-12-04, docs/performance-notes.md, "fp8 weights"). fp8_block_gemv_linear computes the same in one
+kernel (kernels/fp8_block_gemv.py; not yet timed on a GPU). 1 to 16 rows of one may run the rows kernel with
 tiles inside one block, each tile's product times its block's scale (fp8_rows_block_linear; not yet timed
 on a GPU). The weight layout is layers/fp8.py's."""
 
