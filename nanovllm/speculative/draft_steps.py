@@ -66,7 +66,7 @@ def read_step(proposals: list[list[int]], active: list[int], pending: object, ro
 
 
 def feed_pending(batch: StepBatch, seqs: list[DraftSequence], rows: list[DraftRow],
-                  pending: PendingTokens | None) -> object:
+                 pending: PendingTokens | None) -> object:
     """Point batch's inputs that are a pending token (a row's last, in the overlap loop) at the step in
     flight's sampled id for it; returns that step for the launch, or None when no input is pending."""
     end = 0
