@@ -2,10 +2,9 @@
 count, microseconds of bf16 F.linear (cuBLAS), at one row bf16's GEMV (kernels/skinny_gemm.py), at 1-4
 rows its few-row GEMV (kernels/gemv_rows.py) and at 1-16 its rows kernel (kernels/skinny_rows.py); of the
 one-row fp8 GEMV, the few-row CUDA-core GEMV (1-4 rows) and the 1-16 row tensor-core kernel
-(kernels/fp8_skinny.py), over 128x128 block scales the one-row GEMV (x times each block row's scales
-first, as the engine runs it; and in one kernel, a scale a run of a tile: "blk gemv1f") and the 1-16 row
-kernel (each tile's product times its block's scale), the W8A16 tensor-core GEMV (up to 16 rows; what
-block scales run at 2-16 rows in the engine), the Triton W8A8 GEMM with per-channel and 128x128 block
+(kernels/fp8_skinny.py), over 128x128 block scales the one-row GEMV (a scale a run of a tile) and the
+1-16 row kernel (each tile's product times its block's scale), as the engine runs them, the W8A16
+tensor-core GEMV (up to 16 rows), the Triton W8A8 GEMM with per-channel and 128x128 block
 scales, torch._scaled_mm with row-wise scales, and torch's block-scaled GEMM (F.scaled_mm, 1x128
 activation and 128x128 weight scales: what block-scaled checkpoints run from 17 rows, with a per-shape
 check of its error against the dequantized product; n/a where this torch lacks it); each beside its
@@ -35,7 +34,6 @@ from nanovllm.kernels.fp8_skinny import (
     fp8_gemv_rows_linear,
     fp8_rows_block_linear,
     fp8_rows_linear,
-    fp8_skinny_block_linear,
     fp8_skinny_linear,
 )
 from nanovllm.kernels.gemv_rows import MAX_ROWS as GEMV_ROWS
@@ -97,8 +95,8 @@ def main() -> None:
         parser.error("it times CUDA kernels: run it on a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     columns = ("bf16", "bf16 gemv", "bf16 gemvr", "bf16 rows", "floor", "fp8 gemv1", "blk gemv1",
-               "blk gemv1f", "gemv rows", "fp8 rows", "blk rows", "gemv16", "w8a8 ch", "w8a8 blk",
-               "scaled_mm", "mm blk", "fp8 floor")
+               "gemv rows", "fp8 rows", "blk rows", "gemv16", "w8a8 ch", "w8a8 blk", "scaled_mm", "mm blk",
+               "fp8 floor")
     print(f"{'shape':13s} {'rows':>5s} " + " ".join(f"{c:>9s}" for c in columns) + "  (us)")
     for name, (n, k) in SHAPES.items():
         w16 = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
@@ -123,15 +121,15 @@ def main() -> None:
                 "floor": max(n * k * 2 / BANDWIDTH, flops / BF16_FLOPS) * 1e6,
                 "fp8 gemv1": (timed_us(lambda x, q, s, k=k: fp8_skinny_linear(x, q, s, k), channel)
                               if m == 1 else NAN),
-                "blk gemv1": (timed_us(lambda x, q, s: fp8_skinny_block_linear(x, q, s, (128, 128)), padded)
-                              if m == 1 else NAN),
-                "blk gemv1f": (timed_us(lambda x, q, s: fp8_block_gemv_linear(x, q, s, (128, 128)), padded)
+                "blk gemv1": (timed_us(lambda x, q, s: fp8_block_gemv_linear(x, q, s, (128, 128)),
+                                       [(x, q, s) for q, s in padded])
                                if m == 1 else NAN),
                 "gemv rows": (timed_us(lambda x, q, s, k=k: fp8_gemv_rows_linear(x, q, s, k), channel)
                               if m <= GEMV_ROWS else NAN),
                 "fp8 rows": (timed_us(lambda x, q, s, k=k: fp8_rows_linear(x, q, s, k), channel)
                              if m <= MAX_ROWS else NAN),
-                "blk rows": (timed_us(lambda x, q, s: fp8_rows_block_linear(x, q, s, (128, 128)), padded)
+                "blk rows": (timed_us(lambda x, q, s: fp8_rows_block_linear(x, q, s, (128, 128)),
+                                       [(x, q, s) for q, s in padded])
                              if m <= MAX_ROWS else NAN),
                 "gemv16": (timed_us(lambda x, q, s, k=k: fp8_gemv_linear(x, q, s, k, None), channel)
                            if m <= MAX_ROWS else NAN),

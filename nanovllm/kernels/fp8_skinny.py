@@ -21,15 +21,14 @@ GEMV took 12.5 / 9.4 / 39.7 / 20.1 us at two rows, where the rows kernel's best 
 43.8 with bf16's (rows_config), against kernels/fp8_gemv.py's 20.5 / 12.5 / 58.4 / 26.3 and bf16 cuBLAS's
 15.7 / 13.1 / 48.8 / 28.4. The GEMV lost from four rows (18.2 / 13.5 / 59.9 / 31.3).
 
-One row of a block-scaled weight (128 x 128 blocks, Qwen's FP8 checkpoints) runs the same GEMV over x
-scaled up front (fp8_skinny_block_linear): one elementwise product makes x times each block row's scales,
-[N / 128, K] float32, and each program reads the row of its columns' block row, with no scale in its
-loop. One stream of Qwen3-8B took 4.65 ms a token so, against 6.85 with a scale load an input in the
-GEMV's loop and 5.90 with one a tile (tiles inside one group), per-channel weights 3.07 (an H200,
-2026-12-04, docs/performance-notes.md, "fp8 weights"). fp8_block_gemv_linear computes the same in one
-kernel (kernels/fp8_block_gemv.py; not yet timed on a GPU). 1 to 16 rows of one may run the rows kernel with
-tiles inside one block, each tile's product times its block's scale (fp8_rows_block_linear; not yet timed
-on a GPU). The weight layout is layers/fp8.py's."""
+One row of a block-scaled weight (128 x 128 blocks, Qwen's FP8 checkpoints) runs kernels/fp8_block_gemv.py
+(fp8_block_gemv_linear): tiles of runs inside one block, a scale a run. Graph-timed on an H200 at
+Qwen3-8B's shapes it took 10.5 / 8.2 / 32.5 / 18.1 us, where the same GEMV over x times each block row's
+scales (a [N / 128, K] float32 product first) took 16.1 / 13.0 / 44.5 / 24.7; one stream of Qwen3-8B 3.63
+ms a token against 4.53 (2026-12-04, docs/performance-notes.md, "fp8 weights"). 2 to 16 rows of one run
+the rows kernel with tiles inside one block, each tile's product times its block's scale
+(fp8_rows_block_linear): 15.3 / 11.6 / 49.9 / 24.7 us at five rows, where kernels/fp8_gemv.py took 20.8 /
+19.3 / 48.0 / 47.3. The weight layout is layers/fp8.py's."""
 
 import dataclasses
 
@@ -104,33 +103,13 @@ def _check_blocks(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tens
     return groups
 
 
-def fp8_skinny_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
-                            block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False
-                            ) -> torch.Tensor:
-    """x [1, K] @ (weight [N, K] e4m3 * block_scale [N / rows, K / inputs] a block = (rows, inputs))^T
-    (+ bias) in x's dtype, float32 sums: x times each block row's scales first ([N / rows, K] float32, one
-    elementwise product), then the one-row GEMV over the e4m3 weight, each program reading its block row's
-    scaled x (its columns lie in one block row). The scales' rows may be padded past K / inputs, as
-    kernels/fp8_gemm.padded_block_scales pads them. The weight-only reference's sum, reassociated."""
-    n, k = weight.shape
-    rows, inputs = block
-    config = skinny_config(n, k, 1, sm_count(x.device))
-    check_one_row(x, k, "x")
-    groups = _check_blocks(x, weight, block_scale, block, config.block_n, bias)
-    if groups * inputs != k:
-        x = torch.nn.functional.pad(x, (0, groups * inputs - k))
-    # x widened to float32 and times the scale: the products the GEMV would otherwise form a tile at a
-    # time (a scale load in its loop: 1.5-2x its time, docs/performance-notes.md, "fp8 weights").
-    scaled = (x.view(1, groups, inputs) * block_scale[:, :groups, None]).view(n // rows, groups * inputs)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    return launch_gemv(scaled, weight, bias, out, config, pdl, x_block_stride=groups * inputs, x_rows=rows)
-
-
 def fp8_block_gemv_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
                           block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False
                           ) -> torch.Tensor:
-    """What fp8_skinny_block_linear computes, in one kernel (kernels/fp8_block_gemv.py): each K tile
-    runs of inputs inside one block, a scale a run; `inputs` a power of two."""
+    """x [1, K] @ (weight [N, K] e4m3 * block_scale [N / rows, K / inputs] a block = (rows, inputs))^T
+    (+ bias) in x's dtype, float32 sums, in one kernel (kernels/fp8_block_gemv.py): each K tile runs of
+    inputs inside one block, a scale a run; `inputs` a power of two. The scales' rows may be padded past
+    K / inputs, as kernels/fp8_gemm.padded_block_scales pads them."""
     n, k = weight.shape
     rows, inputs = block
     config = skinny_config(n, k, 1, sm_count(x.device))

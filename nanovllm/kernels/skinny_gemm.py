@@ -72,7 +72,7 @@ def weight_tile(w_rows, k, k_end, offs):
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr,  # [K], contiguous ([2K] for SILU_MUL: gate then up); rows x_block_stride apart, see there
+    x_ptr,  # [K], contiguous ([2K] for SILU_MUL: gate then up)
     w_ptr,
     bias_ptr,
     out_ptr,  # [N] in x's dtype, or with WRITE_PARTIAL a [split_k, N] float32 workspace
@@ -85,9 +85,6 @@ def _skinny_gemm_kernel(
     stride_wn,
     tiles_per_split,  # K tiles per split (a tile count, so the compiler sees k is a multiple of BLOCK_K)
     w_scale_ptr,  # SCALED: an fp8 weight's float32 [N] scales, one a row (weight[n, k] * w_scale[n])
-    # 0, or x holds a row for each X_ROWS weight rows, this far apart (a block-scaled fp8 weight's x, times
-    # each block row's scales: kernels/fp8_skinny.py); BLOCK_N divides X_ROWS
-    x_block_stride,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -97,11 +94,9 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before
     PRELOAD: tl.constexpr = 0,  # weight tiles (0-2) loaded first: before the wait under PDL
     SCALED: tl.constexpr = False,  # fp8 weights: their row's scale multiplies the finished sums
-    X_ROWS: tl.constexpr = 128,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    x_ptr += (pid_n * BLOCK_N // X_ROWS) * x_block_stride
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # Columns past N read the last real weight row instead of being masked (their sums are never
@@ -191,12 +186,10 @@ def skinny_linear(
 
 
 def launch_gemv(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.constexpr = PLAIN,
-                residual=None, summed=None, norm_weight=None, eps: float = 0.0, weight_scale=None,
-                x_block_stride: int = 0, x_rows: int = 128) -> torch.Tensor:
+                residual=None, summed=None, norm_weight=None, eps: float = 0.0, weight_scale=None
+                ) -> torch.Tensor:
     """The kernel's launch, arguments unchecked (the entry points here and kernels/fp8_skinny.py check
     them). weight_scale: an e4m3 weight's float32 scales, one a row ([N] or [N, 1], contiguous).
-    x_block_stride: 0, or x is [N / x_rows, x_block_stride] and program columns n read its row n // x_rows
-    (x_rows a multiple of config.block_n).
     Under PDL (programmatic dependent launch, sm_90+) the kernel may start while the kernel before it
     runs: it loads its first weight tiles, waits for that kernel's results, then lets the next launch.
     Everything it reads before the wait (the weight) no kernel writes, so this is race-free; the
@@ -219,7 +212,6 @@ def launch_gemv(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue:
         weight.stride(0),
         split.tiles_per_split,
         weight_scale if weight_scale is not None else x,  # never read unless SCALED
-        x_block_stride,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         HAS_BIAS=bias is not None,
@@ -232,7 +224,6 @@ def launch_gemv(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue:
                     split.tiles_per_split),
         launch_pdl=pdl,
         SCALED=weight_scale is not None,
-        X_ROWS=x_rows,
     )
     return reduce_split_k(target, bias, out) if write_partial else out
 

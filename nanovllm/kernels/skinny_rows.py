@@ -46,8 +46,13 @@ MAX_ROWS = ROWS
 # in 16-row ones; down_proj (K = 3072) split in four (211 us against 218-231 unsplit or in two), o_proj
 # (K = 2048) unsplit, 5 stages. In the engine (decode graphs at 2-16 rows) the norm-folded launches
 # without preloaded tiles took 40-70 us a step less than with two.
+# At Qwen3-8B's shapes (scripts/rows_sweep.py, 2026-12-04, commit after 91c0e4f) the split lost: o_proj
+# (N = 4096, K = 4096) 12.0 us unsplit against 19.1 split in four, down_proj (K = 12288) 28-29 against 35
+# at 5-16 rows; the float32 partials' reduce is a second, plain launch. So only outputs narrower than
+# SPLIT_BELOW_N, whose column blocks leave SMs idle, split.
 MIN_COLUMN_BLOCKS = 64
 SPLIT_ABOVE_TILES = 8
+SPLIT_BELOW_N = 2048
 SPLIT_K = 4
 
 
@@ -201,10 +206,11 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
 def rows_config(n: int, k: int, prologue: tl.constexpr = PLAIN) -> RowsConfig:
     """Launch settings from shapes alone: a column block of 64 weight rows at 4 warps (16 a warp, the dot's
     whole layout) where that still gives MIN_COLUMN_BLOCKS programs, else 16 rows at 2 warps; split-K for a
-    plain launch over more than SPLIT_ABOVE_TILES tiles."""
+    plain launch narrower than SPLIT_BELOW_N over more than SPLIT_ABOVE_TILES tiles."""
     block_n, num_warps = (64, 4) if triton.cdiv(n, 64) >= MIN_COLUMN_BLOCKS else (16, 2)
     block_k = max(16, min(256, triton.next_power_of_2(k)))
-    split_k = SPLIT_K if prologue == PLAIN and triton.cdiv(k, block_k) > SPLIT_ABOVE_TILES else 1
+    split = prologue == PLAIN and n < SPLIT_BELOW_N and triton.cdiv(k, block_k) > SPLIT_ABOVE_TILES
+    split_k = SPLIT_K if split else 1
     num_stages = 5 if block_n == 16 else 4
     # Two preloaded 64-row tiles are 128 registers a thread held across the norm's prologue.
     preload = 0 if prologue in (RMS_NORM, ADD_RMS_NORM) else 2

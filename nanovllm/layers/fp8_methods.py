@@ -9,9 +9,9 @@ Triton here).
 - `Fp8ScaledMmLinearMethod` (one scale a row, sm_90+): one row through bf16's GEMV over the e4m3 weight
   (kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), 2-16 rows through bf16's
   few-row kernels over it (the same file), and from 17 torch._scaled_mm.
-- `Fp8BlockScaledMmLinearMethod` (128 x 128 blocks, sm_90): one row through bf16's GEMV over the e4m3
-  weight with x scaled per block as it is read, 2-16 rows as the Triton method, then torch's block-scaled
-  GEMM."""
+- `Fp8BlockScaledMmLinearMethod` (128 x 128 blocks, sm_90): one row through a GEMV with a scale a run of
+  each tile, 2-16 rows through bf16's rows kernel with each tile's product times its block's scale (both
+  kernels/fp8_skinny.py), then torch's block-scaled GEMM."""
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +35,22 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl)
 
 
-def fp8_skinny_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+def fp8_gemv_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                       bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     blocks = getattr(weight_scale, "blocks", None)  # Fp8BlockScaledMmLinearMethod's compact scales
     if blocks is None:  # a layer whose scales are not whole 128 x 128 blocks
         return fp8_gemv(x, weight, weight_scale, group, bias, pdl)
-    from nanovllm.kernels.fp8_skinny import fp8_skinny_block_linear
-    return fp8_skinny_block_linear(x, weight, blocks, BLOCK_SCALED_MM_BLOCK, bias, pdl)
+    from nanovllm.kernels.fp8_skinny import fp8_block_gemv_linear
+    return fp8_block_gemv_linear(x, weight, blocks, BLOCK_SCALED_MM_BLOCK, bias, pdl)
+
+
+def fp8_rows_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                    bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    blocks = getattr(weight_scale, "blocks", None)
+    if blocks is None or x.dtype == torch.float32:  # no whole blocks; float32's dot would run as TF32
+        return fp8_gemv(x, weight, weight_scale, group, bias, pdl)
+    from nanovllm.kernels.fp8_skinny import fp8_rows_block_linear
+    return fp8_rows_block_linear(x, weight, blocks, BLOCK_SCALED_MM_BLOCK, bias, pdl)
 
 
 def fp8_gemv_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -127,17 +136,18 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
 
 class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):
     """128 x 128 block-scaled checkpoints (Qwen's FP8 releases) on sm_90 where torch has its block-scaled
-    GEMM: one row through bf16's one-row GEMV over the e4m3 weight, x times each block row's scales first
-    (kernels/fp8_skinny.fp8_skinny_block_linear; one stream of Qwen3-8B 4.65 ms a token, 8.33 through
-    kernels/fp8_gemv.py, per-channel weights 3.07: H200, 2026-12-04), 2-16 rows the W8A16
-    GEMV as Fp8TritonLinearMethod, from 17 torch.nn.functional.scaled_mm
-    with 1 x 128 activation and 128 x 128 weight scales (cuBLASLt). Graph-timed on an H200 at Qwen3-8B's
-    shapes it took 0.4-0.5x the Triton block GEMM's time at 256 and 4,096 rows, about bf16 cuBLAS's
-    (relative error 2.7-3.0e-3 against the dequantized product; at 16 rows 1.3x the GEMV's). The compact
-    scales it needs sit on the weight_scale parameter (`blocks`); a layer without whole blocks keeps the
-    Triton GEMM."""
+    GEMM. One row: a GEMV whose tiles are runs inside one block, a scale a run (kernels/fp8_block_gemv.py;
+    one stream of Qwen3-8B 3.63 ms a token, 4.53 with x times each block row's scales first and bf16's
+    GEMV after, 8.33 through kernels/fp8_gemv.py; per-channel weights 3.09: H200, 2026-12-04). 2-16 rows:
+    bf16's rows kernel over the e4m3 weight, each tile's product times its block's scale (at five rows of
+    Qwen3-8B's shapes 15.3 / 11.6 / 49.9 / 24.7 us against fp8_gemv's 20.8 / 19.3 / 48.0 / 47.3), float32
+    activations through fp8_gemv. From 17, torch.nn.functional.scaled_mm with 1 x 128 activation and 128 x
+    128 weight scales (cuBLASLt). Graph-timed on an H200 at Qwen3-8B's shapes it took 0.4-0.5x the Triton
+    block GEMM's time at 256 and 4,096 rows, about bf16 cuBLAS's (relative error 2.7-3.0e-3 against the
+    dequantized product). The compact scales the three need sit on the weight_scale parameter (`blocks`);
+    a layer without whole blocks keeps the Triton kernels."""
 
-    BUCKETS = (Bucket(1, fp8_skinny_blocks), Bucket(16, fp8_gemv), Bucket(None, fp8_block_scaled_mm))
+    BUCKETS = (Bucket(1, fp8_gemv_blocks), Bucket(16, fp8_rows_blocks), Bucket(None, fp8_block_scaled_mm))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         super().process_weights_after_loading(layer)

@@ -187,11 +187,6 @@ def cases() -> dict:
             dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=5,
                  PROLOGUE=skinny_gemm.ADD_RMS_NORM.value, PDL=True, PRELOAD=2, SCALED=True),
             FP8_WEIGHT, dict(launch_pdl=True)),
-        "skinny-gemm-fp8-blocks-pdl": (  # one row of a 128 x 128 block-scaled weight: x scaled a block row
-            skinny_gemm._skinny_gemm_kernel,
-            dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=5, PDL=True,
-                 PRELOAD=2, SCALED=False, X_ROWS=128),
-            dict(FP8_WEIGHT, x_ptr="*fp32"), dict(launch_pdl=True)),
         # One row of a 128 x 128 block-scaled weight in one kernel (kernels/fp8_block_gemv.py): tiles of
         # runs inside one block, a scale a run.
         "fp8-block-gemv-pdl": (

@@ -19,7 +19,6 @@ from nanovllm.kernels.fp8_skinny import (  # noqa: E402
     fp8_rows_block_linear,
     fp8_rows_config,
     fp8_rows_linear,
-    fp8_skinny_block_linear,
     fp8_skinny_linear,
 )
 from nanovllm.layers.fp8 import fp8_weight_only_linear, quantize_groups  # noqa: E402
@@ -62,24 +61,13 @@ def test_matches_the_weight_only_reference(n, k, dtype, with_bias):
 
 
 # (N, K, block): Qwen's 128 x 128 blocks with K = 384 (3 groups, scale rows padded to 4 as the linear
-# method keeps them) and with a long K (split-K); small blocks, 3 groups of 32 inputs; groups of 48; K
-# ending inside a group (80 = 2.5 groups of 32: x padded).
-BLOCK_SHAPES = [(256, 384, (128, 128)), (128, 4096, (128, 128)), (64, 96, (16, 32)), (64, 96, (16, 48)),
-                (64, 80, (16, 32))]
+# method keeps them) and with a long K (split-K); small blocks, 3 groups of 32 inputs; K ending inside a
+# group (80 = 2.5 groups of 32).
+BLOCK_SHAPES = [(256, 384, (128, 128)), (128, 4096, (128, 128)), (64, 96, (16, 32)), (64, 80, (16, 32))]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k,block", BLOCK_SHAPES)
-def test_block_scaled_row_matches_the_weight_only_reference(n, k, block, dtype):
-    """fp8_skinny_block_linear: x times each block row's scales, then the GEMV, against the dequantized
-    weight."""
-    x, weight, scales, bias, expected = block_case(n, k, block, 1, dtype)
-    assert_close(fp8_skinny_block_linear(x, weight, scales, block, bias), expected, dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k,block", [shape for shape in BLOCK_SHAPES if shape[2][1] != 48]
-                         + [(64, 512, (16, 256)), (64, 64, (16, 128))])
+@pytest.mark.parametrize("n,k,block", BLOCK_SHAPES + [(64, 512, (16, 256)), (64, 64, (16, 128))])
 def test_block_gemv_in_one_kernel_matches_the_weight_only_reference(n, k, block, dtype):
     """fp8_block_gemv_linear: each tile's runs inside one block times their scale; also blocks as wide as
     a tile (256 inputs) or wider (128 inputs, K = 64: one run a tile), and a long K split in K."""
@@ -124,9 +112,9 @@ def test_block_scaled_row_refuses_blocks_it_cannot_tile():
     x = torch.randn(1, 96).to(DEVICE)
     weight = torch.zeros(48, 96, dtype=torch.float8_e4m3fn, device=DEVICE)
     with pytest.raises(ValueError, match="6-row blocks do not tile 48 outputs"):  # programs of 4-16 columns
-        fp8_skinny_block_linear(x, weight, torch.ones(8, 3, device=DEVICE), (6, 32))
+        fp8_block_gemv_linear(x, weight, torch.ones(8, 3, device=DEVICE), (6, 32))
     with pytest.raises(ValueError, match=r"block_scale \(2, 2\) torch.float32 must be float32 \(3, 3\)"):
-        fp8_skinny_block_linear(x, weight, torch.ones(2, 2, device=DEVICE), (16, 32))
+        fp8_block_gemv_linear(x, weight, torch.ones(2, 2, device=DEVICE), (16, 32))
 
 
 def test_the_shapes_exercise_split_k_and_a_single_launch():

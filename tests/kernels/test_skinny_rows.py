@@ -119,7 +119,8 @@ def test_bad_arguments_raise_value_errors():
 
 
 def test_launch_settings_follow_the_measured_shapes():
-    """Qwen3-0.6B's linears get the settings that measured fastest (skinny_rows.MIN_COLUMN_BLOCKS)."""
+    """Qwen3-0.6B's and 8B's linears get the settings that measured fastest (skinny_rows.MIN_COLUMN_BLOCKS,
+    SPLIT_BELOW_N)."""
     config = skinny_rows.rows_config
     assert config(4096, 1024, skinny_rows.ADD_RMS_NORM) == RowsConfig(64, 256, 1, 4, 4, preload=0)  # q/k/v
     assert config(6144, 1024, skinny_rows.ADD_RMS_NORM) == RowsConfig(64, 256, 1, 4, 4, preload=0)  # gate/up
@@ -127,6 +128,9 @@ def test_launch_settings_follow_the_measured_shapes():
     assert config(1024, 3072) == RowsConfig(16, 256, 4, 2, 5)  # down_proj: 12 tiles, split in four
     assert config(1024, 3072, skinny_rows.RMS_NORM).split_k == 1  # a norm is never split
     assert config(151936, 1024).block_n == 64  # the LM head
+    # Qwen3-8B's o_proj and down_proj: outputs of 4096 run unsplit (skinny_rows.SPLIT_BELOW_N)
+    assert config(4096, 4096) == RowsConfig(64, 256, 1, 4, 4)
+    assert config(4096, 12288) == RowsConfig(64, 256, 1, 4, 4)
     assert config(64, 40) == RowsConfig(16, 64, 1, 2, 5)  # K tiles no wider than K
 
 

@@ -100,7 +100,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "rope-store-int8", "prefill-int8", "decode-int8-large-batch-one-split",
               "decode-int8-small-batch", "decode-rope-int8-pdl",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "skinny-gemm-pdl",
-              "skinny-gemm-fp8-add-rms-norm-pdl", "skinny-gemm-fp8-blocks-pdl",
+              "skinny-gemm-fp8-add-rms-norm-pdl",
               "skinny-gemm-fp8-split-k",
               "fp8-block-gemv-pdl", "fp8-block-gemv-split",
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split", "skinny-rows-fp8-pdl",

@@ -84,9 +84,9 @@ def test_fp8_kernels_run_on_gpus_with_fp8_tensor_cores(device, capability, block
     assert type(chosen) is method and chosen.pdl
     names = [chosen.bucket(rows).plain.__name__ for rows in (1, 16, 17, 4096)]
     # One scale a row on sm_90: bf16's one-row and few-row kernels over the e4m3 weight; 128 x 128 blocks
-    # there: bf16's one-row kernel, x scaled per block.
+    # there: the block GEMV at one row, the rows kernel scaling each tile's product at 2-16.
     few = {Fp8ScaledMmLinearMethod: ["fp8_skinny", "fp8_rows"],
-           Fp8BlockScaledMmLinearMethod: ["fp8_skinny_blocks", "fp8_gemv"]}.get(method, ["fp8_gemv"] * 2)
+           Fp8BlockScaledMmLinearMethod: ["fp8_gemv_blocks", "fp8_rows_blocks"]}.get(method, ["fp8_gemv"] * 2)
     assert names == (few + [gemm] * 2 if gemm else ["fp8_dequant_linear"] * 4)
 
 
@@ -109,7 +109,8 @@ def test_block_scales_are_compact_only_where_the_weight_is_whole_blocks():
 
 def test_the_block_method_falls_back_to_the_triton_gemm_without_whole_blocks(monkeypatch):
     """Its kernel from 17 rows takes torch's block-scaled GEMM with the compact scales, and the Triton
-    GEMM where the layer has none; one row the block-scaling GEMV, or the W8A16 GEMV without them."""
+    GEMM where the layer has none; one row the block GEMV and 2-16 rows the block rows kernel, or the W8A16
+    GEMV without them (and for float32 rows, which the rows kernel's dot would round to TF32)."""
     from nanovllm.kernels import fp8_gemm
     from nanovllm.layers import fp8_methods
 
@@ -118,7 +119,7 @@ def test_the_block_method_falls_back_to_the_triton_gemm_without_whole_blocks(mon
         ("torch", tuple(blocks.shape))) or x.new_zeros(x.shape[0], w.shape[0]))
     monkeypatch.setattr(fp8_methods, "fp8_gemm", lambda *args: calls.append(("triton",)))
     method = Fp8BlockScaledMmLinearMethod(Fp8Scheme((128, 128), True))
-    assert [method.bucket(r).plain.__name__ for r in (1, 16, 17)] == ["fp8_skinny_blocks", "fp8_gemv",
+    assert [method.bucket(r).plain.__name__ for r in (1, 16, 17)] == ["fp8_gemv_blocks", "fp8_rows_blocks",
                                                                       "fp8_block_scaled_mm"]
     layer = ReplicatedLinear(384, 256, bias=False, quant_method=method)  # loaded: the per-row layout
     layer.weight_scale_inv.data.copy_((torch.rand(2, 3) + 0.5).repeat_interleave(128, dim=0))
@@ -129,17 +130,22 @@ def test_the_block_method_falls_back_to_the_triton_gemm_without_whole_blocks(mon
     scale.blocks = None
     fp8_methods.fp8_block_scaled_mm(x, layer.weight, scale, 128, None)
     assert calls == [("torch", (2, 4)), ("triton",)]  # K blocks padded to 4: padded_block_scales
-    # One row: the GEMV scaling x per block with the compact scales, the W8A16 GEMV without them.
+    # 1 and 2-16 rows: the block kernels with the compact scales, the W8A16 GEMV without them.
     from nanovllm.kernels import fp8_skinny
     calls.clear()
-    monkeypatch.setattr(fp8_skinny, "fp8_skinny_block_linear", lambda x, w, blocks, block, bias, pdl:
-                        calls.append(("blocks", tuple(blocks.shape), block)))
-    monkeypatch.setattr(fp8_methods, "fp8_gemv", lambda *args: calls.append(("gemv",)))
+    for name in ("fp8_block_gemv_linear", "fp8_rows_block_linear"):
+        monkeypatch.setattr(fp8_skinny, name, lambda x, w, blocks, block, bias, pdl, name=name:
+                            calls.append((name, x.shape[0], tuple(blocks.shape), block)))
+    monkeypatch.setattr(fp8_methods, "fp8_gemv", lambda x, *args: calls.append(("gemv", x.shape[0])))
     scale.blocks = block_scales(scale.data, layer.weight, (128, 128))
-    fp8_methods.fp8_skinny_blocks(x[:1], layer.weight, scale, 128, None)
+    fp8_methods.fp8_gemv_blocks(x[:1], layer.weight, scale, 128, None)
+    fp8_methods.fp8_rows_blocks(x[:5], layer.weight, scale, 128, None)
+    fp8_methods.fp8_rows_blocks(x[:5].float(), layer.weight, scale, 128, None)
     scale.blocks = None
-    fp8_methods.fp8_skinny_blocks(x[:1], layer.weight, scale, 128, None)
-    assert calls == [("blocks", (2, 4), (128, 128)), ("gemv",)]
+    fp8_methods.fp8_gemv_blocks(x[:1], layer.weight, scale, 128, None)
+    fp8_methods.fp8_rows_blocks(x[:5], layer.weight, scale, 128, None)
+    assert calls == [("fp8_block_gemv_linear", 1, (2, 4), (128, 128)),
+                     ("fp8_rows_block_linear", 5, (2, 4), (128, 128)), ("gemv", 5), ("gemv", 1), ("gemv", 5)]
 
 
 @pytest.fixture(scope="module")
