@@ -46,7 +46,7 @@ MAX_ROWS = ROWS
 # in 16-row ones; down_proj (K = 3072) split in four (211 us against 218-231 unsplit or in two), o_proj
 # (K = 2048) unsplit, 5 stages. In the engine (decode graphs at 2-16 rows) the norm-folded launches
 # without preloaded tiles took 40-70 us a step less than with two.
-# At Qwen3-8B's shapes (scripts/rows_sweep.py, 2026-12-04, commit after 91c0e4f) the split lost: o_proj
+# At Qwen3-8B's shapes (scripts/rows_sweep.py, 2026-12-04, engine code 91c0e4f) the split lost: o_proj
 # (N = 4096, K = 4096) 12.0 us unsplit against 19.1 split in four, down_proj (K = 12288) 28-29 against 35
 # at 5-16 rows; the float32 partials' reduce is a second, plain launch. So only outputs narrower than
 # SPLIT_BELOW_N, whose column blocks leave SMs idle, split.
