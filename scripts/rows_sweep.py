@@ -16,12 +16,12 @@ import json
 from pathlib import Path
 
 import torch
+from fp8_gemm_bench import timed_us as graph_timed_us  # a script beside this one
 
 from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, skinny_linear, skinny_norm_linear
 from nanovllm.kernels.skinny_rows import RowsConfig, launch_rows, rows_config
 
 COPIES = 4  # weights cycled through: together beyond the 60 MB L2 at 8B's shapes
-REPEATS = 10
 BANDWIDTH = 4.3e12  # bytes/s, the H200's device-to-device copy
 SETTINGS = dict(block_n=(16, 32, 64), block_k=(128, 256), num_stages=(3, 4, 5), split_k=(1, 2, 4))
 
@@ -36,25 +36,8 @@ def shapes(config: dict) -> dict[str, tuple[int, int, bool]]:
 
 
 def timed_us(fn, copies) -> float:
-    """Microseconds a call, replaying a CUDA graph of REPEATS rounds over the weight copies."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in copies:  # compiles outside the capture
-            fn(w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEATS):
-            for w in copies:
-                fn(w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (REPEATS * len(copies))
+    """Microseconds a call of fn(weight), over the weight copies (fp8_gemm_bench's graph-replay timing)."""
+    return graph_timed_us(fn, [(w,) for w in copies])
 
 
 def candidates(norm: bool) -> list[RowsConfig]:
