@@ -36,7 +36,7 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def fp8_gemv_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                      bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+                    bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     blocks = getattr(weight_scale, "blocks", None)  # Fp8BlockScaledMmLinearMethod's compact scales
     if blocks is None:  # a layer whose scales are not whole 128 x 128 blocks
         return fp8_gemv(x, weight, weight_scale, group, bias, pdl)
