@@ -20,8 +20,12 @@ blocks is bounded by num_slots + min(E, num_slots) * (BLOCK_M - 1) padded rows (
 slot pads fewer than BLOCK_M rows); blocks past the real ones get expert -1 and their programs return at
 once. So nothing reads the routing on the host, and a decode step replays with any routing.
 
-fp8 experts (e4m3 weights, float32 scales per row and K group, layers/fp8.py's layout) are read as e4m3
-and widened in registers (W8A16): half the weight bytes of bf16, which decode at small batch streams."""
+fp8 experts (e4m3 weights, float32 scales per row and K group, layers/fp8.py's layout) are read as e4m3,
+half the weight bytes of bf16, in one of two ways:
+- W8A16: each weight tile widened in registers, the activations unrounded;
+- W8A8 (`w8a8=True`): x and the intermediate quantized per row and scale group first (kernels/fp8_gemm's
+  quantize_rows, the rounding of layers/fp8.py's reference), both operands multiplied on fp8 tensor cores
+  without widening anything, each K tile's sum added in float32 times its two scales."""
 
 import math
 from dataclasses import dataclass, replace
@@ -31,6 +35,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.common import dot_precision
+from nanovllm.kernels.fp8_gemm import MIN_FP8_DOT_K, quantize_rows
 from nanovllm.kernels.moe_align import MoeAlignment, max_num_blocks, moe_align  # noqa: F401 (re-exported)
 
 
@@ -44,6 +49,9 @@ class MoeConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    # Products as w @ a^T: on sm_90 a block of 16-32 rows is too narrow for wgmma's 64-row side, so
+    # Triton falls back to mma.sync (and W8A8 to widening both operands); the weight tile fits it.
+    swap_ab: bool = False
 
 
 # Slots per expert (on average) below which the GEMMs take 16-row, then 32-row blocks; above, 64.
@@ -85,6 +93,7 @@ def _grouped_gemm_kernel(
     expert_ids_ptr,
     topk_weights_ptr,  # [num_slots] float32
     scale_ptr,  # fp8 weights: [E, N or 2N, num_groups] float32, w[e, n, k] * scale[e, n, k // GROUP]
+    a_scale_ptr,  # A_FP8: [rows, num_groups] float32, a[row, k] * a_scale[row, k // GROUP]
     num_slots,
     N,
     K,
@@ -94,14 +103,17 @@ def _grouped_gemm_kernel(
     stride_om,
     stride_se,
     stride_sn,
+    stride_asm,
     A_ROWS_PER_SLOT_DIV: tl.constexpr,  # a row = slot // this: top_k for x, 1 for the intermediate
     GATED: tl.constexpr,  # w rows [0, N) are the gate, [N, 2N) the up: out = silu(a @ gate^T) * (a @ up^T)
     MUL_ROUTED_WEIGHT: tl.constexpr,
-    W_FP8: tl.constexpr,  # e4m3 weights with scales (W8A16: the activations stay unrounded)
+    W_FP8: tl.constexpr,  # e4m3 weights with scales
+    A_FP8: tl.constexpr,  # e4m3 activations with scales as well (W8A8); else they stay unrounded (W8A16)
     GROUP: tl.constexpr,  # the scales' group along K (a multiple of BLOCK_K), or 0: one scale a row
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,  # products as w @ a^T: the weight tile on the tensor cores' 64-row side
     DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # fastest: neighbouring blocks of one expert share its weight tiles in L2
@@ -111,30 +123,39 @@ def _grouped_gemm_kernel(
         return
     slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = slots < num_slots
-    a_rows = a_ptr + (slots // A_ROWS_PER_SLOT_DIV).to(tl.int64)[:, None] * stride_am  # [BLOCK_M, 1]
+    rows = (slots // A_ROWS_PER_SLOT_DIV).to(tl.int64)
+    a_rows = a_ptr + rows[:, None] * stride_am  # [BLOCK_M, 1]
+    as_rows = a_scale_ptr + rows * stride_asm  # A_FP8: [BLOCK_M]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # Columns past N read the last real weight row (never stored), so loads need only the K mask.
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + tl.minimum(offs_n, N - 1)[:, None] * stride_wn
     s_rows = scale_ptr + expert.to(tl.int64) * stride_se + tl.minimum(offs_n, N - 1) * stride_sn  # [BLOCK_N]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if GATED:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros_like(acc)
     for k in range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        w = _widened(w, s_rows, k, a.dtype, W_FP8, GROUP)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        acc = _accumulated(acc, a, w, s_rows, as_rows, valid, k, A_FP8, W_FP8, GROUP, SWAP_AB, DOT_PRECISION)
         if GATED:
             w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-            w_up = _widened(w_up, s_rows + N * stride_sn, k, a.dtype, W_FP8, GROUP)
-            acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
-    if W_FP8 and GROUP == 0:  # one scale a row: it multiplies the finished sums
-        acc *= tl.load(s_rows)[None, :]
+            acc_up = _accumulated(acc_up, a, w_up, s_rows + N * stride_sn, as_rows, valid, k, A_FP8, W_FP8,
+                                  GROUP, SWAP_AB, DOT_PRECISION)
+    if SWAP_AB:  # back to [BLOCK_M, BLOCK_N], once a program
+        acc = tl.trans(acc)
         if GATED:
-            acc_up *= tl.load(s_rows + N * stride_sn)[None, :]
+            acc_up = tl.trans(acc_up)
+    if W_FP8 and GROUP == 0:  # one scale a row (and a token, W8A8): they multiply the finished sums
+        row_scale = tl.load(as_rows, mask=valid, other=0.0)[:, None] if A_FP8 else 1.0
+        acc *= tl.load(s_rows)[None, :] * row_scale
+        if GATED:
+            acc_up *= tl.load(s_rows + N * stride_sn)[None, :] * row_scale
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_ROUTED_WEIGHT:
@@ -144,20 +165,40 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
-def _widened(w, s_rows, k, dtype: tl.constexpr, W_FP8: tl.constexpr, GROUP: tl.constexpr):
-    """A weight tile [BLOCK_N, BLOCK_K] in the activations' dtype: as loaded, or from e4m3 (exact in any
-    16- or 32-bit float) times the tile's scale group, when the scales vary along K."""
-    if not W_FP8:
-        return w
-    if GROUP == 0:
-        return w.to(dtype)
-    scale = tl.load(s_rows + k // GROUP)  # [BLOCK_N]: the tile lies in one group (BLOCK_K divides GROUP)
-    return (w.to(tl.float32) * scale[:, None]).to(dtype)
+def _accumulated(acc, a, w, s_rows, as_rows, valid, k, A_FP8: tl.constexpr, W_FP8: tl.constexpr,
+                 GROUP: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc plus a [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T ([BLOCK_M, BLOCK_N]; transposed with
+    SWAP_AB), the tile inside one scale group (BLOCK_K divides GROUP) where the scales vary along K."""
+    if A_FP8:
+        # A fresh e4m3 dot a tile, added in float32: sm_90's fp8 tensor cores keep ~14 bits while they
+        # accumulate (kernels/fp8_gemm.py), so they never chain over the whole K.
+        if SWAP_AB:
+            part = tl.dot(w, tl.trans(a))
+        else:
+            part = tl.dot(a, tl.trans(w))
+        if GROUP:
+            a_scale = tl.load(as_rows + k // GROUP, mask=valid, other=0.0)
+            w_scale = tl.load(s_rows + k // GROUP)
+            if SWAP_AB:
+                part *= w_scale[:, None] * a_scale[None, :]
+            else:
+                part *= a_scale[:, None] * w_scale[None, :]
+        acc += part
+    else:
+        if W_FP8:  # widened: e4m3 is exact in any 16- or 32-bit float
+            if GROUP:
+                w = w.to(tl.float32) * tl.load(s_rows + k // GROUP)[:, None]
+            w = w.to(a.dtype)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment,
                   topk_weights: torch.Tensor, top_k: int, gated: bool, config: MoeConfig,
-                  scale: torch.Tensor | None = None, group: int = 0) -> None:
+                  scale: torch.Tensor | None = None, group: int = 0, w8a8: bool = False) -> None:
     n, k = out.shape[1], w.shape[2]
     grid = (align.expert_ids.numel(), triton.cdiv(n, config.block_n))
     if scale is not None and scale.shape[2] != triton.cdiv(k, group):
@@ -168,13 +209,17 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Mo
         raise ValueError(f"fp8 experts' scale groups of {group} inputs do not split into the GEMM's "
                          f"{config.block_k}-wide K tiles")
     scales = scale if scale is not None else topk_weights  # not read without fp8 weights
+    a_scale = topk_weights  # not read unless w8a8
+    if w8a8:
+        a, a_scale = quantize_rows(a, group or k)
     _grouped_gemm_kernel[grid](
-        a, w, out, align.sorted_ids, align.expert_ids, topk_weights, scales, out.shape[0], n, k,
+        a, w, out, align.sorted_ids, align.expert_ids, topk_weights, scales, a_scale, out.shape[0], n, k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         scale.stride(0) if scale is not None else 0, scale.stride(1) if scale is not None else 0,
+        a_scale.stride(0) if w8a8 else 0,
         A_ROWS_PER_SLOT_DIV=top_k, GATED=gated, MUL_ROUTED_WEIGHT=not gated, W_FP8=scale is not None,
-        GROUP=group,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        A_FP8=w8a8, GROUP=group,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWAP_AB=config.swap_ab,
         DOT_PRECISION=dot_precision(a.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -182,13 +227,14 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Mo
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoeConfig | None = None,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              scale_groups: tuple[int, int] = (0, 0)) -> torch.Tensor:
+              scale_groups: tuple[int, int] = (0, 0), w8a8: bool = False) -> torch.Tensor:
     """sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k], as
     layers.fused_moe.torch_moe. x [T, H]; w13 [E, 2I, H] ([gate; up] rows); w2 [E, H, I];
     topk_weights [T, top_k] (float32 best); topk_ids [T, top_k]. float32 accumulation, x's dtype out.
     fp8 experts (layers/fp8.py's layout): e4m3 w13 and w2 with float32 scales [E, rows, ceil(K / group)],
     scale_groups the two groups along K (K itself: per channel), read as e4m3 and widened in registers
-    (W8A16: x is not rounded)."""
+    (W8A16: x is not rounded), or with w8a8 multiplied by x and the intermediate quantized per row and
+    group as layers/fp8.quantize_activations rounds them."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -199,6 +245,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError("x needs a contiguous last dim and the expert weights must be contiguous")
     if (w13_scale is None) != (w13.element_size() != 1) or (w2_scale is None) != (w2.element_size() != 1):
         raise ValueError("fp8 expert weights need their scales (w13_scale, w2_scale), and only they take any")
+    if w8a8 and w13_scale is None:
+        raise ValueError("w8a8 multiplies fp8 experts; these expert weights are not fp8")
     num_slots = num_tokens * top_k
     if num_slots == 0:
         return torch.zeros_like(x)
@@ -206,12 +254,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     groups = [g for g, k in zip(scale_groups, (hidden, two_i // 2)) if 0 < g < k]
     config = config or moe_config(num_slots, num_experts, x.dtype, fp8_weights=w13.element_size() == 1,
                                   k_group=math.gcd(*groups) if groups else 0)
+    if w8a8 and config.block_k < MIN_FP8_DOT_K:
+        raise ValueError(f"w8a8 needs K tiles of at least {MIN_FP8_DOT_K} inputs (the narrowest fp8 dot); "
+                         f"the config's are {config.block_k}: the experts' scale groups are too narrow")
     align = moe_align(topk_ids, num_experts, config.block_m)
     weights = topk_weights.reshape(-1).float()
     intermediate = torch.empty(num_slots, two_i // 2, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, intermediate, align, weights, top_k, gated=True, config=config, scale=w13_scale,
-                  group=scale_groups[0])
+                  group=scale_groups[0], w8a8=w8a8)
     per_slot = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(intermediate, w2, per_slot, align, weights, 1, gated=False, config=config, scale=w2_scale,
-                  group=scale_groups[1])
+                  group=scale_groups[1], w8a8=w8a8)
     return per_slot.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -83,8 +83,9 @@ def test_matches_torch_path(num_tokens: int):
 
 
 @pytest.mark.parametrize("config", [MoeConfig(32, 16, 16, num_warps=2, num_stages=2),
-                                    MoeConfig(64, 32, 32, num_warps=4, num_stages=3)],
-                         ids=["m32", "m64"])
+                                    MoeConfig(64, 32, 32, num_warps=4, num_stages=3),
+                                    MoeConfig(16, 32, 16, swap_ab=True)],
+                         ids=["m32", "m64", "swap-ab"])
 def test_larger_blocks_and_several_k_tiles(config: MoeConfig):
     check(*random_routing(40, top_k=3, seed=1), config=config)
 

@@ -1,8 +1,9 @@
 """The fused MoE with fp8 experts (e4m3 weights, float32 scales per row and K group: layers/fp8.py's
-layout) against the torch path on the exactly dequantized weights with unrounded activations (W8A16), on
-CPU tensors through the Triton interpreter (or on CUDA with TRITON_INTERPRET=0): 128-wide scale groups
-(a block-wise checkpoint's) and one scale a row (per channel), few and many tokens; the launch parameters
-it picks for fp8 experts; and the misuse it refuses."""
+layout) against the torch path on the exactly dequantized weights with unrounded activations (W8A16),
+and with w8a8 against the CPU's reference (activations rounded per token and group), on CPU tensors
+through the Triton interpreter (or on CUDA with TRITON_INTERPRET=0): 128-wide scale groups (a block-wise
+checkpoint's) and one scale a row (per channel), few and many tokens, either operand order (swap_ab); the
+launch parameters it picks for fp8 experts; and the misuse it refuses."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from conftest import triton_test_device
 pytest.importorskip("triton")
 
 from nanovllm.kernels.fused_moe import MoeConfig, fused_moe, moe_config  # noqa: E402
-from nanovllm.layers.fp8 import dequantize, quantize_groups  # noqa: E402
+from nanovllm.layers.fp8 import dequantize, fp8_dequant_linear, quantize_groups  # noqa: E402
 from nanovllm.layers.fused_moe import route, torch_moe  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -32,17 +33,37 @@ def fp8_experts(group13: int, group2: int, seed: int = 0):
     return (q13.contiguous().to(DEVICE), s13.to(DEVICE), q2.contiguous().to(DEVICE), s2.to(DEVICE))
 
 
+def scale_groups(grouping: str) -> tuple[int, int]:
+    # The down projection's K is 124: per channel one group, block-wise a single partial 128 group.
+    return (128, 128) if grouping == "block-128" else (HIDDEN, INTERMEDIATE - 4)
+
+
+def routed_tokens(num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
+    return x, *route(torch.randn(num_tokens, NUM_EXPERTS, generator=gen).to(DEVICE), 2, True)
+
+
+def w8a8_reference(x, q13, s13, q2, s2, groups, topk_weights, topk_ids) -> torch.Tensor:
+    """The CPU's fp8 experts (layers/fused_moe.MoEExperts on the CPU): each expert's rows through
+    layers/fp8.fp8_dequant_linear, which rounds them to e4m3 per token and group first."""
+    scales = {id(q13): (s13, groups[0]), id(q2): (s2, groups[1])}
+
+    def linear(rows, weight, expert):
+        scale, group = scales[id(weight)]
+        return fp8_dequant_linear(rows, weight[expert], scale[expert], group, None)
+
+    return torch_moe(x, q13, q2, topk_weights, topk_ids, linear)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("grouping", ["block-128", "per-channel"])
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
 def test_fp8_experts_match_the_dequantized_weights(num_tokens, grouping, dtype):
-    # The down projection's K is 124: per channel one group, block-wise a single partial 128 group.
-    groups = (128, 128) if grouping == "block-128" else (HIDDEN, INTERMEDIATE - 4)
+    groups = scale_groups(grouping)
     q13, s13, q2, s2 = fp8_experts(*groups)
-    gen = torch.Generator().manual_seed(num_tokens)
-    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
-    topk_weights, topk_ids = route(torch.randn(num_tokens, NUM_EXPERTS, generator=gen).to(DEVICE), 2, True)
-    config = MoeConfig(16, 32, 64 if dtype == torch.float32 else 128)
+    x, topk_weights, topk_ids = routed_tokens(num_tokens, dtype)
+    config = MoeConfig(16, 32, 64 if dtype == torch.float32 else 128, swap_ab=num_tokens == 5)
     out = fused_moe(x, q13, q2, topk_weights, topk_ids, config, w13_scale=s13, w2_scale=s2,
                     scale_groups=groups)
     ref = torch_moe(x.float(), dequantize(q13, s13, groups[0]), dequantize(q2, s2, groups[1]), topk_weights,
@@ -50,6 +71,27 @@ def test_fp8_experts_match_the_dequantized_weights(num_tokens, grouping, dtype):
     assert out.dtype == dtype and out.shape == x.shape
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["a-w", "w-a"])
+@pytest.mark.parametrize("grouping", ["block-128", "per-channel"])
+@pytest.mark.parametrize("num_tokens", [1, 40])
+def test_w8a8_experts_round_the_activations_as_the_reference(num_tokens, grouping, swap_ab):
+    """float32 in and out: the e4m3 products are exact, so the kernel sums what the reference sums, and
+    lands far from the unrounded (W8A16) result the rounding moves it from. Only where an intermediate
+    value, summed in another order, falls on the other side of an e4m3 rounding boundary does it take the
+    neighbouring value (one e4m3 step), moving the outputs it feeds by up to a few 1e-3."""
+    groups = scale_groups(grouping)
+    q13, s13, q2, s2 = fp8_experts(*groups)
+    x, topk_weights, topk_ids = routed_tokens(num_tokens, torch.float32)
+    out = fused_moe(x, q13, q2, topk_weights, topk_ids, MoeConfig(16, 64, 64, swap_ab=swap_ab),
+                    w13_scale=s13, w2_scale=s2, scale_groups=groups, w8a8=True)
+    ref = w8a8_reference(x, q13, s13, q2, s2, groups, topk_weights, topk_ids)
+    torch.testing.assert_close(out, ref, atol=5e-3, rtol=0)
+    assert (out - ref).abs().gt(1e-4).float().mean() < 0.03  # the rest agree to float32's rounding
+    unrounded = torch_moe(x, dequantize(q13, s13, groups[0]), dequantize(q2, s2, groups[1]), topk_weights,
+                          topk_ids)
+    assert (out - unrounded).abs().max() > 0.03  # 0.06-0.11 here: the rounding of x and the intermediate
 
 
 def test_fp8_experts_take_k_tiles_that_split_their_scale_groups():
@@ -84,6 +126,13 @@ def test_fp8_experts_without_scales_or_with_odd_groups_are_refused():
     with pytest.raises(ValueError, match="do not split into"):
         fused_moe(x, q13, q2, topk_weights, topk_ids, MoeConfig(16, 32, 64), w13_scale=s13_odd, w2_scale=s2,
                   scale_groups=(96, 128))
+    with pytest.raises(ValueError, match="not fp8"):
+        w13, w2 = dequantize(q13, s13, 128), dequantize(q2, s2, 128)
+        fused_moe(x, w13, w2, topk_weights, topk_ids, w8a8=True)
+    _, s13_16, _, s2_16 = fp8_experts(16, 16)  # no e4m3 dot tiles 16 inputs
+    with pytest.raises(ValueError, match="K tiles of at least 32"):
+        fused_moe(x, q13, q2, topk_weights, topk_ids, w13_scale=s13_16, w2_scale=s2_16, scale_groups=(16, 16),
+                  w8a8=True)
     with pytest.raises(ValueError, match="one column per 64"):
         fused_moe(x, q13, q2, topk_weights, topk_ids, MoeConfig(16, 32, 64), w13_scale=s13, w2_scale=s2,
                   scale_groups=(64, 128))

@@ -4,7 +4,8 @@ The interpreter, which runs the numeric tests here, executes kernels as NumPy an
 checks: e.g. a variable that changes type inside one branch of an `if` runs fine interpreted and fails to
 compile. Triton's NVIDIA backend (ptxas included) ships in the wheel, so compiling ahead of time for a
 named target catches those on a CPU-only machine. The compiling runs in one child process, because the
-kernels must be imported with the interpreter off (this session imported them with it on)."""
+kernels must be imported with the interpreter off (this session imported them with it on). The PTX also
+tells which dots run on sm_90's wgmma rather than mma.sync, which the tensor-core layouts here aim for."""
 
 import importlib
 import inspect
@@ -85,6 +86,8 @@ def compile_all() -> dict[str, str]:
             try:
                 compiled = triton.compile(source, target=H200, options=options)
                 results[f"{case}/{dtype}"] = "ok" if compiled.asm.get("cubin") else "no cubin"
+                if dtype == "bf16" and "wgmma.mma_async" in compiled.asm.get("ptx", ""):
+                    results.setdefault("wgmma", []).append(case)
             except Exception as e:  # reported per case by the parent
                 results[f"{case}/{dtype}"] = f"{type(e).__name__}: {e}"
     return results
@@ -110,7 +113,8 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "silu-and-mul",
               "moe-count", "moe-scatter", "moe-scatter-summed", "moe-gate-up", "moe-down",
               "moe-align-one-launch",
-              "moe-gate-up-fp8-block", "moe-down-fp8-channel",
+              "moe-gate-up-fp8-block", "moe-down-fp8-channel", "moe-gate-up-w8a8-block",
+              "moe-down-w8a8-channel", "moe-gate-up-fp8-channel-swap-ab",
               "moe-topk-softmax", "race-chunk", "race-chunk-greedy", "race-pick", "race-pick-scatter",
               "decode-inputs", "gemv-rows-pdl", "gemv-rows-silu-mul", "gemv-rows-split",
               "fp8-quantize-rows", "fp8-w8a8-gemm-block", "fp8-w8a8-gemm-channel", "fp8-gemv-block-pdl",
@@ -131,6 +135,17 @@ def test_every_kernel_has_a_case(compiled):
     assert len(compiled["kernels"]) >= 5  # the scan found the kernels at all
     assert compiled["kernels"] == compiled["covered"]
     assert sorted({key.split("/")[0] for key in compiled if "/" in key}) == sorted(CASE_NAMES)
+
+
+# Dots whose 64-row side is a weight tile (or a prefill's queries): sm_90's wgmma. A dot of 16-32 rows
+# on that side falls back to mma.sync, which on e4m3 operands widens both to float16 first.
+WGMMA_CASES = ("prefill", "skinny-rows-fp8-pdl", "fp8-gemv-channel", "fp8-w8a8-gemm-block", "moe-down",
+               "moe-gate-up-fp8-channel-swap-ab", "moe-gate-up-w8a8-block", "moe-down-w8a8-channel")
+
+
+def test_weight_tiles_on_the_wide_side_take_wgmma(compiled):
+    assert set(WGMMA_CASES) <= set(compiled["wgmma"])
+    assert "moe-gate-up" not in compiled["wgmma"]  # 16-row blocks without swap_ab: what swap_ab is for
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
