@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanovllm.kernels.common import sm_count
-from nanovllm.kernels.skinny_gemm import PLAIN, SILU_MUL, weight_tile
+from nanovllm.kernels.skinny_gemm import PLAIN, SILU_MUL, check_rows, weight_tile
 from nanovllm.kernels.skinny_launch import (
     MAX_NUM_STAGES,
     MIN_BLOCK_K,
@@ -156,20 +156,11 @@ def launch_gemv_rows(x, weight, bias, out, pdl: bool = False, prologue: tl.const
     return reduce_split_k(target, bias, out) if write_partial else out
 
 
-def _check(x: torch.Tensor, width: int, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != width or x.stride(-1) != 1:
-        raise ValueError(f"x must be 1 to {MAX_ROWS} rows of {width} with a contiguous last dim; "
-                         f"got {tuple(x.shape)}")
-    if weight.dtype != x.dtype or weight.stride(-1) != 1 or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"weight {weight.dtype} (and bias) must be x's dtype {x.dtype}, with a contiguous "
-                         "last dim")
-
-
 def gemv_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      pdl: bool = False) -> torch.Tensor:
     """x @ weight.T (+ bias) for 1 to MAX_ROWS rows, in x's dtype with float32 accumulation."""
     n, k = weight.shape
-    _check(x, k, weight, bias)
+    check_rows(x, k, weight, bias, MAX_ROWS)
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     return launch_gemv_rows(x, weight, bias, out, pdl)
 
@@ -179,6 +170,6 @@ def gemv_rows_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """(silu(gate) * up) @ weight.T (+ bias) for 1 to MAX_ROWS rows x = [gate | up] ([M, 2K]), in one
     kernel; equal to SiLU-mul-then-GEMV (the product is rounded to x's dtype as that kernel's is)."""
     n, k = weight.shape
-    _check(x, 2 * k, weight, bias)
+    check_rows(x, 2 * k, weight, bias, MAX_ROWS)
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     return launch_gemv_rows(x, weight, bias, out, pdl, SILU_MUL)

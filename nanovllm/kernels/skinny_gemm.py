@@ -228,6 +228,18 @@ def launch_gemv(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue:
     return reduce_split_k(target, bias, out) if write_partial else out
 
 
+def check_rows(x: torch.Tensor, width: int, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
+               what: str = "x") -> None:
+    """The few-row kernels' (gemv_rows, skinny_rows) inputs: 1 to max_rows rows of `width`, and a weight
+    (and bias) of x's dtype, each with a contiguous last dim."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= max_rows or x.shape[1] != width or x.stride(-1) != 1:
+        raise ValueError(f"{what} must be 1 to {max_rows} rows of {width} with a contiguous last dim; "
+                         f"got {tuple(x.shape)}")
+    if weight.dtype != x.dtype or weight.stride(-1) != 1 or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"weight {weight.dtype} (and bias) must be x's dtype {x.dtype}, with a contiguous "
+                         "last dim")
+
+
 def check_one_row(x: torch.Tensor, width: int, what: str) -> None:
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width or not x.is_contiguous():
         raise ValueError(f"{what} must be one contiguous row of {width}; got {tuple(x.shape)}")

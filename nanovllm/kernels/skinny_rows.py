@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, RMS_NORM, weight_tile
+from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, RMS_NORM, check_rows, weight_tile
 from nanovllm.kernels.split_k import plan_split_k, reduce_split_k, split_k_workspace
 
 # The rows of x the dot takes at once: tl.dot's smallest operand width.
@@ -217,20 +217,11 @@ def rows_config(n: int, k: int, prologue: tl.constexpr = PLAIN) -> RowsConfig:
     return RowsConfig(block_n, block_k, split_k, num_warps, num_stages, preload)
 
 
-def _check(x: torch.Tensor, width: int, weight: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != width or x.stride(-1) != 1:
-        raise ValueError(f"{what} must be 1 to {MAX_ROWS} rows of {width} with a contiguous last dim; "
-                         f"got {tuple(x.shape)}")
-    if weight.dtype != x.dtype or weight.stride(-1) != 1 or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"weight {weight.dtype} (and bias) must be x's dtype {x.dtype}, with a contiguous "
-                         "last dim")
-
-
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 pdl: bool = False) -> torch.Tensor:
     """x @ weight.T (+ bias) for 1 to MAX_ROWS rows, in x's dtype with float32 accumulation."""
     (n, k) = weight.shape
-    _check(x, k, weight, bias, "x")
+    check_rows(x, k, weight, bias, MAX_ROWS)
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     return launch_rows(x, weight, bias, out, rows_config(n, k, PLAIN), pdl)
 
@@ -241,7 +232,7 @@ def rows_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wei
     """(rms_norm(s) @ weight.T (+ bias), s) for 1 to MAX_ROWS rows, s = x + residual (or x), in one kernel
     (see the module docstring for the rounding)."""
     (n, k) = weight.shape
-    _check(x, k, weight, bias, "x")
+    check_rows(x, k, weight, bias, MAX_ROWS)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.stride(-1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x's shape and dtype")
