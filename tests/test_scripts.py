@@ -168,7 +168,7 @@ def test_cpu_scripts_run_as_typed(script):
 GPU_ONLY = ["fp8_gemm_bench.py", "kernel_profile.py --batch 1 --batch 256", "race_bench.py",
             "prefill_sweep.py", "overlap_check.py check speed", "host_bound.py", "sampling_bench.py",
             "step_profile.py", "compile_watch.py", "tp_check.py --model configs/Qwen3-8B", "dp_check.py",
-            "rows_sweep.py"]
+            "rows_sweep.py", "w8a8_sweep.py"]
 
 
 def test_gpu_scripts_say_they_need_a_gpu_as_typed():

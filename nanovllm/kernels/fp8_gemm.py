@@ -18,11 +18,14 @@ sync), so calls are CUDA-graph capturable.
 Seen on an H200: within 1.5e-2 of the float32 reference on O(1) outputs (128-element K tiles)."""
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.split_k import plan_split_k, reduce_split_k, split_k_workspace
 
 # layers/fp8.py's numerics (a kernel module must not import layers/): the e4m3 range and the smallest
 # amax a scale is taken from, so that an all-zero group gets a tiny scale, not a division by zero.
@@ -99,7 +102,7 @@ def _w8a8_gemm_kernel(
     w_ptr,  # [N, K] e4m3, rows stride_wn apart
     w_scale_ptr,  # [N, num_groups] float32, contiguous
     bias_ptr,  # [N] in the output's dtype
-    out_ptr,  # [M, N], rows stride_om apart
+    out_ptr,  # [M, N], rows stride_om apart; with WRITE_PARTIAL a [splits, M, N] float32 workspace
     M,
     N,
     K,
@@ -107,15 +110,18 @@ def _w8a8_gemm_kernel(
     stride_om,
     num_groups,
     GROUP,  # inputs per scale group (a multiple of BLOCK_K, or >= K when ONE_GROUP)
+    tiles_per_split,  # K tiles each program along axis 2 sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_GROUP: tl.constexpr,  # per-channel / per-tensor: the scales multiply the finished sums
     HAS_BIAS: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,  # split K: scaled float32 partial sums, bias added by the reduce
     NUM_STAGES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -126,9 +132,11 @@ def _w8a8_gemm_kernel(
     x_rows = x_ptr + real_m[:, None] * K  # [BLOCK_M, 1]
     w_rows = w_ptr + real_n[:, None] * stride_wn  # [BLOCK_N, 1]
     offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k_mask = (k + offs_k < K)[None, :]
+    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = (k + offs_k < k_end)[None, :]
         a = tl.load(x_rows + (k + offs_k)[None, :], mask=k_mask, other=0.0)  # [BLOCK_M, BLOCK_K] e4m3
         b = tl.load(w_rows + (k + offs_k)[None, :], mask=k_mask, other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
         if ONE_GROUP:
@@ -144,16 +152,32 @@ def _w8a8_gemm_kernel(
     if ONE_GROUP:
         acc = acc * tl.load(x_scale_ptr + real_m * num_groups)[:, None] * \
             tl.load(w_scale_ptr + real_n * num_groups)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + real_n).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if WRITE_PARTIAL:
+        partial = out_ptr + (pid_k * M + offs_m).to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(partial, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + real_n).to(tl.float32)[None, :]
+        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def gemm_config(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) from the row count: 64-row tiles (one warpgroup) up to 64 rows, else
-    128x128 over two. Not tuned yet: the GPU measurement is to come."""
-    return (64, 128, 4) if m <= 64 else (128, 128, 8)
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    """The W8A8 GEMM's launch settings; `gemm_config` picks them, benchmarks may pass others."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int = GEMM_NUM_STAGES
+    split_k: int = 1  # programs summing parts of K for one output tile, added by a reduce after
+
+
+def gemm_config(m: int) -> GemmConfig:
+    """From the row count: 64-row tiles (one warpgroup) up to 64 rows, else 128x128 over two. Not tuned
+    yet: scripts/w8a8_sweep.py times the alternatives."""
+    return GemmConfig(64, 128, 4) if m <= 64 else GemmConfig(128, 128, 8)
 
 
 def w8a8_block_k(group: int, k: int) -> int | None:
@@ -166,9 +190,10 @@ def w8a8_block_k(group: int, k: int) -> int | None:
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize(weight [N, K] e4m3, weight_scale [N, ceil(K / group)])^T (+ bias), x
-    quantized per token and group of `group` inputs first; in x's dtype, float32 accumulation."""
+    quantized per token and group of `group` inputs first; in x's dtype, float32 accumulation. config:
+    gemm_config's unless given."""
     (m, k), n = x.shape, weight.shape[0]
     num_groups = triton.cdiv(k, group)
     if weight.shape[1] != k or weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
@@ -185,14 +210,18 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if m == 0 or n == 0:
         return out
     x_q, x_scale = quantize_rows(x, group)
-    block_m, block_n, num_warps = gemm_config(m)
-    _w8a8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        x_q, x_scale, weight, weight_scale.contiguous(), bias if bias is not None else out, out,
-        m, n, k, weight.stride(0), out.stride(0), num_groups, group,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_GROUP=num_groups == 1,
-        HAS_BIAS=bias is not None, NUM_STAGES=GEMM_NUM_STAGES, num_warps=num_warps,
+    config = config or gemm_config(m)
+    split = plan_split_k(k, block_k, config.split_k)
+    write_partial = split.splits > 1
+    target = split_k_workspace(split, m, n, x.device) if write_partial else out
+    _w8a8_gemm_kernel[(triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), split.splits)](
+        x_q, x_scale, weight, weight_scale.contiguous(), bias if bias is not None else out, target,
+        m, n, k, weight.stride(0), out.stride(0), num_groups, group, split.tiles_per_split,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, ONE_GROUP=num_groups == 1,
+        HAS_BIAS=bias is not None, WRITE_PARTIAL=write_partial, NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
     )
-    return out
+    return reduce_split_k(target, bias, out) if write_partial else out
 
 
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,

@@ -10,7 +10,7 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels.fp8_gemm import quantize_rows, scaled_mm_linear, w8a8_linear  # noqa: E402
+from nanovllm.kernels.fp8_gemm import GemmConfig, quantize_rows, scaled_mm_linear, w8a8_linear  # noqa: E402
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear, gemv_block_n  # noqa: E402
 from nanovllm.layers import linear_methods  # noqa: E402
 from nanovllm.layers.fp8 import fp8_dequant_linear, fp8_weight_only_linear, quantize_groups  # noqa: E402
@@ -65,6 +65,20 @@ def test_w8a8_gemm_matches_the_dequantizing_reference(m, n, k, group, dtype):
     assert out.dtype == dtype and out.shape == (m, n)
     tol = max(TOLERANCES[dtype], GEMM_TOLERANCE)
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("n, k, group", [(200, 300, 128), (96, 640, 640)], ids=["blocks", "per-channel"])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_w8a8_gemm_split_over_k_sums_what_one_program_sums(n, k, group, split_k):
+    """Split K (each split's partials scaled, summed in order by the reduce, the bias added once) against
+    the dequantizing reference and against the unsplit launch; 3 splits of 3 or 5 K tiles leave a ragged
+    last split."""
+    x, weight, scale, bias = make(5, n, k, group, torch.float32)
+    split = w8a8_linear(x, weight, scale, group, bias, GemmConfig(16, 32, 4, 2, split_k=split_k))
+    whole = w8a8_linear(x, weight, scale, group, bias, GemmConfig(16, 32, 4, 2))
+    torch.testing.assert_close(split, fp8_dequant_linear(x, weight, scale, group, bias), rtol=GEMM_TOLERANCE,
+                               atol=GEMM_TOLERANCE)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_w8a8_gemm_takes_a_strided_x():

@@ -117,7 +117,8 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "moe-down-w8a8-channel", "moe-gate-up-fp8-channel-swap-ab",
               "moe-topk-softmax", "race-chunk", "race-chunk-greedy", "race-pick", "race-pick-scatter",
               "decode-inputs", "gemv-rows-pdl", "gemv-rows-silu-mul", "gemv-rows-split",
-              "fp8-quantize-rows", "fp8-w8a8-gemm-block", "fp8-w8a8-gemm-channel", "fp8-gemv-block-pdl",
+              "fp8-quantize-rows", "fp8-w8a8-gemm-block", "fp8-w8a8-gemm-channel",
+              "fp8-w8a8-gemm-split", "fp8-gemv-block-pdl",
               "fp8-gemv-channel")
 
 
@@ -139,7 +140,8 @@ def test_every_kernel_has_a_case(compiled):
 
 # Dots whose 64-row side is a weight tile (or a prefill's queries): sm_90's wgmma. A dot of 16-32 rows
 # on that side falls back to mma.sync, which on e4m3 operands widens both to float16 first.
-WGMMA_CASES = ("prefill", "skinny-rows-fp8-pdl", "fp8-gemv-channel", "fp8-w8a8-gemm-block", "moe-down",
+WGMMA_CASES = ("prefill", "skinny-rows-fp8-pdl", "fp8-gemv-channel", "fp8-w8a8-gemm-block",
+               "fp8-w8a8-gemm-split", "moe-down",
                "moe-gate-up-fp8-channel-swap-ab", "moe-gate-up-w8a8-block", "moe-down-w8a8-channel")
 
 
