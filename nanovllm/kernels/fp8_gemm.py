@@ -231,12 +231,24 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     token from quantize_rows, the rounding of w8a8_linear's one-group case. What row-wise scaling cannot
     take (K or N not a multiple of 16, scales in groups, or on a GPU an output other than bf16) goes to
     w8a8_linear."""
-    n, k = weight.shape
-    if k % 16 or n % 16 or group < k or (x.is_cuda and x.dtype != torch.bfloat16):
+    if not scaled_mm_takes(x, weight, group):
         return w8a8_linear(x, weight, weight_scale, group, bias)
-    q, scale = quantize_rows(x, k)
-    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, n), bias=bias,
-                            out_dtype=x.dtype)
+    return scaled_mm_quantized(*quantize_rows(x, weight.shape[1]), weight, weight_scale, bias, x.dtype)
+
+
+def scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, group: int) -> bool:
+    """Whether torch._scaled_mm's row-wise scaling takes x [M, K] @ weight [N, K]^T with scale groups of
+    `group`: K and N multiples of 16, one group a row, and on a GPU a bfloat16 output."""
+    n, k = weight.shape
+    return not (k % 16 or n % 16 or group < k or (x.is_cuda and x.dtype != torch.bfloat16))
+
+
+def scaled_mm_quantized(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+                        weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+                        ) -> torch.Tensor:
+    """scaled_mm_linear's product of activations quantized already: e4m3 q [M, K] with scale [M, 1]."""
+    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, weight.shape[0]),
+                            bias=bias, out_dtype=out_dtype)
 
 
 def padded_block_scales(block_scale: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def rows_view(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last dim] without a copy (the kernels need a contiguous last dim)."""
     if x.stride(-1) != 1:
         raise ValueError(f"the kernels need a contiguous last dim; got strides {x.stride()}")
@@ -65,11 +65,11 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if weight.dtype != x.dtype or weight.shape != (x.shape[-1],):
         raise ValueError(f"weight {weight.dtype} {tuple(weight.shape)} must be x's dtype {x.dtype} "
                          f"and shape ({x.shape[-1]},)")
-    rows = _rows(x)
+    rows = rows_view(x)
     out = torch.empty_like(rows)
     summed = torch.empty_like(rows) if residual is not None else None
     if rows.shape[0]:
-        res = _rows(residual) if residual is not None else rows
+        res = rows_view(residual) if residual is not None else rows
         block = triton.next_power_of_2(rows.shape[1])
         target = summed if summed is not None else out  # never written without a residual
         _rms_norm_kernel[(rows.shape[0],)](
@@ -98,7 +98,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :n]) * x[..., n:] for a last dim of 2n."""
     if x.shape[-1] % 2:
         raise ValueError(f"the last dim holds [gate | up] halves; got an odd size {x.shape[-1]}")
-    rows = _rows(x)
+    rows = rows_view(x)
     n = rows.shape[1] // 2
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     if rows.shape[0] and n:

@@ -8,7 +8,8 @@ Triton here).
   of the reference, on fp8 tensor cores).
 - `Fp8ScaledMmLinearMethod` (one scale a row, sm_90+): one row through bf16's GEMV over the e4m3 weight
   (kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), 2-16 rows through bf16's
-  few-row kernels over it (the same file), and from 17 torch._scaled_mm.
+  few-row kernels over it (the same file), and from 17 torch._scaled_mm, the norm or SiLU-mul before it
+  writing e4m3 directly (kernels/norm_quant.py).
 - `Fp8BlockScaledMmLinearMethod` (128 x 128 blocks, sm_90): one row through a GEMV with a scale a run of
   each tile, 2-16 rows through bf16's rows kernel with each tile's product times its block's scale (both
   kernels/fp8_skinny.py), then torch's block-scaled GEMM."""
@@ -19,6 +20,7 @@ from torch import nn
 
 from nanovllm.layers.fp8 import Fp8LinearMethod, fp8_dequant_linear
 from nanovllm.layers.linear_methods import Bucket
+from nanovllm.layers.norm_act import silu_and_mul
 from nanovllm.utils.config_checks import Fp8Scheme
 
 
@@ -83,6 +85,35 @@ def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     return scaled_mm_linear(x, weight, weight_scale, group, bias)
 
 
+def fp8_scaled_mm_norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl=False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_scaled_mm of rms_norm(x + residual), the norm writing e4m3 straight away (kernels/norm_quant.py:
+    one kernel and no model-dtype copy where norm and quantize_rows took two; the same bits)."""
+    from nanovllm.kernels import fp8_gemm, norm_quant
+    if not fp8_gemm.scaled_mm_takes(x, weight, group):
+        normed, summed = _rms_norm(x, norm_weight, eps, residual)
+        return fp8_gemm.scaled_mm_linear(normed, weight, weight_scale, group, bias), summed
+    q, scale, summed = norm_quant.rms_norm_quant(x, norm_weight, eps, residual)
+    return fp8_gemm.scaled_mm_quantized(q, scale, weight, weight_scale, bias, x.dtype), summed
+
+
+def fp8_scaled_mm_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                       bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    """fp8_scaled_mm of silu(gate) * up, the SiLU-mul writing e4m3 straight away (kernels/norm_quant.py)."""
+    from nanovllm.kernels import fp8_gemm, norm_quant
+    if not fp8_gemm.scaled_mm_takes(x, weight, group):
+        return fp8_gemm.scaled_mm_linear(silu_and_mul(x), weight, weight_scale, group, bias)
+    return fp8_gemm.scaled_mm_quantized(*norm_quant.silu_mul_quant(x), weight, weight_scale, bias, x.dtype)
+
+
+def _rms_norm(x, weight, eps, residual) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) through norm_act's kernels (this method's calls are CUDA's)."""
+    from nanovllm.kernels import norm_act
+    if residual is None:
+        return norm_act.rms_norm(x, weight, eps), x
+    return norm_act.add_rms_norm(x, residual, weight, eps)
+
+
 def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                         bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     blocks = getattr(weight_scale, "blocks", None)  # Fp8BlockScaledMmLinearMethod's compact scales
@@ -128,10 +159,13 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     (slower than bf16 cuBLAS at 16 rows; kernels/fp8_skinny.py has the times). From 17 rows
     torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS, what vLLM runs for this scaling): 0.56-0.72x
     of bf16 cuBLAS's time at 4,096 rows, where the Triton GEMM took 0.8-1.13x (2026-12-03, H200,
-    graph-timed). 128 x 128 block scales take Fp8BlockScaledMmLinearMethod."""
+    graph-timed); there the RMSNorm before q/k/v and gate/up and the SiLU-mul before down quantize their
+    own output (kernels/norm_quant.py: one kernel and no bf16 copy where the norm and quantize_rows took
+    two, the same bits; not yet timed on its own). 128 x 128 block scales take
+    Fp8BlockScaledMmLinearMethod."""
 
     BUCKETS = (Bucket(1, fp8_skinny), Bucket(2, fp8_gemv_rows), Bucket(16, fp8_rows),
-               Bucket(None, fp8_scaled_mm))
+               Bucket(None, fp8_scaled_mm, fp8_scaled_mm_norm, fp8_scaled_mm_silu))
 
 
 class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):

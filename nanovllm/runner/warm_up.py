@@ -55,14 +55,14 @@ def _fused_variants(module: LinearBase, dtype: torch.dtype) -> None:
     norm = RMSNorm(k).to(weight.device, dtype)
     rows = 1
     for bucket in method.BUCKETS:
-        if bucket.max_rows is None:
-            return
         first = torch.zeros(rows, 2 * k, dtype=dtype, device=weight.device)
         if isinstance(module, ColumnParallelLinear) and bucket.normed is not None:
             for residual in (None, first[:, k:].contiguous()):
                 module(first[:, :k].contiguous(), norm=norm, residual=residual)
         if isinstance(module, RowParallelLinear) and bucket.silu is not None:
             method.apply_silu(module, first, None)  # no all-reduce: this rank's kernel alone
+        if bucket.max_rows is None:  # the last bucket (per-channel fp8's folds quantize from 17 rows)
+            return
         rows = bucket.max_rows + 1
 
 

@@ -1,0 +1,89 @@
+"""The RMSNorm and SiLU-mul kernels that write e4m3 (kernels/norm_quant.py) against the two kernels they
+replace, norm_act's then fp8_gemm.quantize_rows, bit for bit, on CPU tensors through the Triton
+interpreter (or on CUDA with TRITON_INTERPRET=0); and the per-channel fp8 method taking them from 17
+rows, with the layer's result unchanged."""
+
+import pytest
+import torch
+from conftest import triton_test_device
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels import norm_act, norm_quant  # noqa: E402
+from nanovllm.kernels.fp8_gemm import quantize_rows  # noqa: E402
+from nanovllm.layers.fp8 import quantize_groups  # noqa: E402
+from nanovllm.layers.fp8_methods import Fp8ScaledMmLinearMethod  # noqa: E402
+from nanovllm.layers.linear import ReplicatedLinear  # noqa: E402
+from nanovllm.layers.norm_act import RMSNorm  # noqa: E402
+from nanovllm.utils.config_checks import Fp8Scheme  # noqa: E402
+
+DEVICE = triton_test_device()
+EPS = 1e-6
+
+
+def rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # magnitudes spread over rows, so that the rows' scales differ; one all-zero row (the MIN_AMAX floor)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 0.5, m)[:, None]
+    x[m // 2] = 0.0
+    return x.to(DEVICE, dtype)
+
+
+def assert_same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    (q, scale), (want_q, want_scale) = got, want
+    assert q.dtype == want_q.dtype and q.shape == want_q.shape and scale.shape == want_scale.shape
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add-norm"])
+def test_rms_norm_quant_is_the_norm_then_quantize_rows(dtype, with_residual):
+    x, residual = rows(7, 320, dtype, 0), (rows(7, 320, dtype, 1) if with_residual else None)
+    weight = (1 + 0.1 * torch.randn(320, generator=torch.Generator().manual_seed(2))).to(DEVICE, dtype)
+    q, scale, summed = norm_quant.rms_norm_quant(x, weight, EPS, residual)
+    if with_residual:
+        normed, want_sum = norm_act.add_rms_norm(x, residual, weight, EPS)
+        assert torch.equal(summed, want_sum)
+    else:
+        normed = norm_act.rms_norm(x, weight, EPS)
+        assert summed is x
+    assert_same_bits((q, scale), quantize_rows(normed, 320))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [96, norm_quant.ACT_BLOCK + 100], ids=["one-block", "two-blocks"])
+def test_silu_mul_quant_is_the_silu_mul_then_quantize_rows(dtype, width):
+    gate_up = rows(5, 2 * width, dtype, 3)
+    assert_same_bits(norm_quant.silu_mul_quant(gate_up), quantize_rows(norm_act.silu_and_mul(gate_up), width))
+
+
+def test_the_per_channel_method_folds_the_quantize_into_the_norm_and_the_silu_from_17_rows(monkeypatch):
+    """From 17 rows Fp8ScaledMmLinearMethod hands q/k/v and gate/up their RMSNorm, and down_proj its
+    SiLU-mul, writing e4m3 (one kernel each, not the norm's or the SiLU-mul's own then quantize_rows):
+    the layer's outputs equal those of the unfused calls exactly."""
+    from nanovllm.kernels import fp8_gemm
+
+    method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
+    assert method.bucket(17).normed.__name__ == "fp8_scaled_mm_norm"
+    assert method.bucket(17).silu.__name__ == "fp8_scaled_mm_silu"
+    layer = ReplicatedLinear(256, 96, bias=True, quant_method=method)
+    weight, scale = quantize_groups(torch.randn(96, 256, generator=torch.Generator().manual_seed(4)), 256)
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    layer.bias = torch.nn.Parameter(torch.randn(96), requires_grad=False)
+    norm = RMSNorm(256)
+    norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(5))
+    layer.to(DEVICE), norm.to(DEVICE)
+    x, residual = rows(20, 256, torch.float32, 6), rows(20, 256, torch.float32, 7)
+    gate_up = rows(20, 512, torch.float32, 8)
+    normed, want_sum = norm_act.add_rms_norm(x, residual, norm.weight, norm.eps)
+    want = method.apply(layer, normed, layer.bias)
+    want_down = method.apply(layer, norm_act.silu_and_mul(gate_up), layer.bias)
+    called = []
+    quantize = fp8_gemm.quantize_rows
+    monkeypatch.setattr(fp8_gemm, "quantize_rows", lambda *a: called.append("quantize_rows") or quantize(*a))
+    out, summed = method.apply_normed(layer, x, norm, residual)
+    assert torch.equal(summed, want_sum) and torch.equal(out, want)
+    assert torch.equal(method.apply_silu(layer, gate_up, layer.bias), want_down)
+    assert called == []  # the norm and the SiLU-mul quantized their own outputs
