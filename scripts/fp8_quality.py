@@ -3,6 +3,7 @@ against the same weights in bf16 and in float32 (transformers), on a random mode
 wider than usual so that its distributions are peaked and greedy decoding has clear winners.
 
     python scripts/fp8_quality.py [--config configs/Qwen3-0.6B] [--prompts 16] [--prompt-len 500]
+        [--override num_hidden_layers=4 ...]    # config fields replaced: a smaller model of the family
 
 Paths: bf16 (the reference engine path), fp8 weights (quantization="fp8": per-channel weight scales,
 dynamic per-token activation scales), an fp8 KV cache (kv_cache_dtype="fp8"), both, an int8 KV cache
@@ -67,11 +68,17 @@ def write_block_checkpoint(src: str, dst: str) -> str:
     return dst
 
 
-def write_model(config_dir: str, path: str, init_std: float, device: str) -> torch.nn.Module:
-    """Random bf16 weights saved to `path`; returns transformers' model on them in float32."""
+def write_model(config_dir: str, path: str, init_std: float, device: str, overrides: dict | None = None
+                ) -> torch.nn.Module:
+    """Random bf16 weights saved to `path`; returns transformers' model on them in float32. overrides:
+    config fields replaced first (a smaller model of the same family)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(config_dir)
+    for key, value in (overrides or {}).items():
+        if not hasattr(config, key):
+            raise SystemExit(f"--override: {config_dir}'s config has no field {key!r}")
+        setattr(config, key, value)
     config.initializer_range = init_std
     torch.manual_seed(0)
     with torch.device(device):
@@ -136,12 +143,24 @@ def main() -> None:
                         help="the engine's dtype (default: bf16 on a GPU, float32 on a CPU)")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="config fields to replace, values in JSON (e.g. num_hidden_layers=4): a smaller "
+                             "model of the same family")
     args = parser.parse_args()
+    overrides = {}
+    for item in args.override:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--override takes KEY=VALUE, not {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parser.error(f"--override {key}: {value!r} is not a JSON value")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(1)
     with tempfile.TemporaryDirectory() as scratch:
         path = os.path.join(scratch, "bf16")
-        hf32 = write_model(args.config, path, args.init_std, device)
+        hf32 = write_model(args.config, path, args.init_std, device, overrides)
         vocab = hf32.config.vocab_size
         prompts = [torch.randint(0, min(vocab, 10000), (args.prompt_len,), generator=gen).tolist()
                    for _ in range(args.prompts)]

@@ -135,6 +135,24 @@ def test_fp8_quality_runs_as_typed(tmp_path):
     assert 0 < int8_kv < fp8_kv
 
 
+def test_fp8_quality_shrinks_a_config_with_overrides_as_typed():
+    """`--override` makes a small model of a family: Qwen3-30B-A3B's config cut to two layers of eight
+    experts, its fp8 experts through the CPU's reference; a field the config lacks is refused."""
+    tiny = ["vocab_size=256", "hidden_size=64", "num_hidden_layers=2", "num_attention_heads=4",
+            "num_key_value_heads=2", "head_dim=16", "moe_intermediate_size=32", "num_experts=8",
+            "num_experts_per_tok=2", "max_position_embeddings=256"]
+    command = [sys.executable, "scripts/fp8_quality.py", "--config", "configs/Qwen3-30B-A3B", "--prompts",
+               "2", "--prompt-len", "24", "--greedy-tokens", "4", "--paths", "fp8 weights", "--override"]
+    done = subprocess.run(command + tiny, cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = done.stdout.strip().splitlines()[-2:]
+    assert [row[:18].strip() for row in rows] == ["bf16", "fp8 weights"]
+    assert float(rows[1].split()[2]) > 0  # fp8 experts and projections err above the exact path
+    refused = subprocess.run(command + ["num_expertz=8"], cwd=SCRIPTS.parent, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode != 0 and "no field 'num_expertz'" in refused.stderr
+
+
 @pytest.mark.parametrize("extra", [[], ["--speculate"]], ids=["plain", "speculate"])
 def test_soak_runs_as_typed(extra):
     """`python scripts/soak.py` for a few seconds: requests, aborts, bad inputs and the invariants after
