@@ -19,6 +19,7 @@ before the last cast."""
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Elements of one activation row a SiLU-mul program covers.
 ACT_BLOCK = 1024
@@ -26,7 +27,11 @@ ACT_BLOCK = 1024
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, stride_x, stride_r,
-                     stride_out, stride_sum, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_out, stride_sum, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    if PDL:  # a programmatic dependent: wait for the kernel before, and let the next one start loading
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -43,7 +48,11 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, 
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -61,7 +70,7 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     if weight.dtype != x.dtype or weight.shape != (x.shape[-1],):
         raise ValueError(f"weight {weight.dtype} {tuple(weight.shape)} must be x's dtype {x.dtype} "
                          f"and shape ({x.shape[-1]},)")
@@ -74,27 +83,28 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         target = summed if summed is not None else out  # never written without a residual
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res, weight, out, target, rows.shape[1], rows.stride(0), res.stride(0), out.stride(0),
-            target.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=4 if block <= 2048 else 8)
+            target.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl,
+            num_warps=4 if block <= 2048 else 8, launch_pdl=pdl)
     return out.view(x.shape), (summed.view(x.shape) if summed is not None else None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x (a CUDA tensor, or a CPU one under TRITON_INTERPRET=1)."""
-    return _launch_norm(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of x (a CUDA tensor, or a CPU one under TRITON_INTERPRET=1). pdl: launched
+    as a programmatic dependent (sm_90+), as the one-row decode chain's kernels are."""
+    return _launch_norm(x, None, weight, eps, pdl)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual)."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match x "
                          f"{x.dtype} {tuple(x.shape)}")
-    out, summed = _launch_norm(x, residual, weight, eps)
+    out, summed = _launch_norm(x, residual, weight, eps, pdl)
     return out, summed
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """silu(x[..., :n]) * x[..., n:] for a last dim of 2n."""
     if x.shape[-1] % 2:
         raise ValueError(f"the last dim holds [gate | up] halves; got an odd size {x.shape[-1]}")
@@ -103,5 +113,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     if rows.shape[0] and n:
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, ACT_BLOCK))](
-            rows, out, n, rows.stride(0), out.stride(0), BLOCK=ACT_BLOCK, num_warps=4)
+            rows, out, n, rows.stride(0), out.stride(0), BLOCK=ACT_BLOCK, PDL=pdl, num_warps=4,
+            launch_pdl=pdl)
     return out.view(*x.shape[:-1], n)

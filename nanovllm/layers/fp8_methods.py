@@ -37,6 +37,22 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl)
 
 
+def fp8_skinny_norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl=False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_skinny of rms_norm(x + residual): the norm's own kernel, then the GEMV (folded in, the norm cost
+    the GEMV more than its kernel takes), both programmatic dependents under pdl so that the norm starts
+    while the kernel before it ends and the GEMV loads its first weight tiles while the norm runs."""
+    normed, summed = _rms_norm(x, norm_weight, eps, residual, pdl)
+    return fp8_skinny(normed, weight, weight_scale, group, bias, pdl), summed
+
+
+def fp8_skinny_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                    bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    """fp8_skinny of silu(gate) * up: the SiLU-mul's own kernel, then the GEMV, chained as fp8_skinny_norm."""
+    from nanovllm.kernels import norm_act
+    return fp8_skinny(norm_act.silu_and_mul(x, pdl), weight, weight_scale, group, bias, pdl)
+
+
 def fp8_gemv_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                     bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     blocks = getattr(weight_scale, "blocks", None)  # Fp8BlockScaledMmLinearMethod's compact scales
@@ -106,12 +122,12 @@ def fp8_scaled_mm_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     return fp8_gemm.scaled_mm_quantized(*norm_quant.silu_mul_quant(x), weight, weight_scale, bias, x.dtype)
 
 
-def _rms_norm(x, weight, eps, residual) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm(x, weight, eps, residual, pdl=False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) through norm_act's kernels (this method's calls are CUDA's)."""
     from nanovllm.kernels import norm_act
     if residual is None:
-        return norm_act.rms_norm(x, weight, eps), x
-    return norm_act.add_rms_norm(x, residual, weight, eps)
+        return norm_act.rms_norm(x, weight, eps, pdl), x
+    return norm_act.add_rms_norm(x, residual, weight, eps, pdl)
 
 
 def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -154,7 +170,8 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     bf16's GEMV over the e4m3 weight (kernels/fp8_skinny.py: 1.5-1.8x faster than bf16's GEMV at Qwen3-8B's
     shapes, where fp8_gemv took 1.3-3.4x bf16's time), the RMSNorm and SiLU-mul in their own kernels first:
     folded in, as bf16 has them, they made it as slow as bf16 (one-stream Qwen3-8B fp8 4.57 ms a token
-    against bf16's 4.62). Two rows: the CUDA-core few-row GEMV over the e4m3 weight (kernels/gemv_rows.py);
+    against bf16's 4.62). Those kernels launch as programmatic dependents, so that the chain overlaps as
+    the GEMVs' does (fp8_skinny_norm; not yet timed against plain launches). Two rows: the CUDA-core few-row GEMV over the e4m3 weight (kernels/gemv_rows.py);
     3-16: bf16's rows kernel over it with fp8's own tiles (fp8_skinny.fp8_rows_config), in place of fp8_gemv
     (slower than bf16 cuBLAS at 16 rows; kernels/fp8_skinny.py has the times). From 17 rows
     torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS, what vLLM runs for this scaling): 0.56-0.72x
@@ -164,8 +181,8 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     two, the same bits; not yet timed on its own). 128 x 128 block scales take
     Fp8BlockScaledMmLinearMethod."""
 
-    BUCKETS = (Bucket(1, fp8_skinny), Bucket(2, fp8_gemv_rows), Bucket(16, fp8_rows),
-               Bucket(None, fp8_scaled_mm, fp8_scaled_mm_norm, fp8_scaled_mm_silu))
+    BUCKETS = (Bucket(1, fp8_skinny, fp8_skinny_norm, fp8_skinny_silu), Bucket(2, fp8_gemv_rows),
+               Bucket(16, fp8_rows), Bucket(None, fp8_scaled_mm, fp8_scaled_mm_norm, fp8_scaled_mm_silu))
 
 
 class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):

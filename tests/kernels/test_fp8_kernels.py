@@ -12,7 +12,6 @@ pytest.importorskip("triton")
 
 from nanovllm.kernels.fp8_gemm import GemmConfig, quantize_rows, scaled_mm_linear, w8a8_linear  # noqa: E402
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear, gemv_block_n  # noqa: E402
-from nanovllm.layers import linear_methods  # noqa: E402
 from nanovllm.layers.fp8 import fp8_dequant_linear, fp8_weight_only_linear, quantize_groups  # noqa: E402
 from nanovllm.layers.fp8_methods import Fp8ScaledMmLinearMethod, Fp8TritonLinearMethod  # noqa: E402
 from nanovllm.layers.linear import ReplicatedLinear  # noqa: E402
@@ -209,15 +208,18 @@ def test_the_per_channel_method_takes_one_row_then_two_then_the_rows_kernel_to_1
     assert called == ["fp8_skinny_linear", "fp8_gemv_rows_linear", few, few]
 
 
-def test_one_row_runs_the_norm_and_the_silu_mul_first_then_the_fp8_gemv(monkeypatch):
+def test_one_row_runs_the_norm_and_the_silu_mul_first_then_the_fp8_gemv_all_as_dependents(monkeypatch):
     """A one-row call handed its RMSNorm (q/k/v, gate/up) or its SiLU-mul (down) runs that kernel, then the
-    one-row fp8 GEMV (kernels/fp8_skinny.py: folded in, they cost more than their own kernels), and gives
-    what the norm or SiLU-mul then the layer give."""
+    one-row fp8 GEMV (kernels/fp8_skinny.py: folded in, they cost more than their own kernels), every
+    launch a programmatic dependent where the method's are, and gives what the norm or SiLU-mul then the
+    layer give. (The interpreter runs no PDL: the spies record the flag and launch plainly.)"""
+    from nanovllm.kernels import fp8_skinny, norm_act
     from nanovllm.layers.norm_act import RMSNorm, silu_and_mul
 
-    method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))  # one scale a row
+    method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True), pdl=True)  # one scale a row
     assert method.bucket(1).plain.__name__ == "fp8_skinny"
-    assert method.bucket(1).normed is None and method.bucket(1).silu is None
+    assert method.bucket(1).normed.__name__ == "fp8_skinny_norm"
+    assert method.bucket(1).silu.__name__ == "fp8_skinny_silu"
     layer = ReplicatedLinear(256, 200, bias=False, quant_method=method)
     _, weight, scale, _ = make(1, 200, 256, 256, torch.float32)
     layer.weight = torch.nn.Parameter(weight.cpu(), requires_grad=False)
@@ -226,21 +228,27 @@ def test_one_row_runs_the_norm_and_the_silu_mul_first_then_the_fp8_gemv(monkeypa
     norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
     layer.to(DEVICE), norm.to(DEVICE)
     x, residual = (make(1, 8, 256, 128, torch.float32, seed=s)[0] for s in (3, 4))
-    normed, expected_sum = norm(x.clone(), residual.clone())
-    called = []  # the norm's and the SiLU-mul's own kernels, spied on
-    norm_forward, silu = RMSNorm.forward, linear_methods.silu_and_mul
-    monkeypatch.setattr(RMSNorm, "forward", lambda *args: called.append("norm") or norm_forward(*args))
-    monkeypatch.setattr(linear_methods, "silu_and_mul", lambda x: called.append("silu") or silu(x))
+    normed, expected_sum = norm_act.add_rms_norm(x, residual, norm.weight, norm.eps)
+    gate_up = make(1, 8, 512, 128, torch.float32, seed=5)[0]
+    expected_down = fp8_weight_only_linear(silu_and_mul(gate_up), layer.weight, layer.weight_scale, 256, None)
+    called = []
+    for module, name, label in ((norm_act, "add_rms_norm", "norm"), (norm_act, "silu_and_mul", "silu"),
+                                (fp8_skinny, "fp8_skinny_linear", "gemv")):
+        kernel = getattr(module, name)
+
+        def spy(*args, kernel=kernel, label=label):
+            called.append((label, args[-1]))
+            return kernel(*args[:-1], False)
+
+        monkeypatch.setattr(module, name, spy)
     out, summed = method.apply_normed(layer, x, norm, residual)
     torch.testing.assert_close(summed, expected_sum)
     expected = fp8_weight_only_linear(normed, layer.weight, layer.weight_scale, 256, None)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-    gate_up = make(1, 8, 512, 128, torch.float32, seed=5)[0]
     down = ReplicatedLinear(256, 200, bias=False, quant_method=method)
     down.weight, down.weight_scale = layer.weight, layer.weight_scale
-    expected = fp8_weight_only_linear(silu_and_mul(gate_up), layer.weight, layer.weight_scale, 256, None)
-    torch.testing.assert_close(method.apply_silu(down, gate_up, None), expected, rtol=1e-4, atol=1e-4)
-    assert called == ["norm", "silu"]
+    torch.testing.assert_close(method.apply_silu(down, gate_up, None), expected_down, rtol=1e-4, atol=1e-4)
+    assert called == [("norm", True), ("gemv", True), ("silu", True), ("gemv", True)]
 
 
 @pytest.mark.parametrize("m", [17, 61, 256])

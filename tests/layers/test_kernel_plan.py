@@ -130,8 +130,13 @@ def test_the_sm90_fp8_plan_runs_the_fp8_kernels():
     table = kernel_table(model, TritonBackend(8, config.num_key_value_heads, torch.device("cpu")), ROWS)
     rows = {line.split(" (")[0]: [cell.strip() for cell in line.split("  ") if cell.strip()][1:]
             for line in table.splitlines()}
-    # One row the fp8 GEMV, two the few-row GEMV, 3-16 the rows kernel, all over the e4m3 weight; the norm
-    # or SiLU-mul before them in its own kernel (no folds over e4m3).
-    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-        kernels = [cell.split(", ")[-1] for cell in rows[name]]
-        assert kernels == ["fp8_skinny", "fp8_gemv_rows", "fp8_rows", "fp8_scaled_mm"]
+    # One row the fp8 GEMV, the norm or SiLU-mul before it in its own kernel, chained as dependents; two
+    # the few-row GEMV and 3-16 the rows kernel, all over the e4m3 weight, the norm or SiLU-mul before them
+    # in its own kernel; from 17 rows torch._scaled_mm, the norm or SiLU-mul quantizing their own output.
+    plain = ["fp8_skinny", "fp8_gemv_rows", "fp8_rows", "fp8_scaled_mm"]
+    for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+        assert rows[name] == ["fp8_skinny_norm", "rms_norm, fp8_gemv_rows", "rms_norm, fp8_rows",
+                              "fp8_scaled_mm_norm"]
+    assert rows["mlp.down_proj"] == ["fp8_skinny_silu", "silu_and_mul, fp8_gemv_rows",
+                                     "silu_and_mul, fp8_rows", "fp8_scaled_mm_silu"]
+    assert rows["self_attn.o_proj"] == plain
