@@ -132,8 +132,12 @@ def _w8a8_gemm_kernel(
     x_rows = x_ptr + real_m[:, None] * K  # [BLOCK_M, 1]
     w_rows = w_ptr + real_n[:, None] * stride_wn  # [BLOCK_N, 1]
     offs_k = tl.arange(0, BLOCK_K)
-    k_start = pid_k * tiles_per_split * BLOCK_K
-    k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
+    if WRITE_PARTIAL:  # this program's share of K
+        k_start = pid_k * tiles_per_split * BLOCK_K
+        k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
+    else:  # all of it, with bounds the compiler sees as the whole K (a leaner pipelined loop)
+        k_start = 0
+        k_end = K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = (k + offs_k < k_end)[None, :]

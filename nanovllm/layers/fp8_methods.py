@@ -171,15 +171,15 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     shapes, where fp8_gemv took 1.3-3.4x bf16's time), the RMSNorm and SiLU-mul in their own kernels first:
     folded in, as bf16 has them, they made it as slow as bf16 (one-stream Qwen3-8B fp8 4.57 ms a token
     against bf16's 4.62). Those kernels launch as programmatic dependents, so that the chain overlaps as
-    the GEMVs' does (fp8_skinny_norm; not yet timed against plain launches). Two rows: the CUDA-core few-row GEMV over the e4m3 weight (kernels/gemv_rows.py);
-    3-16: bf16's rows kernel over it with fp8's own tiles (fp8_skinny.fp8_rows_config), in place of fp8_gemv
-    (slower than bf16 cuBLAS at 16 rows; kernels/fp8_skinny.py has the times). From 17 rows
-    torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS, what vLLM runs for this scaling): 0.56-0.72x
-    of bf16 cuBLAS's time at 4,096 rows, where the Triton GEMM took 0.8-1.13x (2026-12-03, H200,
-    graph-timed); there the RMSNorm before q/k/v and gate/up and the SiLU-mul before down quantize their
-    own output (kernels/norm_quant.py: one kernel and no bf16 copy where the norm and quantize_rows took
-    two, the same bits; not yet timed on its own). 128 x 128 block scales take
-    Fp8BlockScaledMmLinearMethod."""
+    the GEMVs' does (fp8_skinny_norm; not yet timed against plain launches). Two rows: the CUDA-core
+    few-row GEMV over the e4m3 weight (kernels/gemv_rows.py); 3-16: bf16's rows kernel over it with fp8's
+    own tiles (fp8_skinny.fp8_rows_config), in place of fp8_gemv (slower than bf16 cuBLAS at 16 rows;
+    kernels/fp8_skinny.py has the times). From 17 rows torch._scaled_mm with row-wise scales (cuBLASLt /
+    CUTLASS, what vLLM runs for this scaling): 0.56-0.72x of bf16 cuBLAS's time at 4,096 rows, where the
+    Triton GEMM took 0.8-1.13x (2026-12-03, H200, graph-timed); there the RMSNorm before q/k/v and gate/up
+    and the SiLU-mul before down quantize their own output (kernels/norm_quant.py: one kernel and no bf16
+    copy where the norm and quantize_rows took two, the same bits; not yet timed on its own). 128 x 128
+    block scales take Fp8BlockScaledMmLinearMethod."""
 
     BUCKETS = (Bucket(1, fp8_skinny, fp8_skinny_norm, fp8_skinny_silu), Bucket(2, fp8_gemv_rows),
                Bucket(16, fp8_rows), Bucket(None, fp8_scaled_mm, fp8_scaled_mm_norm, fp8_scaled_mm_silu))
