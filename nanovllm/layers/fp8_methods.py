@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.fp8 import Fp8LinearMethod, fp8_dequant_linear
-from nanovllm.layers.linear_methods import Bucket
+from nanovllm.layers.linear_methods import Bucket, norm_first, rms_norm_kernel, silu_first
 from nanovllm.layers.norm_act import silu_and_mul
 from nanovllm.utils.config_checks import Fp8Scheme
 
@@ -35,22 +35,6 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     from nanovllm.kernels.fp8_skinny import fp8_skinny_linear
     return fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl)
-
-
-def fp8_skinny_norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl=False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8_skinny of rms_norm(x + residual): the norm's own kernel, then the GEMV (folded in, the norm cost
-    the GEMV more than its kernel takes), both programmatic dependents under pdl so that the norm starts
-    while the kernel before it ends and the GEMV loads its first weight tiles while the norm runs."""
-    normed, summed = _rms_norm(x, norm_weight, eps, residual, pdl)
-    return fp8_skinny(normed, weight, weight_scale, group, bias, pdl), summed
-
-
-def fp8_skinny_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                    bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    """fp8_skinny of silu(gate) * up: the SiLU-mul's own kernel, then the GEMV, chained as fp8_skinny_norm."""
-    from nanovllm.kernels import norm_act
-    return fp8_skinny(norm_act.silu_and_mul(x, pdl), weight, weight_scale, group, bias, pdl)
 
 
 def fp8_gemv_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -107,7 +91,7 @@ def fp8_scaled_mm_norm(x, norm_weight, eps, weight, weight_scale, group, bias, r
     one kernel and no model-dtype copy where norm and quantize_rows took two; the same bits)."""
     from nanovllm.kernels import fp8_gemm, norm_quant
     if not fp8_gemm.scaled_mm_takes(x, weight, group):
-        normed, summed = _rms_norm(x, norm_weight, eps, residual)
+        normed, summed = rms_norm_kernel(x, norm_weight, eps, residual)
         return fp8_gemm.scaled_mm_linear(normed, weight, weight_scale, group, bias), summed
     q, scale, summed = norm_quant.rms_norm_quant(x, norm_weight, eps, residual)
     return fp8_gemm.scaled_mm_quantized(q, scale, weight, weight_scale, bias, x.dtype), summed
@@ -120,14 +104,6 @@ def fp8_scaled_mm_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     if not fp8_gemm.scaled_mm_takes(x, weight, group):
         return fp8_gemm.scaled_mm_linear(silu_and_mul(x), weight, weight_scale, group, bias)
     return fp8_gemm.scaled_mm_quantized(*norm_quant.silu_mul_quant(x), weight, weight_scale, bias, x.dtype)
-
-
-def _rms_norm(x, weight, eps, residual, pdl=False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) through norm_act's kernels (this method's calls are CUDA's)."""
-    from nanovllm.kernels import norm_act
-    if residual is None:
-        return norm_act.rms_norm(x, weight, eps, pdl), x
-    return norm_act.add_rms_norm(x, residual, weight, eps, pdl)
 
 
 def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -171,7 +147,7 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     shapes, where fp8_gemv took 1.3-3.4x bf16's time), the RMSNorm and SiLU-mul in their own kernels first:
     folded in, as bf16 has them, they made it as slow as bf16 (one-stream Qwen3-8B fp8 4.57 ms a token
     against bf16's 4.62). Those kernels launch as programmatic dependents, so that the chain overlaps as
-    the GEMVs' does (fp8_skinny_norm; not yet timed against plain launches). Two rows: the CUDA-core
+    the GEMVs' does (linear_methods.norm_first; not yet timed against plain launches). Two rows: the CUDA-core
     few-row GEMV over the e4m3 weight (kernels/gemv_rows.py); 3-16: bf16's rows kernel over it with fp8's
     own tiles (fp8_skinny.fp8_rows_config), in place of fp8_gemv (slower than bf16 cuBLAS at 16 rows;
     kernels/fp8_skinny.py has the times). From 17 rows torch._scaled_mm with row-wise scales (cuBLASLt /
@@ -181,8 +157,9 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     copy where the norm and quantize_rows took two, the same bits; not yet timed on its own). 128 x 128
     block scales take Fp8BlockScaledMmLinearMethod."""
 
-    BUCKETS = (Bucket(1, fp8_skinny, fp8_skinny_norm, fp8_skinny_silu), Bucket(2, fp8_gemv_rows),
-               Bucket(16, fp8_rows), Bucket(None, fp8_scaled_mm, fp8_scaled_mm_norm, fp8_scaled_mm_silu))
+    BUCKETS = (Bucket(1, fp8_skinny, norm_first(fp8_skinny), silu_first(fp8_skinny)),
+               Bucket(2, fp8_gemv_rows), Bucket(16, fp8_rows),
+               Bucket(None, fp8_scaled_mm, fp8_scaled_mm_norm, fp8_scaled_mm_silu))
 
 
 class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):
@@ -196,9 +173,11 @@ class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):
     128 weight scales (cuBLASLt). Graph-timed on an H200 at Qwen3-8B's shapes it took 0.4-0.5x the Triton
     block GEMM's time at 256 and 4,096 rows, about bf16 cuBLAS's (relative error 2.7-3.0e-3 against the
     dequantized product). The compact scales the three need sit on the weight_scale parameter (`blocks`);
-    a layer without whole blocks keeps the Triton kernels."""
+    a layer without whole blocks keeps the Triton kernels. One row's norm and SiLU-mul run as per-channel
+    fp8's do: their own kernels, chained to the GEMV as programmatic dependents."""
 
-    BUCKETS = (Bucket(1, fp8_gemv_blocks), Bucket(16, fp8_rows_blocks), Bucket(None, fp8_block_scaled_mm))
+    BUCKETS = (Bucket(1, fp8_gemv_blocks, norm_first(fp8_gemv_blocks), silu_first(fp8_gemv_blocks)),
+               Bucket(16, fp8_rows_blocks), Bucket(None, fp8_block_scaled_mm))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         super().process_weights_after_loading(layer)

@@ -79,6 +79,41 @@ def mma_rows_norm(x, norm_weight, eps, weight, bias, residual, pdl) -> tuple[tor
     return rows_norm_linear(x, norm_weight, eps, weight, bias, residual, pdl)
 
 
+def rms_norm_kernel(x, weight, eps, residual, pdl=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) through kernels/norm_act.py (a GPU method's calls are CUDA's;
+    pdl: a programmatic dependent launch)."""
+    from nanovllm.kernels import norm_act
+    if residual is None:
+        return norm_act.rms_norm(x, weight, eps, pdl), x
+    return norm_act.add_rms_norm(x, residual, weight, eps, pdl)
+
+
+def norm_first(plain: Kernel) -> NormedKernel:
+    """A bucket's norm fold that is two kernels: the RMSNorm's own, then `plain`, both launched as
+    programmatic dependents under pdl, so that the norm starts while the kernel before it ends and `plain`
+    loads its first weight tiles while the norm runs (for kernels a folded prologue slows: fp8's GEMVs)."""
+
+    def kernel(x, norm_weight, eps, *args):  # args: *weights, bias, residual, pdl
+        *weights, bias, residual, pdl = args
+        normed, summed = rms_norm_kernel(x, norm_weight, eps, residual, pdl)
+        return plain(normed, *weights, bias, pdl), summed
+
+    kernel.__name__ = f"{plain.__name__}_norm"
+    return kernel
+
+
+def silu_first(plain: Kernel) -> SiluKernel:
+    """A bucket's SiLU-mul fold that is two kernels, chained as norm_first's."""
+
+    def kernel(x, *args):  # args: *weights, bias, pdl
+        from nanovllm.kernels import norm_act
+        *weights, bias, pdl = args
+        return plain(norm_act.silu_and_mul(x, pdl), *weights, bias, pdl)
+
+    kernel.__name__ = f"{plain.__name__}_silu"
+    return kernel
+
+
 class LinearMethod:
     """What a linear layer asks of its method. `layer` is the module (layers/linear.py) whose
     parameters the method created; `bias` is the bias to add in the matmul (None where the layer adds

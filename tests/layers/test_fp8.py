@@ -85,9 +85,13 @@ def test_fp8_kernels_run_on_gpus_with_fp8_tensor_cores(device, capability, block
     names = [chosen.bucket(rows).plain.__name__ for rows in (1, 16, 17, 4096)]
     # One scale a row on sm_90: bf16's one-row and few-row kernels over the e4m3 weight; 128 x 128 blocks
     # there: the block GEMV at one row, the rows kernel scaling each tile's product at 2-16.
-    few = {Fp8ScaledMmLinearMethod: ["fp8_skinny", "fp8_rows"],
-           Fp8BlockScaledMmLinearMethod: ["fp8_gemv_blocks", "fp8_rows_blocks"]}.get(method, ["fp8_gemv"] * 2)
+    sm90 = {Fp8ScaledMmLinearMethod: ["fp8_skinny", "fp8_rows"],
+            Fp8BlockScaledMmLinearMethod: ["fp8_gemv_blocks", "fp8_rows_blocks"]}
+    few = sm90.get(method, ["fp8_gemv"] * 2)
     assert names == (few + [gemm] * 2 if gemm else ["fp8_dequant_linear"] * 4)
+    if method in sm90:  # one row's norm and SiLU-mul: their own kernels, chained to the GEMV under PDL
+        one_row = chosen.bucket(1)
+        assert (one_row.normed.__name__, one_row.silu.__name__) == (f"{few[0]}_norm", f"{few[0]}_silu")
 
 
 def test_block_scales_are_compact_only_where_the_weight_is_whole_blocks():
