@@ -270,11 +270,19 @@ def block_scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: t
     at Qwen3-8B's shapes and 256-4,096 rows about half the Triton GEMM's time (docs/performance-notes.md,
     "torch's block-scaled GEMM"). Rows are padded to a multiple of 4, its scales' alignment; block_scale
     may come padded already (padded_block_scales: what the linear method keeps, so no call pads it)."""
-    if block_scale.shape[1] % 4:
-        block_scale = padded_block_scales(block_scale)
     m = x.shape[0]
     padded = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
     q, scale = quantize_rows(padded, 128)
-    out = F.scaled_mm(q, weight.t(), scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
-                      block_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:m]
+    return block_scaled_mm_quantized(q, scale.t().contiguous().t(), weight, block_scale, bias, x.dtype)[:m]
+
+
+def block_scaled_mm_quantized(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+                              block_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+                              ) -> torch.Tensor:
+    """block_scaled_mm_linear's product of activations quantized already: e4m3 q [M', K] (M' a multiple of
+    4) with its scales a row and 128 inputs, column-major [M', K / 128] (strides (1, M'))."""
+    if block_scale.shape[1] % 4:
+        block_scale = padded_block_scales(block_scale)
+    out = F.scaled_mm(q, weight.t(), scale, F.ScalingType.BlockWise1x128, block_scale.t(),
+                      F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
     return out if bias is None else out + bias

@@ -1,11 +1,14 @@
-"""The RMSNorm and the SiLU-mul before an fp8 (W8A8) matmul, each with its output quantized to e4m3 per
-row in the same kernel: what norm_act's kernel and then fp8_gemm.quantize_rows compute, without writing
-the model-dtype activations out and reading them back, and one launch instead of two.
+"""The RMSNorm and the SiLU-mul before an fp8 (W8A8) matmul, each with its output quantized to e4m3 in the
+same kernel: what norm_act's kernel and then fp8_gemm.quantize_rows compute, without writing the
+model-dtype activations out and reading them back, and one launch instead of two.
 
 The bits are those of the two kernels in a row: the norm's or the SiLU-mul's output is rounded to the
-model's dtype first (norm_act's rounding), then scaled per row (scale = max(amax, MIN_AMAX) / 448) and
-rounded to nearest-even e4m3 as quantize_rows does. One scale a row (a per-channel or per-tensor weight's
-activations); block-scaled weights keep the two kernels."""
+model's dtype first (norm_act's rounding), then scaled per row, or per row and group of `group` inputs
+(scale = max(amax, MIN_AMAX) / 448), and rounded to nearest-even e4m3 as quantize_rows does. One scale a
+row feeds torch._scaled_mm's row-wise scaling (per-channel weights); 128-wide groups feed torch's
+block-scaled GEMM (128 x 128 weight blocks), which takes its rows padded to a multiple of 4 and the
+scales column-major: `pad_rows` and the scale layout here are that GEMM's, the padding rows copies of
+the last real row."""
 
 import torch
 import triton
@@ -14,69 +17,117 @@ import triton.language as tl
 from nanovllm.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX, MIN_AMAX, round_to_e4m3_grid
 from nanovllm.kernels.norm_act import rows_view
 
-# Elements of a [gate | up] half a SiLU-mul program reads at once (it loops over longer rows, twice).
+# Elements of a [gate | up] half a SiLU-mul program reads at once (a multiple of any group; it loops over
+# longer rows, and for one scale a row reads them twice: once for the amax, once to quantize).
 ACT_BLOCK = 2048
 
 
 @triton.jit
-def _quantized(y, amax, q_ptr, scale_ptr, row, cols, mask):
-    """Stores y (float32, already in the model dtype's values) as e4m3 with its row's scale."""
-    scale = tl.maximum(amax, MIN_AMAX) / FP8_MAX
-    tl.store(scale_ptr + row, scale)
-    q = round_to_e4m3_grid(tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX))
-    tl.store(q_ptr + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+def _scale_of(amax):
+    return tl.maximum(amax, MIN_AMAX) / FP8_MAX
 
 
 @triton.jit
-def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, sum_ptr, n_cols, stride_x,
-                           stride_r, stride_sum, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _quantized(y, scale):
+    """y / scale rounded to e4m3's values (in float32), as quantize_rows rounds them."""
+    return round_to_e4m3_grid(tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX))
+
+
+@triton.jit
+def _store_groups(y, start, n_cols, q_row, scale_row, stride_sg, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """y [BLOCK] (float32, the model dtype's values) of inputs start.. as e4m3, a scale a GROUP of them
+    (BLOCK a multiple of GROUP; the row's groups from start // GROUP on)."""
+    groups = tl.reshape(y, [BLOCK // GROUP, GROUP])
+    scale = _scale_of(tl.max(tl.abs(groups), axis=1))
+    q = _quantized(groups, scale[:, None])
+    index = start // GROUP + tl.arange(0, BLOCK // GROUP)
+    tl.store(scale_row + index * stride_sg, scale, mask=index * GROUP < n_cols)
+    cols = start + tl.arange(0, BLOCK)
+    tl.store(q_row + cols, tl.reshape(q, [BLOCK]).to(q_row.dtype.element_ty), mask=cols < n_cols)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, sum_ptr, M, n_cols, stride_x,
+                           stride_r, stride_sum, stride_sm, stride_sg, eps, HAS_RESIDUAL: tl.constexpr,
+                           GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """One program a row of q; rows past M (padding) repeat row M - 1. GROUP 0: one scale a row."""
     row = tl.program_id(0).to(tl.int64)
+    src = tl.minimum(row, M - 1)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        r = tl.load(residual_ptr + src * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
+        tl.store(sum_ptr + src * stride_sum + cols, x, mask=cols < tl.where(row < M, n_cols, 0))  # real rows
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (w * normed).to(x_ptr.dtype.element_ty).to(tl.float32)  # the norm's output, as norm_act rounds it
-    _quantized(y, tl.max(tl.abs(y), axis=0), q_ptr + row * n_cols, scale_ptr, row, cols, mask)
+    q_row, scale_row = q_ptr + row * n_cols, scale_ptr + row * stride_sm
+    if GROUP:
+        _store_groups(y, 0, n_cols, q_row, scale_row, stride_sg, GROUP, BLOCK)
+    else:
+        scale = _scale_of(tl.max(tl.abs(y), axis=0))
+        tl.store(scale_row, scale)
+        tl.store(q_row + cols, _quantized(y, scale).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _silu_mul(x_ptr, row_start, n_cols, cols, mask):
-    gate = tl.load(x_ptr + row_start + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row_start + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul(x_row, n_cols, cols):
+    mask = cols < n_cols
+    gate = tl.load(x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     gate_f = gate.to(tl.float32)
     return (gate_f / (1.0 + tl.exp(-gate_f)) * up).to(gate.dtype).to(tl.float32)  # norm_act's rounding
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, n_cols, stride_x, BLOCK: tl.constexpr):
-    """One program a row: the row's amax in a first pass, the quantized values in a second (the
-    SiLU-mul recomputed, its inputs read again, mostly from L2)."""
+def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, M, n_cols, stride_x, stride_sm, stride_sg,
+                           GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """One program a row of q (rows past M repeat row M - 1). With groups (BLOCK a multiple of GROUP) each
+    block of the row is quantized as it is computed; with one scale a row, a first pass finds the row's
+    amax and a second quantizes (the SiLU-mul recomputed, its inputs read again, mostly from L2)."""
     row = tl.program_id(0).to(tl.int64)
-    row_start = row * stride_x
+    x_row = x_ptr + tl.minimum(row, M - 1) * stride_x
+    q_row = q_ptr + row * n_cols
+    scale_row = scale_ptr + row * stride_sm
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offs
-        amax = tl.maximum(amax, tl.abs(_silu_mul(x_ptr, row_start, n_cols, cols, cols < n_cols)))
-    amax_row = tl.max(amax, axis=0)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offs
-        mask = cols < n_cols
-        y = _silu_mul(x_ptr, row_start, n_cols, cols, mask)
-        _quantized(y, amax_row, q_ptr + row * n_cols, scale_ptr, row, cols, mask)
+    if GROUP:
+        for start in range(0, n_cols, BLOCK):
+            y = _silu_mul(x_row, n_cols, start + offs)
+            _store_groups(y, start, n_cols, q_row, scale_row, stride_sg, GROUP, BLOCK)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, n_cols, start + offs)))
+        scale = _scale_of(tl.max(amax, axis=0))
+        tl.store(scale_row, scale)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + offs
+            q = _quantized(_silu_mul(x_row, n_cols, cols), scale)
+            tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(e4m3 [M, K], float32 scales [M, 1], s) for s = x + residual (or x), [M, K]: rms_norm(s) in x's
-    dtype (norm_act's rounding), quantized per row as fp8_gemm.quantizerows_view(y, K) would."""
+def _outputs(m: int, k: int, group: int, pad_rows: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [M', k] and its scales for M' = m padded to a multiple of pad_rows: [M', 1], or with groups
+    column-major [M', k / group] (strides (1, M'): torch's block-scaled GEMM's layout)."""
+    if group and (k % group or group & (group - 1)):
+        raise ValueError(f"groups of {group} inputs: a power of two dividing the {k} inputs is needed")
+    rows = -(-m // pad_rows) * pad_rows
+    q = torch.empty((rows, k), dtype=FP8_DTYPE, device=device)
+    if not group:
+        return q, torch.empty((rows, 1), dtype=torch.float32, device=device)
+    return q, torch.empty((k // group, rows), dtype=torch.float32, device=device).t()
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                   group: int = 0, pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 q, float32 scales, s) for s = x + residual (or x), [M, K]: rms_norm(s) in x's dtype
+    (norm_act's rounding), quantized as fp8_gemm.quantize_rows(y, group or K) would; q and the scales
+    have M rounded up to a multiple of pad_rows (see the module docstring for the layout)."""
     if weight.dtype != x.dtype or weight.shape != (x.shape[-1],):
         raise ValueError(f"weight {weight.dtype} {tuple(weight.shape)} must be x's dtype {x.dtype} and shape "
                          f"({x.shape[-1]},)")
@@ -85,28 +136,30 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
                          f"{tuple(x.shape)}")
     rows = rows_view(x)
     m, k = rows.shape
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    q, scale = _outputs(m, k, group, pad_rows, x.device)
     summed = torch.empty_like(rows) if residual is not None else rows
     if m:
         res = rows_view(residual) if residual is not None else rows
         block = triton.next_power_of_2(k)
-        _rms_norm_quant_kernel[(m,)](rows, res, weight, q, scale, summed, k, rows.stride(0), res.stride(0),
-                                     summed.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                     num_warps=4 if block <= 2048 else 8)
+        _rms_norm_quant_kernel[(q.shape[0],)](
+            rows, res, weight, q, scale, summed, m, k, rows.stride(0), res.stride(0), summed.stride(0),
+            scale.stride(0), scale.stride(1), eps, HAS_RESIDUAL=residual is not None, GROUP=group,
+            BLOCK=block, num_warps=4 if block <= 2048 else 8)
     return q, scale, summed
 
 
-def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [M, I], float32 scales [M, 1]) of silu(gate) * up for x = [gate | up] [M, 2I], in x's dtype
-    first (norm_act's rounding), quantized per row as fp8_gemm.quantizerows_view(y, I) would."""
+def silu_mul_quant(x: torch.Tensor, group: int = 0, pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 q, float32 scales) of silu(gate) * up for x = [gate | up] [M, 2I], in x's dtype first
+    (norm_act's rounding), quantized as fp8_gemm.quantize_rows(y, group or I) would; rows padded and scales
+    laid out as rms_norm_quant's."""
     if x.shape[-1] % 2:
         raise ValueError(f"the last dim holds [gate | up] halves; got an odd size {x.shape[-1]}")
     rows = rows_view(x)
     m, n = rows.shape[0], rows.shape[1] // 2
-    q = torch.empty((m, n), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    q, scale = _outputs(m, n, group, pad_rows, x.device)
     if m and n:
         block = min(ACT_BLOCK, triton.next_power_of_2(n))
-        _silu_mul_quant_kernel[(m,)](rows, q, scale, n, rows.stride(0), BLOCK=block, num_warps=4)
+        _silu_mul_quant_kernel[(q.shape[0],)](rows, q, scale, m, n, rows.stride(0), scale.stride(0),
+                                              scale.stride(1), GROUP=group, BLOCK=max(block, group),
+                                              num_warps=4)
     return q, scale

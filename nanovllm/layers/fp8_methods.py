@@ -115,6 +115,33 @@ def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     return block_scaled_mm_linear(x, weight, blocks, bias)
 
 
+def fp8_block_scaled_mm_norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl=False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_block_scaled_mm of rms_norm(x + residual), the norm writing e4m3 a scale a row and 128 inputs,
+    its rows padded and its scales laid out as torch's block-scaled GEMM takes them (kernels/norm_quant.py:
+    one kernel where norm and quantize_rows took two; the same bits)."""
+    blocks = getattr(weight_scale, "blocks", None)
+    if blocks is None:
+        normed, summed = rms_norm_kernel(x, norm_weight, eps, residual)
+        return fp8_block_scaled_mm(normed, weight, weight_scale, group, bias), summed
+    from nanovllm.kernels import fp8_gemm, norm_quant
+    q, scale, summed = norm_quant.rms_norm_quant(x, norm_weight, eps, residual, BLOCK_SCALED_MM_BLOCK[1],
+                                                 pad_rows=4)
+    out = fp8_gemm.block_scaled_mm_quantized(q, scale, weight, blocks, bias, x.dtype)
+    return out[: x.shape[0]], summed
+
+
+def fp8_block_scaled_mm_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                             bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    """fp8_block_scaled_mm of silu(gate) * up, the SiLU-mul writing e4m3 as fp8_block_scaled_mm_norm's."""
+    blocks = getattr(weight_scale, "blocks", None)
+    if blocks is None:
+        return fp8_block_scaled_mm(silu_and_mul(x), weight, weight_scale, group, bias)
+    from nanovllm.kernels import fp8_gemm, norm_quant
+    q, scale = norm_quant.silu_mul_quant(x, BLOCK_SCALED_MM_BLOCK[1], pad_rows=4)
+    return fp8_gemm.block_scaled_mm_quantized(q, scale, weight, blocks, bias, x.dtype)[: x.shape[0]]
+
+
 def block_scales(weight_scale: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
                  ) -> torch.Tensor | None:
     """The compact [N / rows, K / columns] scales of a block-scaled weight [N, K] from the layout's
@@ -174,10 +201,12 @@ class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):
     block GEMM's time at 256 and 4,096 rows, about bf16 cuBLAS's (relative error 2.7-3.0e-3 against the
     dequantized product). The compact scales the three need sit on the weight_scale parameter (`blocks`);
     a layer without whole blocks keeps the Triton kernels. One row's norm and SiLU-mul run as per-channel
-    fp8's do: their own kernels, chained to the GEMV as programmatic dependents."""
+    fp8's do: their own kernels, chained to the GEMV as programmatic dependents; from 17 rows they write
+    e4m3 and the GEMM's activation scales themselves (kernels/norm_quant.py), as per channel's do."""
 
     BUCKETS = (Bucket(1, fp8_gemv_blocks, norm_first(fp8_gemv_blocks), silu_first(fp8_gemv_blocks)),
-               Bucket(16, fp8_rows_blocks), Bucket(None, fp8_block_scaled_mm))
+               Bucket(16, fp8_rows_blocks),
+               Bucket(None, fp8_block_scaled_mm, fp8_block_scaled_mm_norm, fp8_block_scaled_mm_silu))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         super().process_weights_after_loading(layer)

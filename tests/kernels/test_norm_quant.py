@@ -1,7 +1,8 @@
 """The RMSNorm and SiLU-mul kernels that write e4m3 (kernels/norm_quant.py) against the two kernels they
-replace, norm_act's then fp8_gemm.quantize_rows, bit for bit, on CPU tensors through the Triton
-interpreter (or on CUDA with TRITON_INTERPRET=0); and the per-channel fp8 method taking them from 17
-rows, with the layer's result unchanged."""
+replace, norm_act's then fp8_gemm.quantize_rows, bit for bit (a scale a row, and a scale a row and 128
+inputs with the block-scaled GEMM's padding and layout), on CPU tensors through the Triton interpreter
+(or on CUDA with TRITON_INTERPRET=0); and both sm_90 fp8 methods taking them from 17 rows, with the
+layer's result unchanged."""
 
 import pytest
 import torch
@@ -58,6 +59,27 @@ def test_silu_mul_quant_is_the_silu_mul_then_quantize_rows(dtype, width):
     assert_same_bits(norm_quant.silu_mul_quant(gate_up), quantize_rows(norm_act.silu_and_mul(gate_up), width))
 
 
+@pytest.mark.parametrize("rows_count", [5, 8])
+def test_groups_of_128_with_rows_padded_to_4_are_quantize_rows_of_the_real_rows(rows_count):
+    """The block-scaled GEMM's inputs: scales a row and 128 inputs, column-major, rows padded to a multiple
+    of 4 (copies of the last real row, whose products the GEMM's caller drops); the real rows' bits are
+    quantize_rows(y, 128)'s."""
+    x, residual = rows(rows_count, 384, torch.bfloat16, 9), rows(rows_count, 384, torch.bfloat16, 10)
+    weight = (1 + 0.1 * torch.randn(384, generator=torch.Generator().manual_seed(11))).to(DEVICE, x.dtype)
+    q, scale, summed = norm_quant.rms_norm_quant(x, weight, EPS, residual, group=128, pad_rows=4)
+    normed, want_sum = norm_act.add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(summed, want_sum)
+    padded = -(-rows_count // 4) * 4
+    assert q.shape == (padded, 384) and scale.shape == (padded, 3) and scale.stride() == (1, padded)
+    assert_same_bits((q[:rows_count], scale[:rows_count]), quantize_rows(normed, 128))
+    gate_up = rows(rows_count, 2 * 2304, torch.bfloat16, 12)  # 18 groups: two blocks of the loop, one partial
+    q, scale = norm_quant.silu_mul_quant(gate_up, group=128, pad_rows=4)
+    assert q.shape == (padded, 2304) and scale.stride() == (1, padded)
+    assert_same_bits((q[:rows_count], scale[:rows_count]), quantize_rows(norm_act.silu_and_mul(gate_up), 128))
+    with pytest.raises(ValueError, match="power of two dividing"):
+        norm_quant.rms_norm_quant(x, weight, EPS, group=96)
+
+
 def test_the_per_channel_method_folds_the_quantize_into_the_norm_and_the_silu_from_17_rows(monkeypatch):
     """From 17 rows Fp8ScaledMmLinearMethod hands q/k/v and gate/up their RMSNorm, and down_proj its
     SiLU-mul, writing e4m3 (one kernel each, not the norm's or the SiLU-mul's own then quantize_rows):
@@ -87,3 +109,52 @@ def test_the_per_channel_method_folds_the_quantize_into_the_norm_and_the_silu_fr
     assert torch.equal(summed, want_sum) and torch.equal(out, want)
     assert torch.equal(method.apply_silu(layer, gate_up, layer.bias), want_down)
     assert called == []  # the norm and the SiLU-mul quantized their own outputs
+
+
+def fake_block_scaled_mm(a, b, scale_a, kind_a, scale_b, kind_b, output_dtype):
+    """torch's block-scaled GEMM as its arguments mean it (the CPU has none): a [M, K] e4m3 with scales a
+    row and 128 inputs, b = weight^T with one scale a 128 x 128 block (scale_b its [K / 128, N / 128])."""
+    a = a.float() * scale_a.repeat_interleave(128, dim=1)
+    kb, nb = b.shape[0] // 128, b.shape[1] // 128
+    b = b.float() * scale_b[:kb, :nb].repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    return (a @ b).to(output_dtype)
+
+
+def test_the_block_method_folds_the_quantize_into_the_norm_and_the_silu_from_17_rows(monkeypatch):
+    """Fp8BlockScaledMmLinearMethod from 17 rows: the norm and the SiLU-mul hand torch's block-scaled GEMM
+    their e4m3 rows, padded and scaled as it takes them; the layer's outputs equal the unfused calls'."""
+    import torch.nn.functional as F
+
+    from nanovllm.kernels import fp8_gemm
+    from nanovllm.layers.fp8 import quantize_blocks
+    from nanovllm.layers.fp8_methods import Fp8BlockScaledMmLinearMethod
+
+    monkeypatch.setattr(F, "scaled_mm", fake_block_scaled_mm, raising=False)
+    scaling = type("ScalingType", (), {"BlockWise1x128": 0, "BlockWise128x128": 1})
+    monkeypatch.setattr(F, "ScalingType", scaling, raising=False)
+    method = Fp8BlockScaledMmLinearMethod(Fp8Scheme((128, 128), True))
+    assert method.bucket(17).normed.__name__ == "fp8_block_scaled_mm_norm"
+    assert method.bucket(17).silu.__name__ == "fp8_block_scaled_mm_silu"
+    layer = ReplicatedLinear(256, 256, bias=True, quant_method=method)
+    weight, blocks = quantize_blocks(torch.randn(256, 256, generator=torch.Generator().manual_seed(13)),
+                                     (128, 128))
+    layer.weight.data.copy_(weight)
+    layer.weight_scale_inv.data.copy_(blocks.repeat_interleave(128, dim=0))
+    method.process_weights_after_loading(layer)
+    layer.bias = torch.nn.Parameter(torch.randn(256), requires_grad=False)
+    norm = RMSNorm(256)
+    norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(14))
+    layer.to(DEVICE), norm.to(DEVICE)
+    layer.weight_scale.blocks = layer.weight_scale.blocks.to(DEVICE)
+    x, residual = rows(19, 256, torch.float32, 15), rows(19, 256, torch.float32, 16)
+    gate_up = rows(19, 512, torch.float32, 17)
+    normed, want_sum = norm_act.add_rms_norm(x, residual, norm.weight, norm.eps)
+    want = method.apply(layer, normed, layer.bias)
+    want_down = method.apply(layer, norm_act.silu_and_mul(gate_up), layer.bias)
+    called = []
+    quantize = fp8_gemm.quantize_rows
+    monkeypatch.setattr(fp8_gemm, "quantize_rows", lambda *a: called.append("quantize_rows") or quantize(*a))
+    out, summed = method.apply_normed(layer, x, norm, residual)
+    assert out.shape == (19, 256) and torch.equal(summed, want_sum) and torch.equal(out, want)
+    assert torch.equal(method.apply_silu(layer, gate_up, layer.bias), want_down)
+    assert called == []

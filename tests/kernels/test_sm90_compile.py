@@ -111,6 +111,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "skinny-rows-fp8-blocks-split",
               "decode-rope-pdl", "decode-rope-pdl-late-trigger", "split-k-reduce", "add-rms-norm", "rms-norm",
               "silu-and-mul", "add-rms-norm-quant", "silu-mul-quant", "add-rms-norm-pdl", "silu-and-mul-pdl",
+              "add-rms-norm-quant-groups", "silu-mul-quant-groups",
               "moe-count", "moe-scatter", "moe-scatter-summed", "moe-gate-up", "moe-down",
               "moe-align-one-launch",
               "moe-gate-up-fp8-block", "moe-down-fp8-channel", "moe-gate-up-w8a8-block",
