@@ -21,14 +21,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.fp8_gemm import (
-    block_scaled_mm_linear,
-    padded_block_scales,
-    quantize_rows,
-    scaled_mm_linear,
-    w8a8_linear,
-)
+from nanovllm.kernels.fp8_gemm import quantize_rows, w8a8_linear
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear
+from nanovllm.kernels.fp8_scaled_mm import block_scaled_mm_linear, padded_block_scales, scaled_mm_linear
 from nanovllm.kernels.fp8_skinny import (
     fp8_block_gemv_linear,
     fp8_gemv_rows_linear,

@@ -23,15 +23,8 @@ from fp8_gemm_bench import BANDWIDTH, FP8_FLOPS  # a script beside this one
 from fp8_gemm_bench import timed_us as graph_timed_us
 from rows_sweep import shapes
 
-from nanovllm.kernels.fp8_gemm import (
-    GemmConfig,
-    block_scaled_mm_linear,
-    gemm_config,
-    padded_block_scales,
-    quantize_rows,
-    scaled_mm_linear,
-    w8a8_linear,
-)
+from nanovllm.kernels.fp8_gemm import GemmConfig, gemm_config, quantize_rows, w8a8_linear
+from nanovllm.kernels.fp8_scaled_mm import block_scaled_mm_linear, padded_block_scales, scaled_mm_linear
 from nanovllm.layers.fp8 import quantize_blocks, quantize_groups
 
 COPIES = 4  # weights cycled through: together beyond the 60 MB L2 at 8B's shapes

@@ -15,13 +15,13 @@ sm_89) and each K tile's sum is added to a float32 accumulator (within a tile sm
 keep ~14 bits: outputs differ from an exact float32 sum by ~1e-3 relative); a K tile never straddles two
 scale groups (BLOCK_K divides GROUP, or the whole K is one group). Sizes come from shapes alone (no host
 sync), so calls are CUDA-graph capturable.
-Seen on an H200: within 1.5e-2 of the float32 reference on O(1) outputs (128-element K tiles)."""
+Seen on an H200: within 1.5e-2 of the float32 reference on O(1) outputs (128-element K tiles). torch's own
+fp8 GEMMs, fed by the same quantize_rows, are in kernels/fp8_scaled_mm.py."""
 
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -226,63 +226,3 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         num_warps=config.num_warps,
     )
     return reduce_split_k(target, bias, out) if write_partial else out
-
-
-def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N, 1])^T (+ bias), x's dtype out, through
-    torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS's fp8 GEMM): one scale a weight row, one a
-    token from quantize_rows, the rounding of w8a8_linear's one-group case. What row-wise scaling cannot
-    take (K or N not a multiple of 16, scales in groups, or on a GPU an output other than bf16) goes to
-    w8a8_linear."""
-    if not scaled_mm_takes(x, weight, group):
-        return w8a8_linear(x, weight, weight_scale, group, bias)
-    return scaled_mm_quantized(*quantize_rows(x, weight.shape[1]), weight, weight_scale, bias, x.dtype)
-
-
-def scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, group: int) -> bool:
-    """Whether torch._scaled_mm's row-wise scaling takes x [M, K] @ weight [N, K]^T with scale groups of
-    `group`: K and N multiples of 16, one group a row, and on a GPU a bfloat16 output."""
-    n, k = weight.shape
-    return not (k % 16 or n % 16 or group < k or (x.is_cuda and x.dtype != torch.bfloat16))
-
-
-def scaled_mm_quantized(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
-                        weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
-                        ) -> torch.Tensor:
-    """scaled_mm_linear's product of activations quantized already: e4m3 q [M, K] with scale [M, 1]."""
-    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, weight.shape[0]),
-                            bias=bias, out_dtype=out_dtype)
-
-
-def padded_block_scales(block_scale: torch.Tensor) -> torch.Tensor:
-    """block_scale [N / 128, K / 128] with its K blocks padded to a multiple of 4 (zeros, never read):
-    cuBLASLt reads the weight's scales K-block-major with a 16-byte leading dimension, and torch checks
-    that shape (K = 384 is 3 blocks, taken as 4)."""
-    return F.pad(block_scale, (0, -block_scale.shape[1] % 4)).contiguous()
-
-
-def block_scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ (weight [N, K] e4m3 * block_scale [N / 128, K / 128], one scale a 128 x 128 block)^T
-    (+ bias), x quantized per token and 128 inputs first (quantize_rows: the rounding of w8a8_linear with
-    128-wide groups), through torch's block-scaled GEMM (torch.nn.functional.scaled_mm, cuBLASLt on sm_90):
-    at Qwen3-8B's shapes and 256-4,096 rows about half the Triton GEMM's time (docs/performance-notes.md,
-    "torch's block-scaled GEMM"). Rows are padded to a multiple of 4, its scales' alignment; block_scale
-    may come padded already (padded_block_scales: what the linear method keeps, so no call pads it)."""
-    m = x.shape[0]
-    padded = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
-    q, scale = quantize_rows(padded, 128)
-    return block_scaled_mm_quantized(q, scale.t().contiguous().t(), weight, block_scale, bias, x.dtype)[:m]
-
-
-def block_scaled_mm_quantized(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
-                              block_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
-                              ) -> torch.Tensor:
-    """block_scaled_mm_linear's product of activations quantized already: e4m3 q [M', K] (M' a multiple of
-    4) with its scales a row and 128 inputs, column-major [M', K / 128] (strides (1, M'))."""
-    if block_scale.shape[1] % 4:
-        block_scale = padded_block_scales(block_scale)
-    out = F.scaled_mm(q, weight.t(), scale, F.ScalingType.BlockWise1x128, block_scale.t(),
-                      F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
-    return out if bias is None else out + bias

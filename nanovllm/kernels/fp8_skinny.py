@@ -109,7 +109,7 @@ def fp8_block_gemv_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: to
     """x [1, K] @ (weight [N, K] e4m3 * block_scale [N / rows, K / inputs] a block = (rows, inputs))^T
     (+ bias) in x's dtype, float32 sums, in one kernel (kernels/fp8_block_gemv.py): each K tile runs of
     inputs inside one block, a scale a run; `inputs` a power of two. The scales' rows may be padded past
-    K / inputs, as kernels/fp8_gemm.padded_block_scales pads them."""
+    K / inputs, as kernels/fp8_scaled_mm.padded_block_scales pads them."""
     n, k = weight.shape
     rows, inputs = block
     config = skinny_config(n, k, 1, sm_count(x.device))

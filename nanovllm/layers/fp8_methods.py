@@ -81,7 +81,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
 
 def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                   bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    from nanovllm.kernels.fp8_gemm import scaled_mm_linear
+    from nanovllm.kernels.fp8_scaled_mm import scaled_mm_linear
     return scaled_mm_linear(x, weight, weight_scale, group, bias)
 
 
@@ -89,21 +89,22 @@ def fp8_scaled_mm_norm(x, norm_weight, eps, weight, weight_scale, group, bias, r
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_scaled_mm of rms_norm(x + residual), the norm writing e4m3 straight away (kernels/norm_quant.py:
     one kernel and no model-dtype copy where norm and quantize_rows took two; the same bits)."""
-    from nanovllm.kernels import fp8_gemm, norm_quant
-    if not fp8_gemm.scaled_mm_takes(x, weight, group):
+    from nanovllm.kernels import fp8_scaled_mm, norm_quant
+    if not fp8_scaled_mm.scaled_mm_takes(x, weight, group):
         normed, summed = rms_norm_kernel(x, norm_weight, eps, residual)
-        return fp8_gemm.scaled_mm_linear(normed, weight, weight_scale, group, bias), summed
+        return fp8_scaled_mm.scaled_mm_linear(normed, weight, weight_scale, group, bias), summed
     q, scale, summed = norm_quant.rms_norm_quant(x, norm_weight, eps, residual)
-    return fp8_gemm.scaled_mm_quantized(q, scale, weight, weight_scale, bias, x.dtype), summed
+    return fp8_scaled_mm.scaled_mm_quantized(q, scale, weight, weight_scale, bias, x.dtype), summed
 
 
 def fp8_scaled_mm_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                        bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     """fp8_scaled_mm of silu(gate) * up, the SiLU-mul writing e4m3 straight away (kernels/norm_quant.py)."""
-    from nanovllm.kernels import fp8_gemm, norm_quant
-    if not fp8_gemm.scaled_mm_takes(x, weight, group):
-        return fp8_gemm.scaled_mm_linear(silu_and_mul(x), weight, weight_scale, group, bias)
-    return fp8_gemm.scaled_mm_quantized(*norm_quant.silu_mul_quant(x), weight, weight_scale, bias, x.dtype)
+    from nanovllm.kernels import fp8_scaled_mm, norm_quant
+    if not fp8_scaled_mm.scaled_mm_takes(x, weight, group):
+        return fp8_scaled_mm.scaled_mm_linear(silu_and_mul(x), weight, weight_scale, group, bias)
+    return fp8_scaled_mm.scaled_mm_quantized(*norm_quant.silu_mul_quant(x), weight, weight_scale, bias,
+                                             x.dtype)
 
 
 def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -111,7 +112,7 @@ def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     blocks = getattr(weight_scale, "blocks", None)  # Fp8BlockScaledMmLinearMethod's compact scales
     if blocks is None:  # a layer whose scales are not whole 128 x 128 blocks
         return fp8_gemm(x, weight, weight_scale, group, bias, pdl)
-    from nanovllm.kernels.fp8_gemm import block_scaled_mm_linear
+    from nanovllm.kernels.fp8_scaled_mm import block_scaled_mm_linear
     return block_scaled_mm_linear(x, weight, blocks, bias)
 
 
@@ -124,10 +125,10 @@ def fp8_block_scaled_mm_norm(x, norm_weight, eps, weight, weight_scale, group, b
     if blocks is None:
         normed, summed = rms_norm_kernel(x, norm_weight, eps, residual)
         return fp8_block_scaled_mm(normed, weight, weight_scale, group, bias), summed
-    from nanovllm.kernels import fp8_gemm, norm_quant
+    from nanovllm.kernels import fp8_scaled_mm, norm_quant
     q, scale, summed = norm_quant.rms_norm_quant(x, norm_weight, eps, residual, BLOCK_SCALED_MM_BLOCK[1],
                                                  pad_rows=4)
-    out = fp8_gemm.block_scaled_mm_quantized(q, scale, weight, blocks, bias, x.dtype)
+    out = fp8_scaled_mm.block_scaled_mm_quantized(q, scale, weight, blocks, bias, x.dtype)
     return out[: x.shape[0]], summed
 
 
@@ -137,16 +138,16 @@ def fp8_block_scaled_mm_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale
     blocks = getattr(weight_scale, "blocks", None)
     if blocks is None:
         return fp8_block_scaled_mm(silu_and_mul(x), weight, weight_scale, group, bias)
-    from nanovllm.kernels import fp8_gemm, norm_quant
+    from nanovllm.kernels import fp8_scaled_mm, norm_quant
     q, scale = norm_quant.silu_mul_quant(x, BLOCK_SCALED_MM_BLOCK[1], pad_rows=4)
-    return fp8_gemm.block_scaled_mm_quantized(q, scale, weight, blocks, bias, x.dtype)[: x.shape[0]]
+    return fp8_scaled_mm.block_scaled_mm_quantized(q, scale, weight, blocks, bias, x.dtype)[: x.shape[0]]
 
 
 def block_scales(weight_scale: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
                  ) -> torch.Tensor | None:
     """The compact [N / rows, K / columns] scales of a block-scaled weight [N, K] from the layout's
     per-row copy ([N, K / columns], each block's row repeated), in the padded layout torch's block-scaled
-    GEMM takes (kernels/fp8_gemm.padded_block_scales); None where the weight is not whole blocks, or a
+    GEMM takes (kernels/fp8_scaled_mm.padded_block_scales); None where the weight is not whole blocks, or a
     block's rows differ (a merged layer whose parts do not start on a block)."""
     (n, k), (rows, columns) = weight.shape, block
     if n % rows or k % columns or weight_scale.shape != (n, k // columns):
@@ -154,7 +155,7 @@ def block_scales(weight_scale: torch.Tensor, weight: torch.Tensor, block: tuple[
     per_block = weight_scale.view(n // rows, rows, k // columns)
     if not torch.equal(per_block, per_block[:, :1].expand_as(per_block)):
         return None
-    from nanovllm.kernels.fp8_gemm import padded_block_scales
+    from nanovllm.kernels.fp8_scaled_mm import padded_block_scales
     return padded_block_scales(per_block[:, 0])
 
 

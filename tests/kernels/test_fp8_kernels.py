@@ -10,8 +10,9 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels.fp8_gemm import GemmConfig, quantize_rows, scaled_mm_linear, w8a8_linear  # noqa: E402
+from nanovllm.kernels.fp8_gemm import GemmConfig, quantize_rows, w8a8_linear  # noqa: E402
 from nanovllm.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_linear, gemv_block_n  # noqa: E402
+from nanovllm.kernels.fp8_scaled_mm import scaled_mm_linear  # noqa: E402
 from nanovllm.layers.fp8 import fp8_dequant_linear, fp8_weight_only_linear, quantize_groups  # noqa: E402
 from nanovllm.layers.fp8_methods import Fp8ScaledMmLinearMethod, Fp8TritonLinearMethod  # noqa: E402
 from nanovllm.layers.linear import ReplicatedLinear  # noqa: E402
@@ -253,11 +254,11 @@ def test_one_row_runs_the_norm_and_the_silu_mul_first_then_the_fp8_gemv_all_as_d
 
 @pytest.mark.parametrize("m", [17, 61, 256])
 def test_torchs_block_scaled_gemm_matches_the_dequantizing_reference(m):
-    """kernels/fp8_gemm.block_scaled_mm_linear (torch's block-scaled GEMM, cuBLASLt on sm_90; a GPU only)
+    """kernels/fp8_scaled_mm.block_scaled_mm_linear (torch's block-scaled GEMM, cuBLASLt on sm_90; a GPU only)
     against the reference with the same rounding, bf16, rows not a multiple of 4 included."""
     if DEVICE != "cuda" or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch's block-scaled GEMM runs on sm_90 GPUs")
-    from nanovllm.kernels.fp8_gemm import block_scaled_mm_linear
+    from nanovllm.kernels.fp8_scaled_mm import block_scaled_mm_linear
     from nanovllm.layers.fp8_methods import block_scaled_mm_available, block_scales
 
     if not block_scaled_mm_available():

@@ -84,7 +84,7 @@ def test_the_per_channel_method_folds_the_quantize_into_the_norm_and_the_silu_fr
     """From 17 rows Fp8ScaledMmLinearMethod hands q/k/v and gate/up their RMSNorm, and down_proj its
     SiLU-mul, writing e4m3 (one kernel each, not the norm's or the SiLU-mul's own then quantize_rows):
     the layer's outputs equal those of the unfused calls exactly."""
-    from nanovllm.kernels import fp8_gemm
+    from nanovllm.kernels import fp8_scaled_mm
 
     method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
     assert method.bucket(17).normed.__name__ == "fp8_scaled_mm_norm"
@@ -103,8 +103,9 @@ def test_the_per_channel_method_folds_the_quantize_into_the_norm_and_the_silu_fr
     want = method.apply(layer, normed, layer.bias)
     want_down = method.apply(layer, norm_act.silu_and_mul(gate_up), layer.bias)
     called = []
-    quantize = fp8_gemm.quantize_rows
-    monkeypatch.setattr(fp8_gemm, "quantize_rows", lambda *a: called.append("quantize_rows") or quantize(*a))
+    quantize = fp8_scaled_mm.quantize_rows
+    monkeypatch.setattr(fp8_scaled_mm, "quantize_rows",
+                        lambda *a: called.append("quantize_rows") or quantize(*a))
     out, summed = method.apply_normed(layer, x, norm, residual)
     assert torch.equal(summed, want_sum) and torch.equal(out, want)
     assert torch.equal(method.apply_silu(layer, gate_up, layer.bias), want_down)
@@ -125,7 +126,7 @@ def test_the_block_method_folds_the_quantize_into_the_norm_and_the_silu_from_17_
     their e4m3 rows, padded and scaled as it takes them; the layer's outputs equal the unfused calls'."""
     import torch.nn.functional as F
 
-    from nanovllm.kernels import fp8_gemm
+    from nanovllm.kernels import fp8_scaled_mm
     from nanovllm.layers.fp8 import quantize_blocks
     from nanovllm.layers.fp8_methods import Fp8BlockScaledMmLinearMethod
 
@@ -152,8 +153,9 @@ def test_the_block_method_folds_the_quantize_into_the_norm_and_the_silu_from_17_
     want = method.apply(layer, normed, layer.bias)
     want_down = method.apply(layer, norm_act.silu_and_mul(gate_up), layer.bias)
     called = []
-    quantize = fp8_gemm.quantize_rows
-    monkeypatch.setattr(fp8_gemm, "quantize_rows", lambda *a: called.append("quantize_rows") or quantize(*a))
+    quantize = fp8_scaled_mm.quantize_rows
+    monkeypatch.setattr(fp8_scaled_mm, "quantize_rows",
+                        lambda *a: called.append("quantize_rows") or quantize(*a))
     out, summed = method.apply_normed(layer, x, norm, residual)
     assert out.shape == (19, 256) and torch.equal(summed, want_sum) and torch.equal(out, want)
     assert torch.equal(method.apply_silu(layer, gate_up, layer.bias), want_down)

@@ -115,11 +115,11 @@ def test_the_block_method_falls_back_to_the_triton_gemm_without_whole_blocks(mon
     """Its kernel from 17 rows takes torch's block-scaled GEMM with the compact scales, and the Triton
     GEMM where the layer has none; one row the block GEMV and 2-16 rows the block rows kernel, or the W8A16
     GEMV without them (and for float32 rows, which the rows kernel's dot would round to TF32)."""
-    from nanovllm.kernels import fp8_gemm
+    from nanovllm.kernels import fp8_scaled_mm
     from nanovllm.layers import fp8_methods
 
     calls = []
-    monkeypatch.setattr(fp8_gemm, "block_scaled_mm_linear", lambda x, w, blocks, bias: calls.append(
+    monkeypatch.setattr(fp8_scaled_mm, "block_scaled_mm_linear", lambda x, w, blocks, bias: calls.append(
         ("torch", tuple(blocks.shape))) or x.new_zeros(x.shape[0], w.shape[0]))
     monkeypatch.setattr(fp8_methods, "fp8_gemm", lambda *args: calls.append(("triton",)))
     method = Fp8BlockScaledMmLinearMethod(Fp8Scheme((128, 128), True))
