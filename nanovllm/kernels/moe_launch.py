@@ -1,0 +1,53 @@
+"""How the fused MoE's grouped GEMMs (kernels/fused_moe.py) are launched: tile sizes, warps and pipeline
+depth, picked from the number of slots (token x top-k pairs) per expert and the weights' dtype alone (no
+autotuning, so a CUDA-graph capture never compiles or times anything)."""
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """Launch parameters of the grouped GEMMs; `moe_config` picks them from shapes alone (no autotuning,
+    so a CUDA-graph capture never compiles or times anything)."""
+
+    block_m: int  # sorted rows per block: every expert's slot count is padded to a multiple
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    # Products as w @ a^T: on sm_90 a block of 16-32 rows is too narrow for wgmma's 64-row side, so
+    # Triton falls back to mma.sync (and W8A8 to widening both operands); the weight tile fits it.
+    swap_ab: bool = False
+
+
+# Slots per expert (on average) below which the GEMMs take 16-row, then 32-row blocks; above, 64.
+FEW_SLOTS_PER_EXPERT = 8
+SOME_SLOTS_PER_EXPERT = 32
+# Below this many slots (decode batch < 8 at top-8) few experts are hit: 32-column tiles make twice
+# as many programs as 64-column ones, to keep every SM streaming weights.
+NARROW_TILE_MAX_SLOTS = 64
+
+
+def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights: bool = False,
+               k_group: int = 0) -> MoeConfig:
+    """Few slots per expert (decode): 16-row blocks, so padding wastes little, and narrow column tiles,
+    so that the few experts hit still spread over every SM. Many (prefill): larger tiles reuse each
+    weight tile over more rows. Guesses for Hopper, timed by scripts/moe_bench.py (bf16 and fp8 experts).
+    k_group: fp8 scales' group along K (0: none, or one a row); K tiles are narrowed to split it."""
+    per_expert = num_slots / num_experts
+    small_k = 64 if dtype == torch.float32 else 128  # same bytes per tile
+    if per_expert < FEW_SLOTS_PER_EXPERT:
+        block_n = 32 if num_slots < NARROW_TILE_MAX_SLOTS else 64
+        config = MoeConfig(16, block_n, small_k, num_warps=4, num_stages=4)
+    elif per_expert < SOME_SLOTS_PER_EXPERT:
+        # fp8 weights: K tiles as many bytes wide as bf16's (moe_bench --fp8 at 256 rows: 285 -> 261 us
+        # a layer per channel, 292 -> 266 per 128-block; at 64 rows and fewer, wider tiles were slower)
+        config = MoeConfig(32, 64, small_k if fp8_weights else small_k // 2, num_warps=4, num_stages=4)
+    else:
+        config = MoeConfig(64, 128, small_k // 2, num_warps=8, num_stages=3)
+    if k_group and k_group % config.block_k:
+        config = replace(config, block_k=math.gcd(config.block_k, k_group))
+    return config
