@@ -35,16 +35,25 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, 
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    y = rms_norm_row(x_ptr, residual_ptr, weight_ptr, sum_ptr, row, cols, mask, mask, n_cols, stride_x,
+                     stride_r, stride_sum, eps, HAS_RESIDUAL)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_row(x_ptr, residual_ptr, weight_ptr, sum_ptr, row, cols, mask, sum_mask, n_cols, stride_x,
+                 stride_r, stride_sum, eps, HAS_RESIDUAL: tl.constexpr):
+    """w * round(s * rsqrt(mean(s^2) + eps)) in float32 (the last rounding left to the caller) for row
+    `row` of s = round(x + residual) (stored to sum_ptr where sum_mask), or of x; cols [BLOCK] cover it."""
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
+        tl.store(sum_ptr + row * stride_sum + cols, x, mask=sum_mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    return tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) * normed
 
 
 @triton.jit

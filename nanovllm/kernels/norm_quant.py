@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX, MIN_AMAX, round_to_e4m3_grid
-from nanovllm.kernels.norm_act import rows_view
+from nanovllm.kernels.norm_act import rms_norm_row, rows_view
 
 # Elements of a [gate | up] half a SiLU-mul program reads at once (a multiple of any group; it loops over
 # longer rows, and for one scale a row reads them twice: once for the amax, once to quantize).
@@ -52,19 +52,12 @@ def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, su
                            GROUP: tl.constexpr, BLOCK: tl.constexpr):
     """One program a row of q; rows past M (padding) repeat row M - 1. GROUP 0: one scale a row."""
     row = tl.program_id(0).to(tl.int64)
-    src = tl.minimum(row, M - 1)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + src * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(sum_ptr + src * stride_sum + cols, x, mask=cols < tl.where(row < M, n_cols, 0))  # real rows
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * normed).to(x_ptr.dtype.element_ty).to(tl.float32)  # the norm's output, as norm_act rounds it
+    y = rms_norm_row(x_ptr, residual_ptr, weight_ptr, sum_ptr, tl.minimum(row, M - 1), cols, mask,
+                     cols < tl.where(row < M, n_cols, 0), n_cols, stride_x, stride_r, stride_sum, eps,
+                     HAS_RESIDUAL)  # the sum stored from real rows only
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # the norm's output, as norm_act rounds it
     q_row, scale_row = q_ptr + row * n_cols, scale_ptr + row * stride_sm
     if GROUP:
         _store_groups(y, 0, n_cols, q_row, scale_row, stride_sg, GROUP, BLOCK)
