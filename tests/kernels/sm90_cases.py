@@ -233,18 +233,17 @@ def cases() -> dict:
         "add-rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
         "rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=1024)),
         "silu-and-mul": (norm_act._silu_and_mul_kernel, dict(BLOCK=norm_act.ACT_BLOCK)),
-        # one row of per-channel fp8 (layers/fp8_methods.fp8_skinny_norm): in the decode chain's PDL
+        # one fp8 row's norm and SiLU-mul (layers/linear_methods.norm_first): in the decode chain's PDL
         "add-rms-norm-pdl": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True), {},
                              dict(num_warps=8, launch_pdl=True)),
         "silu-and-mul-pdl": (norm_act._silu_and_mul_kernel, dict(BLOCK=norm_act.ACT_BLOCK, PDL=True), {},
                              dict(launch_pdl=True)),
-        # before per-channel fp8's W8A8 GEMM (17+ rows): the output e4m3 with a scale a row
+        # before fp8's W8A8 GEMMs (17+ rows): e4m3 out, a scale a row (or a row and 128 inputs: "groups")
         "add-rms-norm-quant": (norm_quant._rms_norm_quant_kernel,
                                dict(HAS_RESIDUAL=True, GROUP=0, BLOCK=4096),
                                {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, dict(num_warps=8)),
         "silu-mul-quant": (norm_quant._silu_mul_quant_kernel, dict(GROUP=0, BLOCK=norm_quant.ACT_BLOCK),
                            {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
-        # ... and before 128 x 128 block-scaled fp8's GEMM: a scale a row and 128 inputs
         "add-rms-norm-quant-groups": (norm_quant._rms_norm_quant_kernel,
                                       dict(HAS_RESIDUAL=True, GROUP=128, BLOCK=4096),
                                       {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, dict(num_warps=8)),

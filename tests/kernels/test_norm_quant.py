@@ -80,25 +80,19 @@ def test_groups_of_128_with_rows_padded_to_4_are_quantize_rows_of_the_real_rows(
         norm_quant.rms_norm_quant(x, weight, EPS, group=96)
 
 
-def test_the_per_channel_method_folds_the_quantize_into_the_norm_and_the_silu_from_17_rows(monkeypatch):
-    """From 17 rows Fp8ScaledMmLinearMethod hands q/k/v and gate/up their RMSNorm, and down_proj its
-    SiLU-mul, writing e4m3 (one kernel each, not the norm's or the SiLU-mul's own then quantize_rows):
-    the layer's outputs equal those of the unfused calls exactly."""
+def assert_folds_equal_the_unfused_calls(method, layer, m: int, monkeypatch) -> None:
+    """m rows through the method's norm and SiLU-mul folds give the unfused calls' bits (the norm's or
+    SiLU-mul's kernel, then the layer), with no quantize_rows of their own."""
     from nanovllm.kernels import fp8_scaled_mm
 
-    method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
-    assert method.bucket(17).normed.__name__ == "fp8_scaled_mm_norm"
-    assert method.bucket(17).silu.__name__ == "fp8_scaled_mm_silu"
-    layer = ReplicatedLinear(256, 96, bias=True, quant_method=method)
-    weight, scale = quantize_groups(torch.randn(96, 256, generator=torch.Generator().manual_seed(4)), 256)
-    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
-    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
-    layer.bias = torch.nn.Parameter(torch.randn(96), requires_grad=False)
-    norm = RMSNorm(256)
-    norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(5))
+    k = layer.weight.shape[1]
+    norm = RMSNorm(k)
+    norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(m))
     layer.to(DEVICE), norm.to(DEVICE)
-    x, residual = rows(20, 256, torch.float32, 6), rows(20, 256, torch.float32, 7)
-    gate_up = rows(20, 512, torch.float32, 8)
+    if getattr(layer.weight_scale, "blocks", None) is not None:
+        layer.weight_scale.blocks = layer.weight_scale.blocks.to(DEVICE)
+    x, residual = rows(m, k, torch.float32, 6), rows(m, k, torch.float32, 7)
+    gate_up = rows(m, 2 * k, torch.float32, 8)
     normed, want_sum = norm_act.add_rms_norm(x, residual, norm.weight, norm.eps)
     want = method.apply(layer, normed, layer.bias)
     want_down = method.apply(layer, norm_act.silu_and_mul(gate_up), layer.bias)
@@ -107,9 +101,24 @@ def test_the_per_channel_method_folds_the_quantize_into_the_norm_and_the_silu_fr
     monkeypatch.setattr(fp8_scaled_mm, "quantize_rows",
                         lambda *a: called.append("quantize_rows") or quantize(*a))
     out, summed = method.apply_normed(layer, x, norm, residual)
-    assert torch.equal(summed, want_sum) and torch.equal(out, want)
+    assert out.shape == want.shape and torch.equal(summed, want_sum) and torch.equal(out, want)
     assert torch.equal(method.apply_silu(layer, gate_up, layer.bias), want_down)
     assert called == []  # the norm and the SiLU-mul quantized their own outputs
+
+
+def test_the_per_channel_method_folds_the_quantize_into_the_norm_and_the_silu_from_17_rows(monkeypatch):
+    """From 17 rows Fp8ScaledMmLinearMethod hands q/k/v and gate/up their RMSNorm, and down_proj its
+    SiLU-mul, writing e4m3 (one kernel each, not the norm's or the SiLU-mul's own then quantize_rows):
+    the layer's outputs equal those of the unfused calls exactly."""
+    method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
+    assert method.bucket(17).normed.__name__ == "fp8_scaled_mm_norm"
+    assert method.bucket(17).silu.__name__ == "fp8_scaled_mm_silu"
+    layer = ReplicatedLinear(256, 96, bias=True, quant_method=method)
+    weight, scale = quantize_groups(torch.randn(96, 256, generator=torch.Generator().manual_seed(4)), 256)
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    layer.bias = torch.nn.Parameter(torch.randn(96), requires_grad=False)
+    assert_folds_equal_the_unfused_calls(method, layer, 20, monkeypatch)
 
 
 def fake_block_scaled_mm(a, b, scale_a, kind_a, scale_b, kind_b, output_dtype):
@@ -126,7 +135,6 @@ def test_the_block_method_folds_the_quantize_into_the_norm_and_the_silu_from_17_
     their e4m3 rows, padded and scaled as it takes them; the layer's outputs equal the unfused calls'."""
     import torch.nn.functional as F
 
-    from nanovllm.kernels import fp8_scaled_mm
     from nanovllm.layers.fp8 import quantize_blocks
     from nanovllm.layers.fp8_methods import Fp8BlockScaledMmLinearMethod
 
@@ -143,20 +151,4 @@ def test_the_block_method_folds_the_quantize_into_the_norm_and_the_silu_from_17_
     layer.weight_scale_inv.data.copy_(blocks.repeat_interleave(128, dim=0))
     method.process_weights_after_loading(layer)
     layer.bias = torch.nn.Parameter(torch.randn(256), requires_grad=False)
-    norm = RMSNorm(256)
-    norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(14))
-    layer.to(DEVICE), norm.to(DEVICE)
-    layer.weight_scale.blocks = layer.weight_scale.blocks.to(DEVICE)
-    x, residual = rows(19, 256, torch.float32, 15), rows(19, 256, torch.float32, 16)
-    gate_up = rows(19, 512, torch.float32, 17)
-    normed, want_sum = norm_act.add_rms_norm(x, residual, norm.weight, norm.eps)
-    want = method.apply(layer, normed, layer.bias)
-    want_down = method.apply(layer, norm_act.silu_and_mul(gate_up), layer.bias)
-    called = []
-    quantize = fp8_scaled_mm.quantize_rows
-    monkeypatch.setattr(fp8_scaled_mm, "quantize_rows",
-                        lambda *a: called.append("quantize_rows") or quantize(*a))
-    out, summed = method.apply_normed(layer, x, norm, residual)
-    assert out.shape == (19, 256) and torch.equal(summed, want_sum) and torch.equal(out, want)
-    assert torch.equal(method.apply_silu(layer, gate_up, layer.bias), want_down)
-    assert called == []
+    assert_folds_equal_the_unfused_calls(method, layer, 19, monkeypatch)  # 19 rows: padded to 20
