@@ -19,7 +19,7 @@ transformers' greedy tokens. Writes the results as JSON to $OUT/moe_bench.json w
 --fp8: the same table for fp8 experts (W8A16: read as e4m3, widened in registers), bytes counted at one a
 weight plus the scales; max |diff| against the torch path on the dequantized weights. The alternatives
 then include K tiles as wide in bytes as bf16's (where the scale group allows) and W8A8 (x and the
-intermediate quantized to e4m3 per token and group, e4m3 dots: `fused_moe(..., w8a8=True)`); every run
+intermediate quantized to e4m3 per token and group, e4m3 dots: `MoeConfig(..., w8a8=True)`); every run
 also tries swap_ab (the weight tile as the tensor cores' 64-row operand).
 """
 
@@ -54,10 +54,10 @@ SWAP_AB_ALTERNATIVES = [MoeConfig(16, 64, 64, 4, 4, True), MoeConfig(16, 128, 64
 FP8_ALTERNATIVES = [MoeConfig(16, 64, 256, 4, 4), MoeConfig(32, 64, 128, 4, 4), MoeConfig(16, 32, 256, 4, 4),
                     MoeConfig(64, 128, 128, 8, 3), MoeConfig(16, 64, 128, 4, 4, True),
                     MoeConfig(32, 64, 128, 4, 4, True), MoeConfig(16, 128, 128, 4, 4, True)]
-# fp8 experts W8A8 (x and the intermediate quantized, e4m3 dots): these configs with w8a8=True.
-W8A8_ALTERNATIVES = [MoeConfig(16, 64, 128, 4, 4, True), MoeConfig(32, 64, 128, 4, 4, True),
-                     MoeConfig(16, 128, 128, 4, 4, True), MoeConfig(32, 128, 128, 4, 3, True),
-                     MoeConfig(32, 64, 128, 4, 4), MoeConfig(64, 128, 128, 4, 3)]
+# fp8 experts W8A8 (x and the intermediate quantized, e4m3 dots).
+W8A8_ALTERNATIVES = [MoeConfig(16, 64, 128, 4, 4, True, True), MoeConfig(32, 64, 128, 4, 4, True, True),
+                     MoeConfig(16, 128, 128, 4, 4, True, True), MoeConfig(32, 128, 128, 4, 3, True, True),
+                     MoeConfig(32, 64, 128, 4, 4, w8a8=True), MoeConfig(64, 128, 128, 4, 3, w8a8=True)]
 # --fp8's scale group along K: one a row (the whole K), or 128 inputs (block-scaled checkpoints).
 FP8_GROUPS = {"channel": (HIDDEN, INTERMEDIATE), "block": (128, 128)}
 
@@ -85,10 +85,8 @@ def graph_us(fn, layers) -> float:
     return us
 
 
-def triton_us(x, layers, topk_weights, topk_ids, config: MoeConfig | None, w8a8: bool = False) -> float:
-    extra = dict(w8a8=True) if w8a8 else {}
-    return graph_us(lambda layer: fused_moe(x, *layer, topk_weights, topk_ids, config, **layer.fp8, **extra),
-                    layers)
+def triton_us(x, layers, topk_weights, topk_ids, config: MoeConfig | None) -> float:
+    return graph_us(lambda layer: fused_moe(x, *layer, topk_weights, topk_ids, config, **layer.fp8), layers)
 
 
 def with_routing_us(x, layers, router: torch.Tensor) -> float:
@@ -213,18 +211,16 @@ def main() -> None:
         print(f"{batch:>5} {row['experts']:>7} {row['mb']:>6.0f} | {t_us:>9.1f} {row['triton_gbps']:>6.0f} "
               f"{row['triton_gbps'] / copy:>7.0%} | {r_us:>9.1f} {row['torch_gbps']:>6.0f} | "
               f"{block_us:>11.1f} | {diff:>10.2e}  {astuple(config)}")
-    print("\nalternative configs (block_m, block_n, block_k, num_warps, num_stages, swap_ab[, w8a8]): us per "
+    print("\nalternative configs (block_m, block_n, block_k, num_warps, num_stages, swap_ab, w8a8): us per "
           "layer")
     for row in rows:
         batch = row["batch"]
         x, topk_weights, topk_ids = inputs[batch]
-        candidates = [(c, False) for c in ALTERNATIVES + SWAP_AB_ALTERNATIVES + (FP8_ALTERNATIVES if args.fp8
-                                                                                  else [])]
-        candidates += [(c, True) for c in W8A8_ALTERNATIVES if args.fp8]
+        candidates = ALTERNATIVES + SWAP_AB_ALTERNATIVES + (FP8_ALTERNATIVES + W8A8_ALTERNATIVES if args.fp8
+                                                             else [])
         group = FP8_GROUPS["block"][0] if args.fp8 == "block" else None  # K tiles must split a group
-        row["alternatives"] = {str(astuple(c) + (("w8a8",) if w8a8 else ())):
-                               triton_us(x, layers, topk_weights, topk_ids, c, w8a8)
-                               for c, w8a8 in candidates if group is None or group % c.block_k == 0}
+        row["alternatives"] = {str(astuple(c)): triton_us(x, layers, topk_weights, topk_ids, c)
+                               for c in candidates if group is None or group % c.block_k == 0}
         best = min(row["alternatives"].items(), key=lambda kv: kv[1])
         print(f"batch {batch:>3}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["alternatives"].items())
               + f"  -> best {best[0]} {best[1]:.1f} us (default {row['triton_us']:.1f})")

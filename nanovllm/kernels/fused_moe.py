@@ -23,7 +23,7 @@ once. So nothing reads the routing on the host, and a decode step replays with a
 fp8 experts (e4m3 weights, float32 scales per row and K group, layers/fp8.py's layout) are read as e4m3,
 half the weight bytes of bf16, in one of two ways:
 - W8A16: each weight tile widened in registers, the activations unrounded;
-- W8A8 (`w8a8=True`): x and the intermediate quantized per row and scale group first (kernels/fp8_gemm's
+- W8A8 (MoeConfig.w8a8): x and the intermediate quantized per row and scale group first (kernels/fp8_gemm's
   quantize_rows, the rounding of layers/fp8.py's reference), both operands multiplied on fp8 tensor cores
   without widening anything, each K tile's sum added in float32 times its two scales."""
 
@@ -153,7 +153,7 @@ def _accumulated(acc, a, w, s_rows, as_rows, valid, k, A_FP8: tl.constexpr, W_FP
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment,
                   topk_weights: torch.Tensor, top_k: int, gated: bool, config: MoeConfig,
-                  scale: torch.Tensor | None = None, group: int = 0, w8a8: bool = False) -> None:
+                  scale: torch.Tensor | None = None, group: int = 0) -> None:
     n, k = out.shape[1], w.shape[2]
     grid = (align.expert_ids.numel(), triton.cdiv(n, config.block_n))
     if scale is not None and scale.shape[2] != triton.cdiv(k, group):
@@ -164,7 +164,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Mo
         raise ValueError(f"fp8 experts' scale groups of {group} inputs do not split into the GEMM's "
                          f"{config.block_k}-wide K tiles")
     scales = scale if scale is not None else topk_weights  # not read without fp8 weights
-    a_scale = topk_weights  # not read unless w8a8
+    a_scale = topk_weights  # not read unless W8A8
+    w8a8 = config.w8a8
     if w8a8:
         a, a_scale = quantize_rows(a, group or k)
     _grouped_gemm_kernel[grid](
@@ -182,14 +183,14 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Mo
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoeConfig | None = None,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              scale_groups: tuple[int, int] = (0, 0), w8a8: bool = False) -> torch.Tensor:
+              scale_groups: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k], as
     layers.fused_moe.torch_moe. x [T, H]; w13 [E, 2I, H] ([gate; up] rows); w2 [E, H, I];
     topk_weights [T, top_k] (float32 best); topk_ids [T, top_k]. float32 accumulation, x's dtype out.
     fp8 experts (layers/fp8.py's layout): e4m3 w13 and w2 with float32 scales [E, rows, ceil(K / group)],
     scale_groups the two groups along K (K itself: per channel), read as e4m3 and widened in registers
-    (W8A16: x is not rounded), or with w8a8 multiplied by x and the intermediate quantized per row and
-    group as layers/fp8.quantize_activations rounds them."""
+    (W8A16: x is not rounded), or, where the config says w8a8, multiplied by x and the intermediate
+    quantized per row and group as layers/fp8.quantize_activations rounds them."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -200,8 +201,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError("x needs a contiguous last dim and the expert weights must be contiguous")
     if (w13_scale is None) != (w13.element_size() != 1) or (w2_scale is None) != (w2.element_size() != 1):
         raise ValueError("fp8 expert weights need their scales (w13_scale, w2_scale), and only they take any")
-    if w8a8 and w13_scale is None:
-        raise ValueError("w8a8 multiplies fp8 experts; these expert weights are not fp8")
     num_slots = num_tokens * top_k
     if num_slots == 0:
         return torch.zeros_like(x)
@@ -209,15 +208,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     groups = [g for g, k in zip(scale_groups, (hidden, two_i // 2)) if 0 < g < k]
     config = config or moe_config(num_slots, num_experts, x.dtype, fp8_weights=w13.element_size() == 1,
                                   k_group=math.gcd(*groups) if groups else 0)
-    if w8a8 and config.block_k < MIN_FP8_DOT_K:
+    if config.w8a8 and w13_scale is None:
+        raise ValueError("a w8a8 config multiplies fp8 experts; these expert weights are not fp8")
+    if config.w8a8 and config.block_k < MIN_FP8_DOT_K:
         raise ValueError(f"w8a8 needs K tiles of at least {MIN_FP8_DOT_K} inputs (the narrowest fp8 dot); "
                          f"the config's are {config.block_k}: the experts' scale groups are too narrow")
     align = moe_align(topk_ids, num_experts, config.block_m)
     weights = topk_weights.reshape(-1).float()
     intermediate = torch.empty(num_slots, two_i // 2, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, intermediate, align, weights, top_k, gated=True, config=config, scale=w13_scale,
-                  group=scale_groups[0], w8a8=w8a8)
+                  group=scale_groups[0])
     per_slot = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(intermediate, w2, per_slot, align, weights, 1, gated=False, config=config, scale=w2_scale,
-                  group=scale_groups[1], w8a8=w8a8)
+                  group=scale_groups[1])
     return per_slot.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from nanovllm.kernels.fp8_gemm import MIN_FP8_DOT_K
+
 
 @dataclass(frozen=True, slots=True)
 class MoeConfig:
@@ -21,6 +23,10 @@ class MoeConfig:
     # Products as w @ a^T: on sm_90 a block of 16-32 rows is too narrow for wgmma's 64-row side, so
     # Triton falls back to mma.sync (and W8A8 to widening both operands); the weight tile fits it.
     swap_ab: bool = False
+    # fp8 experts only: x and the intermediate quantized per row and scale group too, e4m3 by e4m3 on
+    # the fp8 tensor cores (W8A8, what the checkpoints' "dynamic" activation scheme and the CPU's
+    # reference compute); otherwise the e4m3 weight tiles are widened in registers (W8A16).
+    w8a8: bool = False
 
 
 # Slots per expert (on average) below which the GEMMs take 16-row, then 32-row blocks; above, 64.
@@ -29,6 +35,11 @@ SOME_SLOTS_PER_EXPERT = 32
 # Below this many slots (decode batch < 8 at top-8) few experts are hit: 32-column tiles make twice
 # as many programs as 64-column ones, to keep every SM streaming weights.
 NARROW_TILE_MAX_SLOTS = 64
+# Whether fp8 experts run W8A8 (MoeConfig.w8a8, with swap_ab below 64-row blocks). Off until timed: the
+# sm_90 builds take wgmma e4m3 with ~0.6x the instructions of the widening ones (tests/kernels/
+# test_sm90_compile.py), where fp8 experts stream at ~0.6 of their copy floor against bf16's ~0.9 (Qwen3-
+# 30B-A3B, 256 rows); scripts/moe_bench.py --fp8 times both.
+W8A8_EXPERTS = False
 
 
 def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights: bool = False,
@@ -36,7 +47,8 @@ def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights
     """Few slots per expert (decode): 16-row blocks, so padding wastes little, and narrow column tiles,
     so that the few experts hit still spread over every SM. Many (prefill): larger tiles reuse each
     weight tile over more rows. Guesses for Hopper, timed by scripts/moe_bench.py (bf16 and fp8 experts).
-    k_group: fp8 scales' group along K (0: none, or one a row); K tiles are narrowed to split it."""
+    k_group: fp8 scales' group along K (0: none, or one a row); K tiles are narrowed to split it. fp8
+    experts run W8A8 where W8A8_EXPERTS says so and the K tiles are wide enough for an e4m3 dot."""
     per_expert = num_slots / num_experts
     small_k = 64 if dtype == torch.float32 else 128  # same bytes per tile
     if per_expert < FEW_SLOTS_PER_EXPERT:
@@ -50,4 +62,6 @@ def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights
         config = MoeConfig(64, 128, small_k // 2, num_warps=8, num_stages=3)
     if k_group and k_group % config.block_k:
         config = replace(config, block_k=math.gcd(config.block_k, k_group))
+    if fp8_weights and W8A8_EXPERTS and config.block_k >= MIN_FP8_DOT_K:
+        config = replace(config, w8a8=True, swap_ab=config.block_m < 64)
     return config

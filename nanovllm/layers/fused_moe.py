@@ -163,7 +163,7 @@ class MoEExperts(nn.Module):
                      ) -> torch.Tensor:
         g13, g2 = fp8_experts.expert_groups(self, self.quantization)
         w13, w2 = self.w13_weight, self.w2_weight
-        if x.is_cuda:  # the grouped GEMMs read e4m3 and widen it in registers (W8A16)
+        if x.is_cuda:  # the grouped GEMMs read e4m3: widened in registers (W8A16), or W8A8 (moe_config)
             from nanovllm.kernels.fused_moe import fused_moe
             return fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=self.w13_weight_scale,
                              w2_scale=self.w2_weight_scale, scale_groups=(g13, g2))

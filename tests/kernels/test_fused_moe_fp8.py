@@ -11,6 +11,7 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
+from nanovllm.kernels import moe_launch  # noqa: E402
 from nanovllm.kernels.fused_moe import MoeConfig, fused_moe, moe_config  # noqa: E402
 from nanovllm.layers.fp8 import dequantize, fp8_dequant_linear, quantize_groups  # noqa: E402
 from nanovllm.layers.fused_moe import route, torch_moe  # noqa: E402
@@ -84,8 +85,8 @@ def test_w8a8_experts_round_the_activations_as_the_reference(num_tokens, groupin
     groups = scale_groups(grouping)
     q13, s13, q2, s2 = fp8_experts(*groups)
     x, topk_weights, topk_ids = routed_tokens(num_tokens, torch.float32)
-    out = fused_moe(x, q13, q2, topk_weights, topk_ids, MoeConfig(16, 64, 64, swap_ab=swap_ab),
-                    w13_scale=s13, w2_scale=s2, scale_groups=groups, w8a8=True)
+    out = fused_moe(x, q13, q2, topk_weights, topk_ids, MoeConfig(16, 64, 64, swap_ab=swap_ab, w8a8=True),
+                    w13_scale=s13, w2_scale=s2, scale_groups=groups)
     ref = w8a8_reference(x, q13, s13, q2, s2, groups, topk_weights, topk_ids)
     torch.testing.assert_close(out, ref, atol=5e-3, rtol=0)
     assert (out - ref).abs().gt(1e-4).float().mean() < 0.03  # the rest agree to float32's rounding
@@ -103,6 +104,17 @@ def test_fp8_experts_take_k_tiles_that_split_their_scale_groups():
     # a checkpoint's narrower blocks narrow the tiles to split them
     assert moe_config(8, 128, bf16, fp8_weights=True, k_group=64).block_k == 64
     assert moe_config(8, 128, bf16, fp8_weights=True, k_group=96).block_k == 32
+
+
+def test_w8a8_is_the_configs_choice_for_fp8_experts_only(monkeypatch):
+    bf16 = torch.bfloat16
+    assert not moe_config(2048, 128, bf16, fp8_weights=True).w8a8  # W8A16 until W8A8 is timed faster
+    monkeypatch.setattr(moe_launch, "W8A8_EXPERTS", True)
+    for slots in (8, 2048, 65536):  # one token, 256 rows and prefill at top-8 of 128 experts
+        config = moe_config(slots, 128, bf16, fp8_weights=True)
+        assert config.w8a8 and config.swap_ab == (config.block_m < 64)  # the weight tile on wgmma's side
+    assert not moe_config(2048, 128, bf16).w8a8  # bf16 experts have nothing to quantize against
+    assert not moe_config(8, 128, bf16, fp8_weights=True, k_group=16).w8a8  # no e4m3 dot tiles 16 inputs
 
 
 def test_fp8_experts_in_narrow_groups_run_with_the_default_config():
@@ -128,11 +140,11 @@ def test_fp8_experts_without_scales_or_with_odd_groups_are_refused():
                   scale_groups=(96, 128))
     with pytest.raises(ValueError, match="not fp8"):
         w13, w2 = dequantize(q13, s13, 128), dequantize(q2, s2, 128)
-        fused_moe(x, w13, w2, topk_weights, topk_ids, w8a8=True)
+        fused_moe(x, w13, w2, topk_weights, topk_ids, MoeConfig(16, 32, 64, w8a8=True))
     _, s13_16, _, s2_16 = fp8_experts(16, 16)  # no e4m3 dot tiles 16 inputs
     with pytest.raises(ValueError, match="K tiles of at least 32"):
-        fused_moe(x, q13, q2, topk_weights, topk_ids, w13_scale=s13_16, w2_scale=s2_16, scale_groups=(16, 16),
-                  w8a8=True)
+        fused_moe(x, q13, q2, topk_weights, topk_ids, MoeConfig(16, 32, 16, w8a8=True), w13_scale=s13_16,
+                  w2_scale=s2_16, scale_groups=(16, 16))
     with pytest.raises(ValueError, match="one column per 64"):
         fused_moe(x, q13, q2, topk_weights, topk_ids, MoeConfig(16, 32, 64), w13_scale=s13, w2_scale=s2,
                   scale_groups=(64, 128))
