@@ -7,74 +7,22 @@ named target catches those on a CPU-only machine. The compiling runs in one chil
 kernels must be imported with the interpreter off (this session imported them with it on). The PTX also
 tells which dots run on sm_90's wgmma rather than mma.sync, which the tensor-core layouts here aim for,
 and the cubin which builds spill registers. Each case is built as the runtime builds a typical launch
-(runtime_attrs), so that what these checks see is what runs."""
+(sm90_build.runtime_attrs), so that what these checks see is what runs; sm90_build.py also prints one
+build's registers and loops."""
 
 import importlib
-import inspect
 import json
 import os
 import pkgutil
-import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
-from sm90_cases import FLOAT_SCALARS, POINTER_TYPES, cases  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-H200 = GPUTarget("cuda", 90, 32)
-
-
-def signature(kernel, dtype: str, pointers: dict[str, str]) -> dict[str, str]:
-    def arg_type(name: str, param) -> str:
-        if param.is_constexpr:
-            return "constexpr"
-        if name.endswith("_ptr"):
-            return pointers.get(name) or POINTER_TYPES.get(name, f"*{dtype}")
-        return "fp32" if name in FLOAT_SCALARS else "i32"
-
-    return {name: arg_type(name, param) for name, param in zip(kernel.arg_names, kernel.params, strict=True)}
-
-
-# Integer arguments that hold a model's dimensions or a tensor's strides: multiples of 16 for every model
-# the engine runs, so the runtime's build of a launch has them marked divisible by 16 (Triton specializes
-# each integer on it), which is what lets it vectorize the loads they address and pipeline them as
-# cp.async. Counts of rows, tokens and chunks vary per launch and are left unmarked.
-MODEL_DIMS = frozenset({"N", "K", "GROUP", "n_cols", "vocab"})
-
-
-def runtime_attrs(kernel, types: dict[str, str]) -> dict:
-    """The specialization the runtime gives a typical launch: pointers 16-byte aligned (torch's
-    allocations, and the q/k/v slices of a fused projection's output), strides and model dimensions
-    divisible by 16, except where the kernel opts out (do_not_specialize, do_not_specialize_on_alignment).
-    Without it the build is the rare unaligned one, with scalar loads and no async copies."""
-    opted_out = {kernel.arg_names[i] if isinstance(i, int) else i
-                 for i in (*kernel.do_not_specialize, *kernel.do_not_specialize_on_alignment)}
-
-    def aligned(name: str) -> bool:
-        if name in opted_out:
-            return False
-        if types[name].startswith("*"):
-            return True
-        return types[name] == "i32" and ("stride" in name or name in MODEL_DIMS)
-
-    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if aligned(name)}
-
-
-def stack_bytes(cubin: bytes) -> int:
-    """The per-thread stack frame of a cubin's kernel, from the cuobjdump that ships beside Triton's
-    ptxas: where a build spills registers (local memory, ~HBM latency on a miss, inside a hot loop)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True)
-    return int(re.search(r"STACK:(\d+)", usage.stdout).group(1))
+from sm90_build import build, resources  # noqa: E402
+from sm90_cases import cases  # noqa: E402
 
 
 def launchable_kernels() -> set[str]:
@@ -99,28 +47,13 @@ def compile_all() -> dict[str, str]:
         "kernels": sorted(launchable_kernels()),
         "covered": sorted({f"{case[0].__module__}.{case[0].__name__}" for case in cases().values()}),
     }
-    for case, (kernel, constexprs, *rest) in cases().items():
-        pointers, options = (list(rest) + [{}, {}])[:2]  # pointer types, launch options (num_warps, ...)
+    for case, spec in cases().items():
         for dtype in DTYPES:
-            # A constexpr a case leaves out takes its default (the source build knows no defaults).
-            values = {name: param.default for name, param in zip(kernel.arg_names, kernel.params)
-                      if param.is_constexpr and param.default is not inspect.Parameter.empty}
-            values.update(constexprs)
-            if dtype == "fp32" and "DOT_PRECISION" in values:
-                values["DOT_PRECISION"] = "ieee"  # what float32 runs use
-            if dtype == "fp32" and "FP8_TILES" in values:
-                values["FP8_TILES"] = "cast"  # decode_fp8_tiles.fp8_tiles's for a float32 q
-                values["KV_PER_PROG"] = 1  # which takes one KV head a program (DecodeCall.prepare)
-            names = kernel.arg_names
-            types = signature(kernel, dtype, pointers)
-            source = ASTSource(fn=kernel, signature=types,
-                               constexprs={(names.index(k),): v for k, v in values.items()},
-                               attrs=runtime_attrs(kernel, types))
             try:
-                compiled = triton.compile(source, target=H200, options=options)
+                compiled = build(spec, dtype)
                 results[f"{case}/{dtype}"] = "ok" if compiled.asm.get("cubin") else "no cubin"
                 if dtype == "bf16" and compiled.asm.get("cubin"):
-                    results.setdefault("stack", {})[case] = stack_bytes(compiled.asm["cubin"])
+                    results.setdefault("stack", {})[case] = resources(compiled.asm["cubin"])["STACK"]
                 if dtype == "bf16" and "wgmma.mma_async" in compiled.asm.get("ptx", ""):
                     results.setdefault("wgmma", []).append(case)
             except Exception as e:  # reported per case by the parent
@@ -158,14 +91,30 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "fp8-gemv-channel")
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict[str, str]:
+def run_compiler(script: str, *args: str) -> str:
+    """stdout of a script of this folder, run with the interpreter off (the kernels compile for sm_90)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
-    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script), *args], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.splitlines()[-1])
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, str]:
+    return json.loads(run_compiler(os.path.basename(__file__)).splitlines()[-1])
+
+
+def test_the_build_report_reads_a_case_with_overrides():
+    """`python tests/kernels/sm90_build.py CASE KEY=VALUE`: one build's resources and loops."""
+    report = run_compiler("sm90_build.py", "skinny-gemm-fp8-add-rms-norm-pdl", "BLOCK_K=512", "PROLOGUE=0")
+    header, mix, *loops = report.strip().splitlines()
+    assert "'BLOCK_K': 512" in header and "STACK 0" in header and "4 warps" in header
+    assert "FFMA" in mix
+    # the K loop: 64 weights a thread a tile (16 x 512 over 128 threads), an FFMA each
+    assert any("FFMA 64," in loop for loop in loops), loops
 
 
 def test_every_kernel_has_a_case(compiled):
