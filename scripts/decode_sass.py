@@ -11,6 +11,7 @@ had Triton 3.6: a 3.9 build of the same kernel differs by 30 registers), e.g. in
 Like the runtime launcher, it tells the compiler that every pointer and every stride argument that is
 specialized (not in do_not_specialize) is 16-byte divisible: without that hint the loads are not
 vectorized and the build is not the one that runs. --dump DIR keeps each build's SASS, PTX and TTGIR.
+For every other kernel, one case of tests/kernels/sm90_cases.py at a time: tests/kernels/sm90_build.py.
 """
 
 import argparse
