@@ -35,10 +35,11 @@ SOME_SLOTS_PER_EXPERT = 32
 # Below this many slots (decode batch < 8 at top-8) few experts are hit: 32-column tiles make twice
 # as many programs as 64-column ones, to keep every SM streaming weights.
 NARROW_TILE_MAX_SLOTS = 64
-# Whether fp8 experts run W8A8 (MoeConfig.w8a8, with swap_ab below 64-row blocks). Off until timed: the
-# sm_90 builds take wgmma e4m3 with ~0.6x the instructions of the widening ones (tests/kernels/
-# test_sm90_compile.py), where fp8 experts stream at ~0.6 of their copy floor against bf16's ~0.9 (Qwen3-
-# 30B-A3B, 256 rows); scripts/moe_bench.py --fp8 times both.
+# Whether fp8 experts run W8A8 (MoeConfig.w8a8, with swap_ab below 64-row blocks). Off until it has run on
+# a GPU and been timed: its sm_90 builds (wgmma e4m3) issue a quarter to a third of the widening builds'
+# instructions a K tile (tests/kernels/sm90_build.py; docs/performance-notes.md, "Mixture of experts"),
+# where widened fp8 experts stream at ~0.6 of their copy floor against bf16's ~0.9 (Qwen3-30B-A3B, 256
+# rows); scripts/moe_bench.py --fp8 times both.
 W8A8_EXPERTS = False
 
 
