@@ -141,10 +141,17 @@ def _accumulated(acc, a, w, s_rows, as_rows, valid, k, A_FP8: tl.constexpr, W_FP
         acc += part
     else:
         if W_FP8:  # widened: e4m3 is exact in any 16- or 32-bit float
-            if GROUP:
-                w = w.to(tl.float32) * tl.load(s_rows + k // GROUP)[:, None]
             w = w.to(a.dtype)
-        if SWAP_AB:
+        if W_FP8 and GROUP:
+            # A fresh product a tile times its scales (one a weight row inside the tile's group), rather
+            # than each weight times its scale before the dot: a multiply an output instead of a
+            # multiply and two conversions a weight.
+            w_scale = tl.load(s_rows + k // GROUP)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(a), input_precision=DOT_PRECISION) * w_scale[:, None]
+            else:
+                acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION) * w_scale[None, :]
+        elif SWAP_AB:
             acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
