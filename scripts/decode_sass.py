@@ -6,7 +6,7 @@ had Triton 3.6: a 3.9 build of the same kernel differs by 30 registers), e.g. in
 (here .venv-t36) holding triton==3.6.0 and a CPU build of torch:
 
     PYTHONPATH=. .venv-t36/bin/python scripts/decode_sass.py      # the builds of DEFAULT_BUILDS
-    PYTHONPATH=. .venv-t36/bin/python scripts/decode_sass.py "n64 FP8_TILES=words BLOCK_N=64 num_warps=8"
+    PYTHONPATH=. .venv-t36/bin/python scripts/decode_sass.py "n64 TILES=words BLOCK_N=64 num_warps=8"
 
 Like the runtime launcher, it tells the compiler that every pointer and every stride argument that is
 specialized (not in do_not_specialize) is 16-byte divisible: without that hint the loads are not
@@ -40,9 +40,11 @@ MAX_PROGRAMS_PER_SM = 32
 # Qwen3-0.6B's decode: 16 query heads over 8 KV heads, head_dim 128, 256-token blocks; the large-batch
 # launch (decode_launch.WIDE).
 PRODUCTION = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=128,
-                  COMBINE_HEADS=2, COMBINE_ROWS=16, DOT_PRECISION="tf32", FP8_TILES="cast", ORDERED=True,
+                  COMBINE_HEADS=2, COMBINE_ROWS=16, DOT_PRECISION="tf32", TILES="cast", ORDERED=True,
                   KV_PER_PROG=1)
+CACHE_TYPES = {"fp8": "*fp8e4nv", "int8": "*i8", "bf16": "*bf16"}
 POINTER_TYPES = {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "counters_ptr": "*i32",
+                 "k_scales_ptr": "*fp32", "v_scales_ptr": "*fp32",
                  "seqlens_k_ptr": "*i32", "block_tables_ptr": "*i32", "seq_order_ptr": "*i32"}
 FLOAT_SCALARS = {"scale_log2", "v_scale"}
 # Instruction classes counted in the tile loop (the opcode before the first '.').
@@ -150,12 +152,14 @@ def print_table(rows: list[dict]) -> None:
 DEFAULT_BUILDS = (
     "bf16 cache=bf16",
     "cast cache=fp8",
-    "words cache=fp8 FP8_TILES=words",
-    "words-n64 cache=fp8 FP8_TILES=words BLOCK_N=64",
-    "words-n64-r96 cache=fp8 FP8_TILES=words BLOCK_N=64 maxnreg=96",
-    "words-r128 cache=fp8 FP8_TILES=words maxnreg=128",
+    "words cache=fp8 TILES=words",
+    "words-n64 cache=fp8 TILES=words BLOCK_N=64",
+    "words-n64-r96 cache=fp8 TILES=words BLOCK_N=64 maxnreg=96",
+    "words-r128 cache=fp8 TILES=words maxnreg=128",
     "cast-s3 cache=fp8 num_stages=3 ORDERED=False",  # decode_launch.SMALL_BATCH
-    "words-s3 cache=fp8 FP8_TILES=words num_stages=3 ORDERED=False",
+    "words-s3 cache=fp8 TILES=words num_stages=3 ORDERED=False",
+    "int8-cast-n64 cache=int8 BLOCK_N=64 num_stages=5",  # decode_launch.FP8_LARGE_BATCH, an int8 cache
+    "int8-words-n64 cache=int8 TILES=words BLOCK_N=64 num_stages=5",
 )
 OPTIONS = ("cache", "num_warps", "num_stages", "maxnreg")
 
@@ -176,7 +180,7 @@ def parse_build(spec: str) -> tuple[str, dict, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("builds", nargs="*", default=DEFAULT_BUILDS,
-                        help='"name key=value ...", e.g. "words-n64 FP8_TILES=words BLOCK_N=64 maxnreg=96"')
+                        help='"name key=value ...", e.g. "words-n64 TILES=words BLOCK_N=64 maxnreg=96"')
     parser.add_argument("--dump", default=None, help="a folder for each build's SASS, PTX and TTGIR")
     args = parser.parse_args()
     kernel = decode_attention._decode_split_kernel
@@ -185,7 +189,9 @@ def main() -> None:
         name, constexprs, options = parse_build(spec)
         # Constexprs this checkout's kernel does not have (an older branch's) are dropped.
         constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
-        cache_type = "*fp8e4nv" if options["cache"] == "fp8" else "*bf16"
+        if options["cache"] not in CACHE_TYPES:
+            parser.error(f"cache={options['cache']}: one of {', '.join(CACHE_TYPES)}")
+        cache_type = CACHE_TYPES[options["cache"]]
         maxnreg = int(options["maxnreg"]) if options["maxnreg"] else None
         rows.append(report(name, kernel, constexprs, cache_type, "*bf16", int(options["num_warps"]),
                            int(options["num_stages"]), args.dump, maxnreg))

@@ -260,13 +260,14 @@ def max_shared_memory(device: torch.device) -> int:
 
 
 @triton.jit
-def fp8_dot_operands(q, scale_log2, CACHE_IS_FP8: tl.constexpr):
-    """(q, the scale its scores take) for dots against K/V tiles widened from the cache to q's dtype.
-    With an fp8 cache and a 16-bit q, the tiles widen to float16, which sm_89+ converts e4m3 to in
-    one instruction per pair: widened to bfloat16, the fp8 decode kernel was no faster than a bf16
-    cache's, and float16 made it 1.35-1.46x faster (docs/performance-notes.md, "fp8 KV cache"). q joins them
-    pre-scaled, so that float16's range holds it. Otherwise (a float32 q keeps its exact products) q and
-    the scale as given."""
-    if CACHE_IS_FP8 and q.dtype != tl.float32:
+def float16_dot_operands(q, scale_log2, TILES_FLOAT16: tl.constexpr):
+    """(q, the scale its scores take) for dots against K/V tiles widened from the cache. Where the tiles
+    widen to float16 (an fp8 cache's, which sm_89+ converts e4m3 to in one instruction per pair, and
+    decode_words' "words" of an 8-bit cache) a 16-bit q joins them as float16, pre-scaled so that
+    float16's range holds it: widened to bfloat16, the fp8 decode kernel was no faster than a bf16 cache's,
+    and float16 made it 1.35-1.46x faster (docs/performance-notes.md, "fp8 KV cache"). Otherwise (a 16-bit
+    cache, an int8 one's "cast" tiles, a float32 q, which keeps its exact products) q and the scale as
+    given."""
+    if TILES_FLOAT16 and q.dtype != tl.float32:
         q, scale_log2 = (q.to(tl.float32) * scale_log2).to(tl.float16), 1.0
     return q, scale_log2

@@ -15,8 +15,9 @@ into num_splits chunks:
         variant of its own), 3-11% faster a call at 128-512 rows (docs/performance-notes.md, "Decode
         attention at large batches"). There an fp8
         cache's programs may take two KV heads each (decode_launch.FP8_PACKED, grid (num_kv_heads / 2, B,
-        1)): one softmax for both GQA groups (decode_fp8_tiles.attend_fp8_words). An int8 cache's tiles
-        widen as a 16-bit cache's do, with their per-token scales beside them (common.attend_kv_tile).
+        1)): one softmax for both GQA groups (decode_words.attend_words). An int8 cache's tiles widen
+        as a 16-bit cache's do ("cast", common.attend_kv_tile) or, where decode_words.INT8_WORDS says
+        so, as fp8's "words" do, their per-token scales beside them either way.
 
 num_splits and the launch settings depend only on static shapes (batch size, KV heads, block_tables
 width, cache dtype, SM count; decode_launch.py); each
@@ -45,10 +46,10 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from nanovllm.kernels.common import (
     attend_kv_tile,
     check_cache_scales,
-    fp8_dot_operands,
+    float16_dot_operands,
 )
-from nanovllm.kernels.decode_fp8_tiles import attend_fp8_words
 from nanovllm.kernels.decode_launch import DecodeCall
+from nanovllm.kernels.decode_words import attend_words
 
 
 # Triton compiles a variant per integer argument that is 1 or a multiple of 16; these vary from step to
@@ -84,10 +85,10 @@ def _decode_split_kernel(
     COMBINE_HEADS: tl.constexpr,
     COMBINE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FP8_TILES: tl.constexpr,  # decode_fp8_tiles.fp8_tiles's
+    TILES: tl.constexpr,  # decode_words.tile_form's
     ORDERED: tl.constexpr,
     ONE_SPLIT: tl.constexpr = False,  # num_splits == 1: each program writes its rows' output itself
-    KV_PER_PROG: tl.constexpr = 1,  # KV heads a program (packed: decode_fp8_tiles; ONE_SPLIT "words" only)
+    KV_PER_PROG: tl.constexpr = 1,  # KV heads a program (packed: decode_words; ONE_SPLIT "words" only)
 ):
     # KV heads vary fastest in the grid: a sequence's heads run side by side, reading neighbouring bytes
     # of each cached token. With seq_order, the sequences start longest first (see the module docstring).
@@ -108,12 +109,13 @@ def _decode_split_kernel(
         mask=g_mask[:, None],
         other=0.0,
     )
-    q, qk_scale = fp8_dot_operands(q, scale_log2, k_cache_ptr.dtype.element_ty == tl.float8e4nv)
+    TILES_FLOAT16: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e4nv or TILES == "words"
+    q, qk_scale = float16_dot_operands(q, scale_log2, TILES_FLOAT16)
     attend_chunk(q, qk_scale, seq, group, split, kv_len, split_start, split_end, split_len, k_cache_ptr,
                  v_cache_ptr, k_scales_ptr, v_scales_ptr, partial_out_ptr, partial_lse_ptr, out_ptr,
                  counters_ptr, block_tables_ptr, out_stride_b, out_stride_h, block_tables_stride, num_splits,
                  v_scale, NUM_HEADS_PER_KV, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N,
-                 COMBINE_HEADS, COMBINE_ROWS, DOT_PRECISION, FP8_TILES, False, ONE_SPLIT, KV_PER_PROG)
+                 COMBINE_HEADS, COMBINE_ROWS, DOT_PRECISION, TILES, False, ONE_SPLIT, KV_PER_PROG)
 
 
 @triton.jit
@@ -133,7 +135,7 @@ def attend_chunk(q, qk_scale, seq, group, split, kv_len, split_start, split_end,
                  NUM_HEADS_PER_KV: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                  COMBINE_HEADS: tl.constexpr, COMBINE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 FP8_TILES: tl.constexpr, LAUNCH_AFTER_LOOP: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                 TILES: tl.constexpr, LAUNCH_AFTER_LOOP: tl.constexpr, ONE_SPLIT: tl.constexpr,
                  KV_PER_PROG: tl.constexpr):
     """One program's chunk [split_start, split_end) of one sequence and KV head `group` (with KV_PER_PROG
     above 1, "words" tiles and ONE_SPLIT only: KV heads group * KV_PER_PROG on, packed): its partial for
@@ -141,7 +143,7 @@ def attend_chunk(q, qk_scale, seq, group, split, kv_len, split_start, split_end,
     to finish, the combine; with ONE_SPLIT (the chunk is the whole context) the output itself. Shared by
     the decode kernels (this one, and decode_rope's, which under PDL may let its dependent launch once
     the K/V loop is done: LAUNCH_AFTER_LOOP)."""
-    tl.static_assert(KV_PER_PROG == 1 or (FP8_TILES == "words" and ONE_SPLIT))
+    tl.static_assert(KV_PER_PROG == 1 or (TILES == "words" and ONE_SPLIT))
     kv_head = group  # with one KV head a program (every path below but the "words" loop's)
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < NUM_HEADS_PER_KV * KV_PER_PROG
@@ -149,10 +151,11 @@ def attend_chunk(q, qk_scale, seq, group, split, kv_len, split_start, split_end,
     offs_d = tl.arange(0, HEAD_DIM)
 
     block_table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    if FP8_TILES == "words":
-        m_i, l_i, acc = attend_fp8_words(q, qk_scale, group * KV_PER_PROG, split_start, split_end,
-                                         block_table_row, k_cache_ptr, v_cache_ptr, NUM_HEADS_PER_KV,
-                                         NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, KV_PER_PROG)
+    if TILES == "words":
+        m_i, l_i, acc = attend_words(q, qk_scale, group * KV_PER_PROG, split_start, split_end,
+                                     block_table_row, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
+                                     NUM_HEADS_PER_KV, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N,
+                                     KV_PER_PROG)
     else:
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)

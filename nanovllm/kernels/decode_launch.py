@@ -24,14 +24,13 @@ import torch
 import triton
 
 from nanovllm.kernels.common import (
-    FP8_DTYPE,
     check_paged_attention_args,
     dot_precision,
     max_shared_memory,
     output_for,
     sm_count,
 )
-from nanovllm.kernels.decode_fp8_tiles import fp8_tiles
+from nanovllm.kernels.decode_words import tile_form
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +40,11 @@ class DecodeLaunch:
     num_stages: int
     kv_per_prog: int = 1  # KV heads a program (FP8_PACKED's)
 
-    def options(self, fp8_words: bool) -> dict:
-        """The kernel launch's keyword options; `fp8_words`: the tiles are decode_fp8_tiles' "words"."""
+    def options(self, words: bool) -> dict:
+        """The kernel launch's keyword options; `words`: the tiles are decode_words' "words"."""
         options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
-        if fp8_words and self == WIDE:
-            options["maxnreg"] = FP8_WORDS_MAXNREG
+        if words and self == WIDE:
+            options["maxnreg"] = WORDS_MAXNREG
         return options
 
 
@@ -56,10 +55,10 @@ HEAD_DIM_256 = DecodeLaunch(32, 4, 2)
 # its "cast" tiles), where a small batch leaves the kernel latency-bound.
 SMALL_BATCH = {2: DecodeLaunch(64, 4, 3), 1: DecodeLaunch(128, 4, 3)}
 SMALL_BATCH_SPLITS = 8
-# The fp8 "words" tiles at the WIDE launch (an fp8 cache's where FP8_LARGE_BATCH does not fit) take 168
-# registers (3 programs per SM); capped at 128, with a few spills, 4 fit: one layer's decode at 256 and
-# 512 rows 1.16x "cast" against 1.12-1.13x uncapped (commit df71aea, 2026-11-30).
-FP8_WORDS_MAXNREG = 128
+# The "words" tiles at the WIDE launch (an 8-bit cache's where FP8_LARGE_BATCH does not fit) take 168
+# registers (3 programs per SM); capped at 128, with a few spills, 4 fit: one layer's decode with an fp8
+# cache at 256 and 512 rows 1.16x "cast" against 1.12-1.13x uncapped (commit df71aea, 2026-11-30).
+WORDS_MAXNREG = 128
 # An fp8 cache's large-batch launch: 64-key tiles, 5 stages. Below 5 stages Triton keeps one K and one V
 # buffer (the block-table load the tile addresses depend on takes a stage of its own, as the sm_90 SASS
 # shows), so each tile's load waits exposed; 5 give two. One layer's decode at 256 and 512 rows x 1k
@@ -68,7 +67,7 @@ FP8_WORDS_MAXNREG = 128
 # bandwidth already), nor its small-batch launch (single stream 0.902 ms both ways) (commit 133a11a).
 FP8_LARGE_BATCH = DecodeLaunch(64, 4, 5)
 # What FP8_LARGE_BATCH becomes at one chunk a context with programs to spare (_packs): two KV heads a
-# program, their query heads stacked into the 16 rows a dot takes (decode_fp8_tiles' packed heads), 3
+# program, their query heads stacked into the 16 rows a dot takes (decode_words' packed heads), 3
 # stages. One layer's decode, contexts uniform in [C/2, C], us a call against FP8_LARGE_BATCH's, the same
 # bits: 256 x 1,024 100.0 / 108.9, 512 x 1,024 196.9 / 199.1; bench.py with an fp8 cache 38,357 tok/s
 # against 37,822 (+1.4%, six alternating pairs) (commit 02fc5c9, 2026-12-02).
@@ -214,7 +213,7 @@ class DecodeCall:
         elif num_splits < 1:
             raise ValueError(f"num_splits must be >= 1; got {num_splits}")
         group = num_heads // num_kv_heads
-        words = fp8_tiles(k_cache.dtype == FP8_DTYPE, q.dtype == torch.float32) == "words"
+        words = tile_form(k_cache.dtype, q.dtype) == "words"
         # Packed KV heads need the "words" loop at one chunk a context, and query heads that fit the rows a
         # dot takes anyway (MIN_GROUP_ROWS: beyond them packing saves no softmax work).
         if launch.kv_per_prog > 1 and not (packs and words and num_splits == 1
@@ -249,10 +248,10 @@ class DecodeCall:
     def constexprs(self, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
         """The kernels' shared compile-time arguments and launch settings."""
         group, kv_per_prog = self.num_heads_per_kv, self.launch.kv_per_prog
-        tiles = fp8_tiles(cache_dtype == FP8_DTYPE, q_dtype == torch.float32)
+        tiles = tile_form(cache_dtype, q_dtype)
         return dict(NUM_HEADS_PER_KV=group, NUM_KV_HEADS=self.grid[0] * kv_per_prog, HEAD_DIM=self.head_dim,
                     BLOCK_SIZE=self.block_size, KV_PER_PROG=kv_per_prog,
                     BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group * kv_per_prog)),
                     BLOCK_N=self.launch.block_n, COMBINE_HEADS=triton.next_power_of_2(group),
                     COMBINE_ROWS=COMBINE_ROWS, DOT_PRECISION=dot_precision(q_dtype),
-                    FP8_TILES=tiles, ONE_SPLIT=self.num_splits == 1, **self.launch.options(tiles == "words"))
+                    TILES=tiles, ONE_SPLIT=self.num_splits == 1, **self.launch.options(tiles == "words"))

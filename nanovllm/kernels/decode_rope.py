@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanovllm.kernels.common import FP8_MAX, check_cache_scales, fp8_dot_operands, quantize_int8_rows
+from nanovllm.kernels.common import FP8_MAX, check_cache_scales, float16_dot_operands, quantize_int8_rows
 from nanovllm.kernels.decode_attention import attend_chunk, chunk_bounds
 from nanovllm.kernels.decode_launch import DecodeCall
 from nanovllm.kernels.rope_store import check_rope_args, normed_rotated_rows
@@ -74,7 +74,7 @@ def _decode_rope_split_kernel(
     COMBINE_HEADS: tl.constexpr,
     COMBINE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FP8_TILES: tl.constexpr,  # decode_fp8_tiles.fp8_tiles's
+    TILES: tl.constexpr,  # decode_words.tile_form's
     HAS_NORM: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8 (store scaled and clamped) or int8 (store quantized)
     PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait for q, k, v
@@ -133,12 +133,13 @@ def _decode_rope_split_kernel(
         # a program after a barrier).
         tl.debug_barrier()
 
-    q, qk_scale = fp8_dot_operands(q, scale_log2, k_cache_ptr.dtype.element_ty == tl.float8e4nv)
+    TILES_FLOAT16: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e4nv or TILES == "words"
+    q, qk_scale = float16_dot_operands(q, scale_log2, TILES_FLOAT16)
     attend_chunk(q, qk_scale, seq, kv_head, split, kv_len, split_start, split_end, split_len, k_cache_ptr,
                  v_cache_ptr, k_scales_ptr, v_scales_ptr, partial_out_ptr, partial_lse_ptr, out_ptr,
                  counters_ptr, block_tables_ptr, out_stride_b, out_stride_h, block_tables_stride, num_splits,
                  v_scale, NUM_HEADS_PER_KV, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N,
-                 COMBINE_HEADS, COMBINE_ROWS, DOT_PRECISION, FP8_TILES, PDL and LATE_TRIGGER, ONE_SPLIT, 1)
+                 COMBINE_HEADS, COMBINE_ROWS, DOT_PRECISION, TILES, PDL and LATE_TRIGGER, ONE_SPLIT, 1)
 
 
 def paged_decode_rope_attention(

@@ -22,7 +22,7 @@ from nanovllm.kernels.common import (
     check_cache_scales,
     check_paged_attention_args,
     dot_precision,
-    fp8_dot_operands,
+    float16_dot_operands,
     output_for,
 )
 
@@ -90,7 +90,7 @@ def _prefill_kernel(
         mask=m_mask[:, None],
         other=0.0,
     )
-    q, qk_scale = fp8_dot_operands(q, scale_log2, k_cache_ptr.dtype.element_ty == tl.float8e4nv)
+    q, qk_scale = float16_dot_operands(q, scale_log2, k_cache_ptr.dtype.element_ty == tl.float8e4nv)
     q_pos = num_cached + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

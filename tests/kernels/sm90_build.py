@@ -73,8 +73,8 @@ def build(spec: tuple, dtype: str = "bf16", overrides: dict | None = None):
     values.update(constexprs)
     if dtype == "fp32" and "DOT_PRECISION" in values:
         values["DOT_PRECISION"] = "ieee"  # what float32 runs use
-    if dtype == "fp32" and "FP8_TILES" in values:
-        values["FP8_TILES"] = "cast"  # decode_fp8_tiles.fp8_tiles's for a float32 q
+    if dtype == "fp32" and "TILES" in values:
+        values["TILES"] = "cast"  # decode_words.tile_form's for a float32 q
         values["KV_PER_PROG"] = 1  # which takes one KV head a program (DecodeCall.prepare)
     for key, value in (overrides or {}).items():
         (options if key in LAUNCH_OPTIONS else values)[key] = value

@@ -42,7 +42,7 @@ ROPE_SHAPES = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK
 # fp8 weights (layers/fp8.py's layout): e4m3 [N, K] and float32 scales; the W8A8 GEMM's x is e4m3 too.
 FP8_WEIGHT = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}
 DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=128,
-              COMBINE_HEADS=2, COMBINE_ROWS=16, FP8_TILES="cast", KV_PER_PROG=1)
+              COMBINE_HEADS=2, COMBINE_ROWS=16, TILES="cast", KV_PER_PROG=1)
 
 
 def cases() -> dict:
@@ -84,30 +84,30 @@ def cases() -> dict:
                            dict(ROPE_SHAPES, HAS_NORM=True, QUANT=True), FP8_CACHE),
         "decode-fp8": (decode_attention._decode_split_kernel,
                        dict(DECODE, DOT_PRECISION="tf32", ORDERED=True), FP8_CACHE),
-        # decode_fp8_tiles' "words" form of an fp8 cache's tiles (float32 queries keep "cast").
+        # decode_words' "words" form of an fp8 cache's tiles (float32 queries keep "cast").
         "decode-fp8-words": (decode_attention._decode_split_kernel,
-                             dict(DECODE, DOT_PRECISION="tf32", ORDERED=True, FP8_TILES="words"), FP8_CACHE,
-                             decode_launch.WIDE.options(fp8_words=True)),
+                             dict(DECODE, DOT_PRECISION="tf32", ORDERED=True, TILES="words"), FP8_CACHE,
+                             decode_launch.WIDE.options(words=True)),
         "decode-fp8-words-large-batch": (decode_attention._decode_split_kernel,
                                          dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True,
-                                              FP8_TILES="words"), FP8_CACHE,
-                                         decode_launch.FP8_LARGE_BATCH.options(fp8_words=True)),
+                                              TILES="words"), FP8_CACHE,
+                                         decode_launch.FP8_LARGE_BATCH.options(words=True)),
         # One chunk a context (large batches): each program stores its output, no partials or combine.
         "decode-one-split": (decode_attention._decode_split_kernel,
                              dict(DECODE, DOT_PRECISION="tf32", ORDERED=True, ONE_SPLIT=True), {},
-                             decode_launch.WIDE.options(fp8_words=False)),
+                             decode_launch.WIDE.options(words=False)),
         "decode-fp8-words-large-batch-one-split": (
             decode_attention._decode_split_kernel,
-            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, FP8_TILES="words", ONE_SPLIT=True),
-            FP8_CACHE, decode_launch.FP8_LARGE_BATCH.options(fp8_words=True)),
-        # decode_launch.FP8_PACKED: two KV heads a program, their GQA groups stacked (decode_fp8_tiles).
+            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, TILES="words", ONE_SPLIT=True),
+            FP8_CACHE, decode_launch.FP8_LARGE_BATCH.options(words=True)),
+        # decode_launch.FP8_PACKED: two KV heads a program, their GQA groups stacked (decode_words).
         "decode-fp8-words-packed": (
             decode_attention._decode_split_kernel,
-            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, FP8_TILES="words", ONE_SPLIT=True,
+            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, TILES="words", ONE_SPLIT=True,
                  KV_PER_PROG=2),
-            FP8_CACHE, decode_launch.FP8_PACKED.options(fp8_words=True)),
+            FP8_CACHE, decode_launch.FP8_PACKED.options(words=True)),
         "decode-fp8-words-small-batch": (decode_attention._decode_split_kernel,
-                                         dict(DECODE, DOT_PRECISION="tf32", ORDERED=False, FP8_TILES="words"),
+                                         dict(DECODE, DOT_PRECISION="tf32", ORDERED=False, TILES="words"),
                                          FP8_CACHE, dict(num_warps=4, num_stages=3)),
         # decode_launch.SMALL_BATCH: the latency-bound settings of a 16-bit and of an fp8 cache.
         "decode-small-batch": (decode_attention._decode_split_kernel,
@@ -137,15 +137,15 @@ def cases() -> dict:
                             dict(num_warps=4, num_stages=3)),
         "decode-rope-fp8-words": (decode_rope._decode_rope_split_kernel,
                                   dict(DECODE, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=True,
-                                       FP8_TILES="words"), FP8_CACHE, dict(num_warps=4, num_stages=3)),
+                                       TILES="words"), FP8_CACHE, dict(num_warps=4, num_stages=3)),
         "decode-rope-fp8-words-wide": (decode_rope._decode_rope_split_kernel,
                                        dict(DECODE, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=True,
-                                            FP8_TILES="words"), FP8_CACHE,
-                                       decode_launch.WIDE.options(fp8_words=True)),
+                                            TILES="words"), FP8_CACHE,
+                                       decode_launch.WIDE.options(words=True)),
         "decode-rope-fp8-words-large-batch": (decode_rope._decode_rope_split_kernel,
                                               dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", HAS_NORM=True,
-                                                   QUANT=True, FP8_TILES="words"), FP8_CACHE,
-                                              decode_launch.FP8_LARGE_BATCH.options(fp8_words=True)),
+                                                   QUANT=True, TILES="words"), FP8_CACHE,
+                                              decode_launch.FP8_LARGE_BATCH.options(words=True)),
         # An int8 cache: its tiles widen as a 16-bit cache's ("cast"), scaled per key; the launches an int8
         # cache's element size takes (decode_launch: fp8's large- and small-batch settings).
         "rope-store-int8": (rope_store._norm_rope_store_kernel,
@@ -156,7 +156,21 @@ def cases() -> dict:
         "decode-int8-large-batch-one-split": (
             decode_attention._decode_split_kernel,
             dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, ONE_SPLIT=True), INT8_CACHE,
-            decode_launch.FP8_LARGE_BATCH.options(fp8_words=False)),
+            decode_launch.FP8_LARGE_BATCH.options(words=False)),
+        # decode_words.INT8_WORDS: an int8 cache read as words (as fp8's), its scales beside the dots.
+        "decode-int8-words-large-batch-one-split": (
+            decode_attention._decode_split_kernel,
+            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, TILES="words", ONE_SPLIT=True),
+            INT8_CACHE, decode_launch.FP8_LARGE_BATCH.options(words=True)),
+        "decode-int8-words-packed": (
+            decode_attention._decode_split_kernel,
+            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, TILES="words", ONE_SPLIT=True,
+                 KV_PER_PROG=2),
+            INT8_CACHE, decode_launch.FP8_PACKED.options(words=True)),
+        "decode-rope-int8-words-pdl": (decode_rope._decode_rope_split_kernel,
+                                       dict(DECODE, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=True, PDL=True,
+                                            LATE_TRIGGER=True, TILES="words"), INT8_CACHE,
+                                       dict(num_warps=4, num_stages=3, launch_pdl=True)),
         "decode-int8-small-batch": (decode_attention._decode_split_kernel,
                                     dict(DECODE, DOT_PRECISION="tf32", ORDERED=False), INT8_CACHE,
                                     dict(num_warps=4, num_stages=3)),

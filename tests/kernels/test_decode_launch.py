@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels import decode_fp8_tiles, decode_launch  # noqa: E402
+from nanovllm.kernels import decode_launch, decode_words  # noqa: E402
 from nanovllm.kernels.decode_launch import MAX_NUM_SPLITS, choose_launch, decode_num_splits  # noqa: E402
 
 
@@ -80,17 +80,23 @@ def test_launch_settings_follow_batch_size_cache_dtype_and_shared_memory(monkeyp
         decode_launch._large_batch_launch.cache_clear()
 
 
-def test_fp8_tiles_form_per_launch() -> None:
-    assert decode_fp8_tiles.fp8_tiles(True, False) == "words"
-    assert decode_fp8_tiles.fp8_tiles(True, True) == "cast"  # a float32 q widens the tiles to float32
-    assert decode_fp8_tiles.fp8_tiles(False, False) == "cast"
+def test_tile_form_per_cache_and_query(monkeypatch) -> None:
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    assert decode_words.tile_form(fp8, bf16) == decode_words.tile_form(fp8, torch.float16) == "words"
+    assert decode_words.tile_form(fp8, torch.float32) == "cast"  # a float32 q widens the tiles to float32
+    assert decode_words.tile_form(bf16, bf16) == "cast"
+    monkeypatch.setattr(decode_words, "INT8_WORDS", False)
+    assert decode_words.tile_form(torch.int8, bf16) == "cast"
+    monkeypatch.setattr(decode_words, "INT8_WORDS", True)
+    assert decode_words.tile_form(torch.int8, bf16) == "words"
+    assert decode_words.tile_form(torch.int8, torch.float32) == "cast"
 
 
 def test_register_cap_only_for_fp8_words_at_the_wide_launch() -> None:
-    cap = decode_launch.FP8_WORDS_MAXNREG
-    assert decode_launch.WIDE.options(fp8_words=True) == dict(num_warps=4, num_stages=2, maxnreg=cap)
-    assert "maxnreg" not in decode_launch.WIDE.options(fp8_words=False)
-    assert "maxnreg" not in decode_launch.SMALL_BATCH[1].options(fp8_words=True)  # latency-bound: no cap
+    cap = decode_launch.WORDS_MAXNREG
+    assert decode_launch.WIDE.options(words=True) == dict(num_warps=4, num_stages=2, maxnreg=cap)
+    assert "maxnreg" not in decode_launch.WIDE.options(words=False)
+    assert "maxnreg" not in decode_launch.SMALL_BATCH[1].options(words=True)  # latency-bound: no cap
 
 
 def test_decode_sweep_forces_the_launch_a_decode_call_takes(monkeypatch) -> None:

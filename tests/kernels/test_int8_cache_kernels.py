@@ -16,6 +16,7 @@ from transformers import Qwen3Config  # noqa: E402
 
 from nanovllm.attention.layer import RotaryEmbedding, apply_rotary, rms_norm  # noqa: E402
 from nanovllm.attention.torch_backend import quantize_int8, store_kvcache_torch  # noqa: E402
+from nanovllm.kernels import decode_words  # noqa: E402
 from nanovllm.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from nanovllm.kernels.decode_rope import paged_decode_rope_attention  # noqa: E402
 from nanovllm.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
@@ -45,12 +46,21 @@ def dequantized(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values.cpu().float() * scales.cpu()[..., None]
 
 
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+KINDS = ["prefill", "prefill-prefix", "decode", "decode-one-split"]
+# Decode with 16-bit queries reads the cache as "cast" tiles or, with decode_words.INT8_WORDS, as words.
+CASES = [(kind, q_dtype, "cast") for kind in KINDS for q_dtype in (torch.float32, torch.bfloat16)]
+CASES += [("decode", torch.bfloat16, "words"), ("decode-one-split", torch.bfloat16, "words"),
+          ("decode", torch.float16, "words")]
+
+
+@pytest.mark.parametrize("kind,q_dtype,tiles", CASES, ids=lambda x: str(x).removeprefix("torch."))
 @pytest.mark.parametrize("block_size", [1, 16, 256])  # per-token lookups, the usual page, one per tile
-@pytest.mark.parametrize("kind", ["prefill", "prefill-prefix", "decode", "decode-one-split"])
-def test_attention_reads_the_int8_cache_through_its_scales(kind: str, block_size: int, q_dtype) -> None:
+def test_attention_reads_the_int8_cache_through_its_scales(kind: str, q_dtype, tiles: str, block_size: int,
+                                                           monkeypatch) -> None:
     """Scores (q . k_int8) * k_scale, values p * v_scale * v_int8: the reference attention over the
     dequantized float32 cache, exactly for a float32 q (to float32 rounding), within bf16's for bf16."""
+    monkeypatch.setattr(decode_words, "INT8_WORDS", tiles == "words")
+    assert kind.startswith("prefill") or decode_words.tile_form(torch.int8, q_dtype) == tiles
     q_lens, kv_lens = {"prefill": ([5, 70, 1], [5, 70, 1]), "prefill-prefix": ([3, 1], [20, 137]),
                        "decode": ([1, 1, 1], [20, 300, 1]), "decode-one-split": ([1, 1], [20, 37])}[kind]
     k8, v8, k_scales, v_scales, tables = int8_paged_cache(kv_lens, block_size, seed=block_size)
@@ -112,9 +122,13 @@ def test_rope_store_writes_what_the_reference_quantizes(head_dim: int) -> None:
     assert not out[0].view(-1, NUM_KV_HEADS, head_dim)[c["slots"][2]].any()  # nothing stored for padding
 
 
-def test_fused_decode_stores_and_attends_as_rope_store_then_decode() -> None:
+@pytest.mark.parametrize("dtype,tiles", [(torch.float32, "cast"), (torch.bfloat16, "cast"),
+                                         (torch.bfloat16, "words")])
+def test_fused_decode_stores_and_attends_as_rope_store_then_decode(dtype, tiles: str, monkeypatch) -> None:
     """decode_rope over an int8 cache: the same cache contents (values and scales) and output as
-    norm_rope_store then paged_decode_attention, with the new key in a later chunk than the first."""
+    norm_rope_store then paged_decode_attention, with the new key in a later chunk than the first; with a
+    16-bit model, either form of the tiles."""
+    monkeypatch.setattr(decode_words, "INT8_WORDS", tiles == "words")
     seqlens, block_size = [5, 300, 0], 16  # the last row is batch padding
     gen = torch.Generator().manual_seed(5)
     rows = len(seqlens)
@@ -130,7 +144,8 @@ def test_fused_decode_stores_and_attends_as_rope_store_then_decode() -> None:
                for heads in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
     angles = torch.randn(max(seqlens), HEAD_DIM, generator=gen)
     norms = [((1 + 0.1 * torch.randn(HEAD_DIM, generator=gen)).to(DEVICE), EPS) for _ in range(2)]
-    t = [x.to(DEVICE) for x in (q, k, v, positions, angles.cos(), angles.sin())]
+    t = [*(x.to(DEVICE, dtype) for x in (q, k, v)), *(x.to(DEVICE) for x in (positions, angles.cos(),
+                                                                             angles.sin()))]
     step = [x.to(DEVICE) for x in (slots, seqlens_k, tables)]
 
     def caches():
@@ -149,7 +164,8 @@ def test_fused_decode_stores_and_attends_as_rope_store_then_decode() -> None:
             assert (got.int() - want.int()).abs().max() <= 1
         else:
             torch.testing.assert_close(got, want, atol=0, rtol=1e-5)
-    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    tol = 2e-3 if dtype == torch.float32 else 2e-2  # bfloat16's output rounding (8 bits)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     assert out[2].abs().max() == 0  # the padding row
 
 

@@ -69,7 +69,8 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "decode-fp8-words-large-batch-one-split", "decode-fp8-words-packed", "decode-rope-one-split",
               "rope-store-qk-norm", "rope-store", "rope-store-fp8",
               "rope-store-int8", "prefill-int8", "decode-int8-large-batch-one-split",
-              "decode-int8-small-batch", "decode-rope-int8-pdl",
+              "decode-int8-small-batch", "decode-rope-int8-pdl", "decode-int8-words-large-batch-one-split",
+              "decode-int8-words-packed", "decode-rope-int8-words-pdl",
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "skinny-gemm-pdl",
               "skinny-gemm-fp8-add-rms-norm-pdl",
               "skinny-gemm-fp8-split-k",
@@ -139,7 +140,7 @@ def test_weight_tiles_on_the_wide_side_take_wgmma(compiled):
 # that is accepted. Spills cost what a cache miss costs, inside the loops that the kernels' speed lives
 # in, and nothing on a CPU shows them but the cubin; a new one should be a decision, not a surprise.
 KNOWN_SPILLS = {
-    # capped at 128 registers on purpose: 4 programs an SM beat 3 unspilled (decode_launch.FP8_WORDS_MAXNREG)
+    # capped at 128 registers on purpose: 4 programs an SM beat 3 unspilled (decode_launch.WORDS_MAXNREG)
     "decode-fp8-words": "maxnreg",
     "decode-rope-fp8-words-wide": "maxnreg",
     # the two weight tiles preloaded before the PDL wait, held across it: 8 bytes outside the K loop with

@@ -12,7 +12,7 @@ from paged_case import make_paged_cache, reference_attention
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels import decode_fp8_tiles, decode_launch  # noqa: E402
+from nanovllm.kernels import decode_launch, decode_words  # noqa: E402
 from nanovllm.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from nanovllm.kernels.decode_launch import choose_launch  # noqa: E402
 from nanovllm.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
@@ -286,7 +286,7 @@ def test_fp8_cache_is_read_through_its_scales(kind: str, q_dtype: torch.dtype) -
 @pytest.mark.parametrize("block_size,num_splits", [(16, None), (256, 4)])
 def test_fp8_words_tiles_match_the_reference(q_dtype: torch.dtype, block_size: int, num_splits: int | None
                                              ) -> None:
-    """decode_fp8_tiles' "words" form of an fp8 cache's tiles (what 16-bit queries over an fp8 cache take)
+    """decode_words' "words" form of an fp8 cache's tiles (what 16-bit queries over an fp8 cache take)
     against the reference, over several tiles, a partial last tile, empty chunks and a padding row. Every
     e4m3 byte but NaN appears, in both bytes of a word: a swapped low/high byte, a wrong sign or exponent
     shows."""
@@ -305,7 +305,7 @@ def test_fp8_words_tiles_match_the_reference(q_dtype: torch.dtype, block_size: i
     v8 = torch.where(owned, v8.float() / 64, float("nan")).to(torch.float8_e4m3fn).to(DEVICE)
     q = torch.randn(len(kv_lens), num_heads, head_dim, generator=gen).to(DEVICE, q_dtype) / 64
     seqlens_k = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
-    assert decode_fp8_tiles.fp8_tiles(True, False) == "words"
+    assert decode_words.tile_form(torch.float8_e4m3fn, q_dtype) == "words"
     words = paged_decode_attention(q, k8, v8, seqlens_k, block_tables.to(DEVICE), head_dim**-0.5,
                                    num_splits=num_splits, k_scale=0.5, v_scale=2.0).cpu().float()
     assert words[1].abs().max() == 0  # the padding row
