@@ -171,7 +171,7 @@ def test_soak_runs_as_typed(extra):
 # README's commands for scripts that run on the CPU, as typed there, and a line their output ends with.
 CPU_AS_TYPED = {"sched_overhead.py": "ms per decode step at 256 requests",
                 "listen_check.py": "0 beyond loopback",
-                "decode_sass.py": "words-s3"}
+                "decode_sass.py": "int8-words-n64"}
 
 
 @pytest.mark.parametrize("script", CPU_AS_TYPED)
