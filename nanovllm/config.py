@@ -134,7 +134,8 @@ class Config:
     # synchronous path: the workers would need the previous step's sampled ids.
     async_scheduling: bool | None = field(default_factory=lambda: _env_default("async_scheduling", None))
     # "fp8": quantize a bf16/fp32 checkpoint's linear weights to fp8 at load (vLLM's option); None: as the
-    # checkpoint is (an FP8 checkpoint's quantization_config is read without it; layers/fp8.py).
+    # checkpoint is (an FP8 checkpoint's quantization_config is read without it; layers/fp8.py);
+    # "compressed-tensors": a checkpoint of that method, as None reads it (utils/compressed_tensors.py).
     quantization: str | None = None
     # Speculative decoding, vLLM's dict ({"method": "ngram", "num_speculative_tokens": 3, ...}; see
     # nanovllm.speculative.config); a SpeculativeConfig once the Config is built. Steps that may carry

@@ -1,7 +1,8 @@
 """Tiny fp8 checkpoints written from a tiny float32 one (tests/conftest.py make_model_dir), in the layouts
 Hugging Face FP8 models use: block-wise (`weight_scale_inv` per block, Qwen3-*-FP8's) and per-channel or
-per-tensor (`weight_scale`, vLLM's "fp8"); and the float32 checkpoint of the very weights they dequantize to,
-so that a test can tell the weights' rounding from the activations'."""
+per-tensor (`weight_scale`, vLLM's "fp8"), each also as llm-compressor writes it (quant_method
+"compressed-tensors": `weight_scale` [N, 1], [1] or per block); and the float32 checkpoint of the very
+weights they dequantize to, so that a test can tell the weights' rounding from the activations'."""
 
 import json
 import os
@@ -25,11 +26,33 @@ def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
     return q.float() * expanded
 
 
+def compressed_tensors_config(strategy: str, block: tuple[int, int] = (128, 128),
+                              ignore: tuple[str, ...] = ("lm_head", "re:.*mlp.gate$")) -> dict:
+    """The quantization_config llm-compressor writes for fp8 weights per `strategy` ("tensor", "channel"
+    or "block") with dynamic activations per token (per group of the block's columns for blocks)."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": strategy,
+               "block_structure": list(block) if strategy == "block" else None, "dynamic": False,
+               "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "actorder": None,
+              "strategy": "group" if strategy == "block" else "token",
+              "group_size": block[1] if strategy == "block" else None, "observer": None,
+              "observer_kwargs": {}, "block_structure": None}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "global_compression_ratio": None, "ignore": list(ignore),
+            "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {}, "version": "0.12.2",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": inputs, "output_activations": None,
+                                          "format": "float-quantized"}}}
+
+
 def write_fp8_checkpoint(src: str, dst: str, layout: str, block: tuple[int, int] = (128, 128),
                          dequantized: str | None = None) -> None:
     """Copy the float32 checkpoint folder `src` to `dst` with its linear weights in fp8. layout: "block"
-    (weight_scale_inv per block of `block`), "channel" (weight_scale [N]) or "tensor" (weight_scale []).
-    dequantized: also write, there, the float32 checkpoint of the weights the fp8 ones stand for."""
+    (weight_scale_inv per block of `block`), "channel" (weight_scale [N]) or "tensor" (weight_scale []),
+    or with a "ct-" prefix the same weights and scales in compressed-tensors' layout. dequantized: also
+    write, there, the float32 checkpoint of the weights the fp8 ones stand for."""
+    compressed = layout.startswith("ct-")
+    layout = layout.removeprefix("ct-")
     tensors = load_file(os.path.join(src, "model.safetensors"))
     out, exact = {}, {}
     for name, w in tensors.items():
@@ -38,18 +61,22 @@ def write_fp8_checkpoint(src: str, dst: str, layout: str, block: tuple[int, int]
             continue
         if layout == "block":
             q, scale = quantize_blocks(w, block)
-            out[name], out[name + "_scale_inv"] = q, scale
+            out[name], out[name + ("_scale" if compressed else "_scale_inv")] = q, scale
             exact[name] = dequantize_block(q, scale, block)
             continue
         amax = w.abs().amax(dim=1) if layout == "channel" else w.abs().amax()
         scale = amax.clamp(min=1e-10) / FP8_MAX
         q = (w / (scale[:, None] if layout == "channel" else scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        out[name], out[name + "_scale"] = q, scale
         exact[name] = q.float() * (scale[:, None] if layout == "channel" else scale)
+        if compressed:  # [N, 1] per channel, [1] per tensor
+            scale = scale[:, None] if layout == "channel" else scale.reshape(1)
+        out[name], out[name + "_scale"] = q, scale
     quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
              "modules_to_not_convert": ["lm_head"]}
     if layout == "block":
         quant["weight_block_size"] = list(block)
+    if compressed:
+        quant = compressed_tensors_config(layout, block)
     for folder, weights, extra in ((dst, out, {"quantization_config": quant}), (dequantized, exact, {})):
         if folder is None:
             continue

@@ -5,6 +5,8 @@
   one scale per 128x128 weight block; activations scaled per token and group of 128 inputs;
 - a per-tensor or per-channel checkpoint (vLLM's "fp8" without weight_block_size): `weight_scale` [] or [N];
   activations scaled per token;
+- either in compressed-tensors' layout (utils/compressed_tensors.py): `weight_scale` [1], [N, 1]
+  or, per block, [ceil(N/rows), ceil(K/columns)];
 - `quantization="fp8"` on a bf16/fp32 checkpoint: weights quantized at load, per output channel.
 
 After loading every layer holds one layout:
@@ -176,7 +178,7 @@ class Fp8LinearMethod(LinearMethod):
             scale = nn.Parameter(torch.empty(output_size, math.ceil(input_size / block[1]),
                                              dtype=torch.float32), requires_grad=False)
             scale.checkpoint_view = block_rows_view(rows_of, block[0])
-            layer.weight_scale_inv = scale
+            setattr(layer, self.scheme.block_scale_name, scale)
         scale.weight_loader = weight_loader
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -186,8 +188,8 @@ class Fp8LinearMethod(LinearMethod):
         elif self.scheme.block is None:
             scale = layer.weight_scale.data.unsqueeze(1)
         else:
-            scale = layer.weight_scale_inv.data
-            del layer.weight_scale_inv
+            scale = getattr(layer, self.scheme.block_scale_name).data
+            delattr(layer, self.scheme.block_scale_name)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def group(self, layer: nn.Module) -> int:

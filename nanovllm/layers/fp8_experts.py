@@ -44,7 +44,7 @@ def create_expert_weights(experts: nn.Module, scheme: Fp8Scheme) -> None:
             scale = nn.Parameter(torch.empty(e, rows, math.ceil(cols / bk), dtype=torch.float32),
                                  requires_grad=False)
             scale.checkpoint_view = block_rows_view(rows_of, bn)
-            name = f"{proj}_weight_scale_inv"
+            name = f"{proj}_{scheme.block_scale_name}"
         scale.weight_loader, scale.expert_proj = experts.weight_loader, proj
         setattr(experts, name, scale)
 
@@ -58,8 +58,8 @@ def process_expert_weights(experts: nn.Module, scheme: Fp8Scheme) -> None:
             q, scale = quantize_groups(weight.data, weight.shape[2])
             setattr(experts, f"{proj}_weight", nn.Parameter(q, requires_grad=False))
         elif scheme.block is not None:
-            scale = getattr(experts, f"{proj}_weight_scale_inv").data
-            delattr(experts, f"{proj}_weight_scale_inv")
+            scale = getattr(experts, f"{proj}_{scheme.block_scale_name}").data
+            delattr(experts, f"{proj}_{scheme.block_scale_name}")
         else:
             continue
         setattr(experts, f"{proj}_weight_scale", nn.Parameter(scale, requires_grad=False))

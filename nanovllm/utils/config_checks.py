@@ -9,7 +9,8 @@ before any weight is loaded, with a message that says what to change.
 - `check_model_config(hf_config)`: the sizes the model is built from are positive integers that fit
   together (heads divide the hidden size when the config has no head_dim, query heads are a multiple
   of key/value heads), so that `num_attention_heads=0` is refused here instead of at the first step;
-  and its quantization is one nanovllm implements (`quantization_scheme`: fp8, see layers/fp8.py)."""
+  and its quantization is one nanovllm implements (`quantization_scheme`: fp8, see layers/fp8.py, in the
+  "fp8" method's layout or compressed-tensors', utils/compressed_tensors.py)."""
 
 import math
 import types
@@ -19,6 +20,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from nanovllm.utils.compressed_tensors import METHOD as CT_METHOD
+from nanovllm.utils.compressed_tensors import compressed_tensors_block
 from nanovllm.utils.device import cuda_available, cuda_device_count
 
 # Model-config sizes that must be positive integers, and whether a config may leave them out.
@@ -77,7 +80,7 @@ def _size(hf_config: PretrainedConfig, name: str, required: bool) -> int | None:
 # vLLM's "fp8" method), and the option values `LLM(quantization=...)` takes (vLLM's name).
 FP8_FIELDS = {"quant_method", "activation_scheme", "weight_block_size", "fmt", "modules_to_not_convert",
               "ignored_layers"}
-VALID_QUANTIZATIONS = (None, "fp8")
+VALID_QUANTIZATIONS = (None, "fp8", CT_METHOD)
 # Modules a quantization_config may leave unquantized that nanovllm never quantizes anyway: the embedding,
 # the LM head and an MoE router (`mlp.gate`).
 ALWAYS_UNQUANTIZED = ("lm_head", "embed_tokens", "mlp.gate")
@@ -94,6 +97,9 @@ class Fp8Scheme:
 
     block: tuple[int, int] | None
     serialized: bool
+    # The checkpoint's name for block scales: "weight_scale_inv" (the "fp8" method's) or "weight_scale"
+    # (compressed-tensors'); per-tensor and per-channel scales are "weight_scale" in both.
+    block_scale_name: str = "weight_scale_inv"
 
 
 def _quant_method(quant) -> str:
@@ -108,15 +114,23 @@ def quantization_scheme(hf_config: PretrainedConfig, option: str | None = None) 
     would be cast to the model dtype with their scales dropped, and every output be garbage."""
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:
+        if option == CT_METHOD:
+            raise ValueError(f"quantization={CT_METHOD!r} reads a checkpoint's own compressed-tensors "
+                             "quantization, and this checkpoint has none; use quantization='fp8' to quantize "
+                             "its weights at load")
         return None if option is None else Fp8Scheme(block=None, serialized=False)
     method = _quant_method(quant)
-    if method != "fp8" or not isinstance(quant, dict):
+    if method not in ("fp8", CT_METHOD) or not isinstance(quant, dict):
         raise ValueError(f"this checkpoint is quantized (quantization_config quant_method={method!r}), "
-                         "which nanovllm does not implement (it implements 'fp8'); it is refused rather than "
-                         "loaded wrong. Use the model's unquantized (bf16/fp16) or FP8 checkpoint")
+                         f"which nanovllm does not implement (it implements 'fp8' and fp8 {CT_METHOD!r}); "
+                         "it is refused rather than loaded wrong. Use the model's unquantized (bf16/fp16) or "
+                         "FP8 checkpoint")
     if option not in (None, method):
         raise ValueError(f"quantization={option!r} but the checkpoint is quantized with {method!r}; "
                          "leave quantization unset (None) to use the checkpoint's")
+    if method == CT_METHOD:
+        return Fp8Scheme(block=compressed_tensors_block(quant, hf_config), serialized=True,
+                         block_scale_name="weight_scale")
     unknown = sorted(quant.keys() - FP8_FIELDS)
     if unknown:
         raise ValueError(f"the checkpoint's fp8 quantization_config has fields {unknown} that nanovllm does "

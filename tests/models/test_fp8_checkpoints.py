@@ -2,7 +2,8 @@
 fp8 checkpoint of the tiny Qwen3 give the prompt logprobs and greedy tokens of transformers running the very
 weights they dequantize to with the same W8A8 activation rounding (each decoder projection's input through
 e4m3 and back, per token and group); `quantization="fp8"` quantizes the float32 checkpoint alike; MoE
-experts load and run from a block-wise checkpoint; TP=2 shards the scales as TP=1 holds them.
+experts load and run from a block-wise checkpoint; TP=2 shards the scales as TP=1 holds them; the same
+weights and scales in compressed-tensors' layout (llm-compressor's FP8 checkpoints) give the very outputs.
 
 The tiny random model amplifies rounding (INIT_RANGE 0.25): against the unquantized model its prompt
 logprobs move by ~0.2 nats on average with fp8, so the comparisons that must hold exactly are the ones with
@@ -35,6 +36,7 @@ def folders(tmp_path_factory):
     make_model_dir(src)
     for layout in ("block", "channel", "tensor"):
         write_fp8_checkpoint(src, str(root / layout), layout, dequantized=str(root / f"{layout}-dequantized"))
+        write_fp8_checkpoint(src, str(root / f"ct-{layout}"), f"ct-{layout}")
     return root
 
 
@@ -87,6 +89,17 @@ def test_fp8_checkpoint_matches_w8a8_transformers(folders, layout, group):
     assert tokens == ref_tokens
 
 
+@pytest.mark.parametrize("layout", ["block", "channel", "tensor"])
+def test_compressed_tensors_checkpoint_runs_as_the_fp8_one(folders, layout):
+    """llm-compressor's layout of the same e4m3 weights and scales (`weight_scale` [N, 1], [1] or per
+    block; quant_method "compressed-tensors"): the same parameters once loaded, the same outputs."""
+    fp8, ct = LLM(str(folders / layout), **ENGINE), LLM(str(folders / f"ct-{layout}"), **ENGINE)
+    loaded = [llm.engine.executor.model.state_dict() for llm in (fp8, ct)]
+    assert loaded[0].keys() == loaded[1].keys()
+    assert all(torch.equal(loaded[0][name], loaded[1][name]) for name in loaded[0])
+    assert prompt_logprobs(ct) == prompt_logprobs(fp8)
+
+
 def test_quantization_option_quantizes_per_channel_at_load(folders):
     llm = LLM(str(folders / "fp32"), **ENGINE, quantization="fp8")
     proj = llm.engine.executor.model.model.layers[1].mlp.gate_up_proj
@@ -133,5 +146,7 @@ def test_moe_experts_from_a_block_checkpoint(tmp_path):
     with LLM(str(tmp_path / "block"), **ENGINE, tensor_parallel_size=2) as tp2:
         lps2, _ = prompt_logprobs(tp2)
     assert max_error(lps, lps2) < 1e-4
+    write_fp8_checkpoint(src, str(tmp_path / "ct-block"), "ct-block", block=(16, 16))
+    assert prompt_logprobs(LLM(str(tmp_path / "ct-block"), **ENGINE))[0] == lps
     online, _ = prompt_logprobs(LLM(src, **ENGINE, quantization="fp8"))
     assert 0 < max_error(online, prompt_logprobs(LLM(src, **ENGINE))[0]) < 1.5

@@ -1,0 +1,151 @@
+"""compressed-tensors checkpoints (llm-compressor's format; vLLM's quant_method "compressed-tensors"): the
+quantization_configs nanovllm reads, each as the Fp8Scheme of the fp8 checkpoint it equals, and a clear
+refusal of every other.
+
+Read: one config group targeting every `Linear`, its weights fp8 (type "float", 8 bits, symmetric,
+static) per tensor, per channel or per block (strategy "block", block_structure [rows, columns]), stored
+compressed (e4m3 `weight`, float `weight_scale` [1] / [N, 1] / [N / rows, K / columns]); its input
+activations fp8, dynamic, per token (tensor or channel weights) or per group of the block's columns
+(block weights). That is layers/fp8.py's W8A8 with dynamic activation scales, which vLLM runs for them
+too. `ignore` may name only modules nanovllm keeps in the model dtype anyway (the LM head, the
+embedding, an MoE router), by name or by "re:" pattern.
+
+Refused, naming what to change: integer or 4-bit weights, weights without activation quantization
+(W8A16), static activation scales, output activations, a kv_cache_scheme (calibrated KV-cache scales),
+sparsity or transforms, several config groups or other targets, and an `ignore` that leaves a
+projection nanovllm would run in fp8 unquantized."""
+
+import re
+
+from transformers import PretrainedConfig
+
+METHOD = "compressed-tensors"
+FIELDS = {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme", "quantization_status",
+          "global_compression_ratio", "sparsity_config", "transform_config", "version"}
+GROUP_FIELDS = {"targets", "weights", "input_activations", "output_activations", "format"}
+# QuantizationArgs' fields; observers and the scales' storage dtype describe calibration, not the math.
+ARGS_FIELDS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
+               "actorder", "observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
+# Formats whose fp8 weights are stored as e4m3 tensors (the loader checks each tensor's dtype).
+FORMATS = ("float-quantized", "naive-quantized")
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(f"this compressed-tensors checkpoint {what}; nanovllm reads fp8 W8A8 ones (fp8 weights "
+                      "per tensor, channel or block, activations quantized dynamically per token or group), "
+                      "and refuses others rather than load them wrong")
+
+
+def _args(args: dict, role: str) -> dict:
+    if not isinstance(args, dict):
+        raise _refuse(f"has {role} {args!r}, not a mapping of quantization arguments")
+    unknown = sorted(args.keys() - ARGS_FIELDS)
+    if unknown:
+        raise _refuse(f"gives its {role} fields {unknown} that nanovllm does not know")
+    kind, bits = args.get("type", "int"), args.get("num_bits", 8)
+    if kind != "float" or bits != 8:
+        raise _refuse(f"quantizes its {role} to {bits}-bit {kind}")
+    if not args.get("symmetric", True):
+        raise _refuse(f"quantizes its {role} asymmetrically")
+    if args.get("actorder"):
+        raise _refuse(f"reorders its {role} (actorder {args['actorder']!r})")
+    return args
+
+
+def _block(weights: dict) -> tuple[int, int]:
+    structure = weights.get("block_structure")
+    if isinstance(structure, str) and re.fullmatch(r"\d+x\d+", structure):
+        structure = [int(s) for s in structure.split("x")]
+    if (not isinstance(structure, (list, tuple)) or len(structure) != 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in structure)):
+        raise _refuse(f"has block weights with block_structure {structure!r}, not two positive integers")
+    return structure[0], structure[1]
+
+
+def _scheme(group: dict) -> tuple[int, int] | None:
+    """The weight block (rows, columns) of one config group, or None for per-tensor or per-channel."""
+    unknown = sorted(group.keys() - GROUP_FIELDS)
+    if unknown:
+        raise _refuse(f"has config group fields {unknown} that nanovllm does not know")
+    if group.get("targets") != ["Linear"]:
+        raise _refuse(f"targets {group.get('targets')!r}; nanovllm reads one group targeting ['Linear']")
+    if group.get("format") not in (None, *FORMATS):
+        raise _refuse(f"stores a group in format {group['format']!r}")
+    if group.get("output_activations") is not None:
+        raise _refuse("quantizes output activations")
+    weights = _args(group.get("weights"), "weights")
+    if weights.get("dynamic", False):
+        raise _refuse("quantizes its weights dynamically")
+    strategy = weights.get("strategy") or "tensor"
+    if strategy not in ("tensor", "channel", "block"):
+        raise _refuse(f"scales its weights per {strategy!r}")
+    block = _block(weights) if strategy == "block" else None
+    if group.get("input_activations") is None:
+        raise _refuse("quantizes the weights only (W8A16)")
+    inputs = _args(group["input_activations"], "input activations")
+    if inputs.get("dynamic") is not True:
+        raise _refuse("has static (calibrated) input activation scales")
+    wanted = ("group", block[1]) if block else ("token", None)
+    if (inputs.get("strategy"), inputs.get("group_size") if block else None) != wanted:
+        raise _refuse(f"scales its input activations per {inputs.get('strategy')!r} (group_size "
+                      f"{inputs.get('group_size')!r}) where its {strategy} weights want per "
+                      f"{'group of ' + str(block[1]) if block else 'token'}")
+    return block
+
+
+def quantized_modules(hf_config: PretrainedConfig) -> list[str]:
+    """The checkpoint names of the modules nanovllm runs in fp8: every decoder projection, dense or
+    expert (for an MoE model, both forms in every layer: a superset, as ignore patterns are checked
+    against it)."""
+    experts = getattr(hf_config, "num_experts", 0) or 0
+    names, mlp = [], ("gate", "up", "down")
+    for layer in range(hf_config.num_hidden_layers):
+        prefix = f"model.layers.{layer}"
+        names += [f"{prefix}.self_attn.{p}_proj" for p in "qkvo"]
+        names += [f"{prefix}.mlp.{p}_proj" for p in mlp]
+        names += [f"{prefix}.mlp.experts.{e}.{p}_proj" for e in range(experts) for p in mlp]
+    return names
+
+
+def _ignored(name: str, ignore: list[str]) -> bool:
+    return any(re.match(entry[3:], name) if entry.startswith("re:") else name.endswith(entry)
+               for entry in ignore)
+
+
+def _check_ignore(ignore, hf_config: PretrainedConfig) -> None:
+    if not isinstance(ignore, list) or not all(isinstance(entry, str) for entry in ignore):
+        raise _refuse(f"has ignore {ignore!r}, not a list of module names")
+    for name in quantized_modules(hf_config):
+        if _ignored(name, ignore):
+            raise _refuse(f"leaves {name!r} unquantized (ignore {ignore}), which nanovllm does not implement")
+    kept = [] if getattr(hf_config, "tie_word_embeddings", False) else ["lm_head"]
+    if getattr(hf_config, "num_experts", 0):
+        kept += [f"model.layers.{i}.mlp.gate" for i in range(hf_config.num_hidden_layers)]
+    for name in kept:
+        if not _ignored(name, ignore):
+            raise _refuse(f"quantizes {name!r} (not in ignore {ignore}), which nanovllm keeps in the model "
+                          "dtype")
+
+
+def compressed_tensors_block(quant: dict, hf_config: PretrainedConfig) -> tuple[int, int] | None:
+    """The weight block of a compressed-tensors quantization_config nanovllm reads (None: per tensor or
+    per channel); ValueError, naming what to change, for any other."""
+    unknown = sorted(quant.keys() - FIELDS)
+    if unknown:
+        raise _refuse(f"has quantization_config fields {unknown} that nanovllm does not know")
+    if quant.get("format", FORMATS[0]) not in FORMATS:
+        raise _refuse(f"is stored in format {quant['format']!r}")
+    if quant.get("quantization_status", "compressed") != "compressed":
+        raise _refuse(f"has quantization_status {quant['quantization_status']!r}; nanovllm reads compressed "
+                      "(fp8) weights")
+    for name in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if quant.get(name):
+            raise _refuse(f"has a {name}, which nanovllm does not implement (for a quantized KV cache "
+                          "use kv_cache_dtype)" if name == "kv_cache_scheme" else f"has a {name}")
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        count = len(groups) if isinstance(groups, dict) else "no"
+        raise _refuse(f"has {count} config groups; nanovllm reads one")
+    block = _scheme(next(iter(groups.values())))
+    _check_ignore(quant.get("ignore") or [], hf_config)
+    return block

@@ -1,0 +1,116 @@
+"""Which compressed-tensors quantization_configs nanovllm reads (utils/compressed_tensors.py):
+llm-compressor's fp8 W8A8 ones with dynamic activations, as the Fp8Scheme of the "fp8" checkpoint they
+equal; every other is refused at the config check, naming what to change. Config checks only: nothing
+loads."""
+
+import copy
+
+import pytest
+from fp8_files import compressed_tensors_config
+from transformers import Qwen3Config, Qwen3MoeConfig
+
+from nanovllm.utils.config_checks import Fp8Scheme, check_quantization, quantization_scheme
+
+DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256)
+
+
+def config(quant: dict | None, moe: bool = False, tied: bool = False):
+    cls = Qwen3MoeConfig if moe else Qwen3Config
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if moe else {}
+    hf = cls(**DENSE, **extra, tie_word_embeddings=tied)
+    if quant is not None:
+        hf.quantization_config = quant
+    return hf
+
+
+@pytest.mark.parametrize("strategy, block", [("tensor", None), ("channel", None), ("block", (128, 128))])
+def test_fp8_w8a8_configs_read_as_the_fp8_scheme_they_equal(strategy, block):
+    scheme = quantization_scheme(config(compressed_tensors_config(strategy)))
+    assert scheme == Fp8Scheme(block=block, serialized=True, block_scale_name="weight_scale")
+    # the `quantization` option may name the checkpoint's own method, as in vLLM
+    assert quantization_scheme(config(compressed_tensors_config(strategy)), "compressed-tensors") == scheme
+
+
+def test_a_block_structure_written_as_a_string_reads_too():
+    quant = compressed_tensors_config("block", block=(64, 32))
+    quant["config_groups"]["group_0"]["weights"]["block_structure"] = "64x32"
+    assert quantization_scheme(config(quant)).block == (64, 32)
+
+
+def test_an_moe_model_reads_with_its_routers_ignored():
+    assert quantization_scheme(config(compressed_tensors_config("channel"), moe=True)).block is None
+    with pytest.raises(ValueError, match=r"quantizes 'model.layers.0.mlp.gate' \(not in ignore"):
+        quantization_scheme(config(compressed_tensors_config("channel", ignore=("lm_head",)), moe=True))
+
+
+def group_with(**changes) -> dict:
+    """A per-channel config with its group's weights / input_activations (or the group) changed."""
+    quant = compressed_tensors_config("channel")
+    group = quant["config_groups"]["group_0"]
+    for key, value in changes.items():
+        role, _, field = key.partition("__")
+        if field:
+            group[role][field] = value
+        else:
+            group[role] = value
+    return quant
+
+
+def top_with(**changes) -> dict:
+    return {**compressed_tensors_config("channel"), **changes}
+
+
+def block_with(**inputs) -> dict:
+    quant = compressed_tensors_config("block")
+    quant["config_groups"]["group_0"]["input_activations"].update(inputs)
+    return quant
+
+
+REFUSED = [
+    (group_with(weights__type="int"), r"quantizes its weights to 8-bit int"),
+    (group_with(weights__num_bits=4), r"quantizes its weights to 4-bit float"),
+    (group_with(input_activations=None), r"quantizes the weights only \(W8A16\)"),
+    (group_with(input_activations__dynamic=False), r"static \(calibrated\) input activation scales"),
+    (group_with(weights__symmetric=False), r"quantizes its weights asymmetrically"),
+    (group_with(weights__strategy="group", weights__group_size=128), r"scales its weights per 'group'"),
+    (group_with(weights__unknown=1), r"weights fields \['unknown'\]"),
+    (group_with(output_activations={"num_bits": 8, "type": "float"}), r"quantizes output activations"),
+    (group_with(targets=["re:.*self_attn.*"]), r"targets \['re:\.\*self_attn\.\*'\]"),
+    (block_with(strategy="token", group_size=None), r"per 'token' .* want per group of 128"),
+    (top_with(kv_cache_scheme={"num_bits": 8, "type": "float"}), r"kv_cache_scheme.*use kv_cache_dtype"),
+    (top_with(sparsity_config={"format": "sparse-24-bitmask"}), r"has a sparsity_config"),
+    (top_with(format="pack-quantized"), r"stored in format 'pack-quantized'"),
+    (top_with(quantization_status="frozen"), r"quantization_status 'frozen'"),
+    (top_with(surprise=True), r"fields \['surprise'\]"),
+    (top_with(ignore=["lm_head", "re:.*self_attn.*"]), r"leaves 'model.layers.0.self_attn.q_proj'"),
+    (top_with(ignore=["lm_head", "model.layers.1.mlp.down_proj"]), r"leaves 'model.layers.1.mlp.down_proj'"),
+    (top_with(ignore=[]), r"quantizes 'lm_head' \(not in ignore \[\]\), which nanovllm keeps"),
+]
+
+
+@pytest.mark.parametrize("quant, match", REFUSED, ids=[m for _, m in REFUSED])
+def test_other_configs_are_refused_naming_what_they_do(quant, match):
+    with pytest.raises(ValueError, match=match) as refused:
+        quantization_scheme(config(copy.deepcopy(quant)))
+    assert "refuses others rather than load them wrong" in str(refused.value)
+
+
+def test_two_config_groups_are_refused():
+    quant = compressed_tensors_config("channel")
+    quant["config_groups"]["group_1"] = copy.deepcopy(quant["config_groups"]["group_0"])
+    with pytest.raises(ValueError, match="has 2 config groups; nanovllm reads one"):
+        quantization_scheme(config(quant))
+
+
+def test_a_tied_lm_head_need_not_be_ignored():
+    assert quantization_scheme(config(compressed_tensors_config("channel", ignore=()), tied=True)) is not None
+
+
+def test_the_option_must_fit_the_checkpoint():
+    with pytest.raises(ValueError, match=r"quantization='fp8' but the checkpoint is quantized with "
+                                         r"'compressed-tensors'"):
+        check_quantization(config(compressed_tensors_config("channel")), "fp8")
+    with pytest.raises(ValueError, match=r"quantization='compressed-tensors' reads a checkpoint's own .* has "
+                                         r"none; use quantization='fp8'"):
+        check_quantization(config(None), "compressed-tensors")
