@@ -110,10 +110,11 @@ def test_quantization_option_quantizes_per_channel_at_load(folders):
     assert 0 < max_error(lps, unquantized) < 1.5
 
 
-def test_tp2_shards_block_scales_as_tp1_holds_them(folders, tmp_path):
+@pytest.mark.parametrize("layout", ["block", "ct-block"])
+def test_tp2_shards_block_scales_as_tp1_holds_them(folders, tmp_path, layout):
     """16x16 blocks: the tiny model's per-rank q/k/v, gate/up and o/down widths (32, 16, 64, 32, 64) split
-    into whole blocks at two ranks."""
-    write_fp8_checkpoint(str(folders / "fp32"), str(tmp_path / "b16"), "block", block=(16, 16))
+    into whole blocks at two ranks (in either checkpoint layout)."""
+    write_fp8_checkpoint(str(folders / "fp32"), str(tmp_path / "b16"), layout, block=(16, 16))
     lps1, tokens1 = prompt_logprobs(LLM(str(tmp_path / "b16"), **ENGINE))
     with LLM(str(tmp_path / "b16"), **ENGINE, tensor_parallel_size=2) as tp2:
         lps2, tokens2 = prompt_logprobs(tp2)
