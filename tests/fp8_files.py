@@ -27,9 +27,11 @@ def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
 
 
 def compressed_tensors_config(strategy: str, block: tuple[int, int] = (128, 128),
-                              ignore: tuple[str, ...] = ("lm_head", "re:.*mlp.gate$")) -> dict:
+                              ignore: tuple[str, ...] = ("lm_head", "re:.*mlp.gate$"), static: bool = False
+                              ) -> dict:
     """The quantization_config llm-compressor writes for fp8 weights per `strategy` ("tensor", "channel"
-    or "block") with dynamic activations per token (per group of the block's columns for blocks)."""
+    or "block") with dynamic activations per token (per group of the block's columns for blocks), or
+    with `static` calibrated activation scales per tensor."""
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": strategy,
                "block_structure": list(block) if strategy == "block" else None, "dynamic": False,
                "actorder": None, "observer": "minmax", "observer_kwargs": {}}
@@ -37,6 +39,8 @@ def compressed_tensors_config(strategy: str, block: tuple[int, int] = (128, 128)
               "strategy": "group" if strategy == "block" else "token",
               "group_size": block[1] if strategy == "block" else None, "observer": None,
               "observer_kwargs": {}, "block_structure": None}
+    if static:
+        inputs.update(dynamic=False, strategy="tensor", observer="minmax")
     return {"quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed", "global_compression_ratio": None, "ignore": list(ignore),
             "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {}, "version": "0.12.2",
@@ -45,12 +49,19 @@ def compressed_tensors_config(strategy: str, block: tuple[int, int] = (128, 128)
                                           "format": "float-quantized"}}}
 
 
+# Calibrated activation scales of a static checkpoint, by projection (q/k/v and gate/up differ, so that
+# the engine's rule for a fused projection, the largest of its parts, shows).
+STATIC_INPUT_SCALES = {"q_proj": 0.010, "k_proj": 0.012, "v_proj": 0.014, "o_proj": 0.008, "gate_proj": 0.011,
+                       "up_proj": 0.013, "down_proj": 0.020}
+
+
 def write_fp8_checkpoint(src: str, dst: str, layout: str, block: tuple[int, int] = (128, 128),
-                         dequantized: str | None = None) -> None:
+                         dequantized: str | None = None, static: bool = False) -> None:
     """Copy the float32 checkpoint folder `src` to `dst` with its linear weights in fp8. layout: "block"
     (weight_scale_inv per block of `block`), "channel" (weight_scale [N]) or "tensor" (weight_scale []),
-    or with a "ct-" prefix the same weights and scales in compressed-tensors' layout. dequantized: also
-    write, there, the float32 checkpoint of the weights the fp8 ones stand for."""
+    or with a "ct-" prefix the same weights and scales in compressed-tensors' layout. static: calibrated
+    activation scales too (`input_scale`, STATIC_INPUT_SCALES; [] or compressed-tensors' [1]). dequantized:
+    also write, there, the float32 checkpoint of the weights the fp8 ones stand for."""
     compressed = layout.startswith("ct-")
     layout = layout.removeprefix("ct-")
     tensors = load_file(os.path.join(src, "model.safetensors"))
@@ -71,12 +82,17 @@ def write_fp8_checkpoint(src: str, dst: str, layout: str, block: tuple[int, int]
         if compressed:  # [N, 1] per channel, [1] per tensor
             scale = scale[:, None] if layout == "channel" else scale.reshape(1)
         out[name], out[name + "_scale"] = q, scale
+        if static:
+            value = torch.tensor(STATIC_INPUT_SCALES[name.split(".")[-2]])
+            out[name.removesuffix("weight") + "input_scale"] = value.reshape(1) if compressed else value
     quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
              "modules_to_not_convert": ["lm_head"]}
     if layout == "block":
         quant["weight_block_size"] = list(block)
+    if static:
+        quant["activation_scheme"] = "static"
     if compressed:
-        quant = compressed_tensors_config(layout, block)
+        quant = compressed_tensors_config(layout, block, static=static)
     for folder, weights, extra in ((dst, out, {"quantization_config": quant}), (dequantized, exact, {})):
         if folder is None:
             continue

@@ -9,6 +9,8 @@
   or, per block, [ceil(N/rows), ceil(K/columns)];
 - `quantization="fp8"` on a bf16/fp32 checkpoint: weights quantized at load, per output channel.
 
+Checkpoints with calibrated (static) activation scales take layers/fp8_static.py's methods, built on these.
+
 After loading every layer holds one layout:
 
     weight        float8_e4m3fn [N, K]

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.layers.fp8_methods import fp8_linear_method
+from nanovllm.layers.fp8_static import static_linear_method
 from nanovllm.layers.linear_methods import (
     Bucket,
     LinearMethod,
@@ -58,8 +59,8 @@ class KernelPlan:
             scheme = Fp8Scheme(block=None, serialized=False)
         if scheme is None:
             return plan
-        return cls(fp8_linear_method(scheme, device, plan.linear.pdl, capability), plan.lm_head, plan.linear,
-                   scheme)
+        choose = static_linear_method if scheme.static_input else fp8_linear_method
+        return cls(choose(scheme, device, plan.linear.pdl, capability), plan.lm_head, plan.linear, scheme)
 
     @classmethod
     def _unquantized(cls, device: torch.device, dtype: torch.dtype, skinny_gemm: bool,

@@ -6,14 +6,15 @@ Read: one config group targeting every `Linear`, its weights fp8 (type "float", 
 static) per tensor, per channel or per block (strategy "block", block_structure [rows, columns]), stored
 compressed (e4m3 `weight`, float `weight_scale` [1] / [N, 1] / [N / rows, K / columns]); its input
 activations fp8, dynamic, per token (tensor or channel weights) or per group of the block's columns
-(block weights). That is layers/fp8.py's W8A8 with dynamic activation scales, which vLLM runs for them
-too. `ignore` may name only modules nanovllm keeps in the model dtype anyway (the LM head, the
-embedding, an MoE router), by name or by "re:" pattern.
+(block weights), or static per tensor (tensor or channel weights: a calibrated `input_scale` a layer).
+That is layers/fp8.py's W8A8 with dynamic activation scales (layers/fp8_static.py's with static ones),
+which vLLM runs for them too. `ignore` may name only modules nanovllm keeps in the model dtype anyway
+(the LM head, the embedding, an MoE router), by name or by "re:" pattern.
 
 Refused, naming what to change: integer or 4-bit weights, weights without activation quantization
-(W8A16), static activation scales, output activations, a kv_cache_scheme (calibrated KV-cache scales),
-sparsity or transforms, several config groups or other targets, and an `ignore` that leaves a
-projection nanovllm would run in fp8 unquantized."""
+(W8A16), static activation scales other than per tensor, output activations, a kv_cache_scheme
+(calibrated KV-cache scales), sparsity or transforms, several config groups or other targets, and an
+`ignore` that leaves a projection nanovllm would run in fp8 unquantized."""
 
 import re
 
@@ -62,8 +63,9 @@ def _block(weights: dict) -> tuple[int, int]:
     return structure[0], structure[1]
 
 
-def _scheme(group: dict) -> tuple[int, int] | None:
-    """The weight block (rows, columns) of one config group, or None for per-tensor or per-channel."""
+def _scheme(group: dict) -> tuple[tuple[int, int] | None, bool]:
+    """(the weight block (rows, columns) of one config group, or None for per-tensor or per-channel;
+    whether its input activations take static scales)."""
     unknown = sorted(group.keys() - GROUP_FIELDS)
     if unknown:
         raise _refuse(f"has config group fields {unknown} that nanovllm does not know")
@@ -83,14 +85,21 @@ def _scheme(group: dict) -> tuple[int, int] | None:
     if group.get("input_activations") is None:
         raise _refuse("quantizes the weights only (W8A16)")
     inputs = _args(group["input_activations"], "input activations")
-    if inputs.get("dynamic") is not True:
-        raise _refuse("has static (calibrated) input activation scales")
+    dynamic = inputs.get("dynamic", False)
+    if dynamic not in (True, False):
+        raise _refuse(f"quantizes its input activations with dynamic={dynamic!r}")
+    if not dynamic:  # calibrated: one input_scale a layer
+        if block or inputs.get("strategy") != "tensor":
+            raise _refuse(f"has static input activation scales per {inputs.get('strategy')!r} with "
+                          f"{strategy} weights; nanovllm reads static ones per tensor, with tensor or "
+                          "channel weights")
+        return block, True
     wanted = ("group", block[1]) if block else ("token", None)
     if (inputs.get("strategy"), inputs.get("group_size") if block else None) != wanted:
         raise _refuse(f"scales its input activations per {inputs.get('strategy')!r} (group_size "
                       f"{inputs.get('group_size')!r}) where its {strategy} weights want per "
                       f"{'group of ' + str(block[1]) if block else 'token'}")
-    return block
+    return block, False
 
 
 def quantized_modules(hf_config: PretrainedConfig) -> list[str]:
@@ -127,9 +136,11 @@ def _check_ignore(ignore, hf_config: PretrainedConfig) -> None:
                           "dtype")
 
 
-def compressed_tensors_block(quant: dict, hf_config: PretrainedConfig) -> tuple[int, int] | None:
-    """The weight block of a compressed-tensors quantization_config nanovllm reads (None: per tensor or
-    per channel); ValueError, naming what to change, for any other."""
+def compressed_tensors_scheme(quant: dict, hf_config: PretrainedConfig
+                              ) -> tuple[tuple[int, int] | None, bool]:
+    """(the weight block, None per tensor or per channel; whether activation scales are static) of a
+    compressed-tensors quantization_config nanovllm reads; ValueError, naming what to change, for any
+    other."""
     unknown = sorted(quant.keys() - FIELDS)
     if unknown:
         raise _refuse(f"has quantization_config fields {unknown} that nanovllm does not know")
@@ -146,6 +157,6 @@ def compressed_tensors_block(quant: dict, hf_config: PretrainedConfig) -> tuple[
     if not isinstance(groups, dict) or len(groups) != 1:
         count = len(groups) if isinstance(groups, dict) else "no"
         raise _refuse(f"has {count} config groups; nanovllm reads one")
-    block = _scheme(next(iter(groups.values())))
+    scheme = _scheme(next(iter(groups.values())))
     _check_ignore(quant.get("ignore") or [], hf_config)
-    return block
+    return scheme

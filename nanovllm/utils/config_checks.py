@@ -21,7 +21,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from nanovllm.utils.compressed_tensors import METHOD as CT_METHOD
-from nanovllm.utils.compressed_tensors import compressed_tensors_block
+from nanovllm.utils.compressed_tensors import compressed_tensors_scheme
 from nanovllm.utils.device import cuda_available, cuda_device_count
 
 # Model-config sizes that must be positive integers, and whether a config may leave them out.
@@ -88,15 +88,18 @@ ALWAYS_UNQUANTIZED = ("lm_head", "embed_tokens", "mlp.gate")
 
 @dataclass(frozen=True, slots=True)
 class Fp8Scheme:
-    """fp8 (e4m3) weights with float32 scales; activations quantized on the fly (dynamic).
+    """fp8 (e4m3) weights with float32 scales; activations quantized on the fly (dynamic), or with the
+    checkpoint's calibrated scales (static_input).
 
     block: weight_block_size (rows, columns): one weight scale per block, activations scaled per group
     of `columns` inputs of a token; None: one scale per output channel (or per tensor) and activations
     scaled per token. serialized: the checkpoint's weights are fp8; False: quantized at load
-    (`quantization="fp8"` on a bf16/fp32 checkpoint)."""
+    (`quantization="fp8"` on a bf16/fp32 checkpoint). static_input: one activation scale per layer, the
+    checkpoint's `input_scale` (layers/fp8_static.py; no blocks, no MoE experts)."""
 
     block: tuple[int, int] | None
     serialized: bool
+    static_input: bool = False
     # The checkpoint's name for block scales: "weight_scale_inv" (the "fp8" method's) or "weight_scale"
     # (compressed-tensors'); per-tensor and per-channel scales are "weight_scale" in both.
     block_scale_name: str = "weight_scale_inv"
@@ -129,17 +132,18 @@ def quantization_scheme(hf_config: PretrainedConfig, option: str | None = None) 
         raise ValueError(f"quantization={option!r} but the checkpoint is quantized with {method!r}; "
                          "leave quantization unset (None) to use the checkpoint's")
     if method == CT_METHOD:
-        return Fp8Scheme(block=compressed_tensors_block(quant, hf_config), serialized=True,
-                         block_scale_name="weight_scale")
+        block, static = compressed_tensors_scheme(quant, hf_config)
+        _check_static(static, block, hf_config)
+        return Fp8Scheme(block=block, serialized=True, static_input=static, block_scale_name="weight_scale")
     unknown = sorted(quant.keys() - FP8_FIELDS)
     if unknown:
         raise ValueError(f"the checkpoint's fp8 quantization_config has fields {unknown} that nanovllm does "
                          f"not implement (it knows {sorted(FP8_FIELDS)}); it is refused rather than loaded "
                          "wrong")
     scheme = quant.get("activation_scheme", "dynamic")
-    if scheme != "dynamic":
-        raise ValueError(f"fp8 activation_scheme {scheme!r} (static input_scale tensors) is not implemented; "
-                         "nanovllm implements 'dynamic' activation scales")
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"fp8 activation_scheme {scheme!r} is not implemented; nanovllm implements "
+                         "'dynamic' and 'static' (an input_scale per layer)")
     if quant.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"fp8 fmt {quant['fmt']!r} is not implemented; nanovllm implements 'e4m3'")
     for name in (*(quant.get("modules_to_not_convert") or []), *(quant.get("ignored_layers") or [])):
@@ -147,12 +151,23 @@ def quantization_scheme(hf_config: PretrainedConfig, option: str | None = None) 
             raise ValueError(f"the fp8 quantization_config leaves {name!r} unquantized, which nanovllm does "
                              f"not implement (only modules ending in {list(ALWAYS_UNQUANTIZED)} may be)")
     block = quant.get("weight_block_size")
-    if block is None:
-        return Fp8Scheme(block=None, serialized=True)
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise ValueError(f"fp8 weight_block_size must be two positive integers, got {block!r}")
-    return Fp8Scheme(block=(block[0], block[1]), serialized=True)
+    if block is not None:
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ValueError(f"fp8 weight_block_size must be two positive integers, got {block!r}")
+        block = (block[0], block[1])
+    _check_static(scheme == "static", block, hf_config)
+    return Fp8Scheme(block=block, serialized=True, static_input=scheme == "static")
+
+
+def _check_static(static: bool, block: tuple[int, int] | None, hf_config: PretrainedConfig) -> None:
+    """Static activation scales are read for per-tensor and per-channel weights of dense layers."""
+    if static and block is not None:
+        raise ValueError("static activation scales with block-scaled fp8 weights are not implemented; "
+                         "nanovllm implements them with per-tensor or per-channel weight scales")
+    if static and getattr(hf_config, "num_experts", 0):
+        raise ValueError("static activation scales for MoE experts are not implemented; use the model's "
+                         "FP8 checkpoint with dynamic activation scales")
 
 
 def check_quantization(hf_config: PretrainedConfig, option: str | None = None) -> None:

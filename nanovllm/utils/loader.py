@@ -95,7 +95,7 @@ def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> No
         for shard_id, shape in shapes.items():
             # randn draws no 1-byte dtype: fp8 weights are drawn in float32, their loader rounds them
             dtype = torch.float32 if param.element_size() == 1 else param.dtype
-            if name.endswith(("norm.weight", "weight_scale", "weight_scale_inv")):
+            if name.endswith(("norm.weight", "weight_scale", "weight_scale_inv", "input_scale")):
                 full = torch.ones(shape, dtype=dtype, device=param.device)
             else:
                 gen = torch.Generator(device=param.device)

@@ -183,7 +183,8 @@ def with_tensor(src: str, dst: str, name: str, value: torch.Tensor | None = None
 
 @pytest.mark.parametrize("changes, match", [
     (dict(quant_method="awq"), r"quant_method='awq'.*implements 'fp8'"),
-    (dict(activation_scheme="static"), r"activation_scheme 'static' \(static input_scale"),
+    (dict(activation_scheme="static"), r"static activation scales with block-scaled fp8 weights"),
+    (dict(activation_scheme="smooth"), r"activation_scheme 'smooth' is not implemented"),
     (dict(kv_cache_scheme="fp8"), r"fields \['kv_cache_scheme'\]"),
     (dict(weight_block_size=[128]), r"weight_block_size must be two positive integers"),
     (dict(modules_to_not_convert=["model.layers.0.self_attn.q_proj"]), r"leaves .*q_proj.* unquantized"),

@@ -3,7 +3,8 @@ fp8 checkpoint of the tiny Qwen3 give the prompt logprobs and greedy tokens of t
 weights they dequantize to with the same W8A8 activation rounding (each decoder projection's input through
 e4m3 and back, per token and group); `quantization="fp8"` quantizes the float32 checkpoint alike; MoE
 experts load and run from a block-wise checkpoint; TP=2 shards the scales as TP=1 holds them; the same
-weights and scales in compressed-tensors' layout (llm-compressor's FP8 checkpoints) give the very outputs.
+weights and scales in compressed-tensors' layout (llm-compressor's FP8 checkpoints) give the very outputs;
+checkpoints with static (calibrated) activation scales give transformers' outputs with that rounding.
 
 The tiny random model amplifies rounding (INIT_RANGE 0.25): against the unquantized model its prompt
 logprobs move by ~0.2 nats on average with fp8, so the comparisons that must hold exactly are the ones with
@@ -12,11 +13,12 @@ the same rounding."""
 import pytest
 import torch
 from conftest import PROMPTS, make_model_dir
-from fp8_files import write_fp8_checkpoint
+from fp8_files import STATIC_INPUT_SCALES, write_fp8_checkpoint
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.fp8 import Fp8LinearMethod, quantize_activations
+from nanovllm.layers.fp8_static import Fp8StaticLinearMethod, quantize_static
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # The CPU (TP=2 over gloo too) and float32, with a GPU shown as well: these tests check that checkpoints
@@ -48,16 +50,31 @@ def prompt_logprobs(llm: LLM) -> tuple[list[list[float]], list[list[int]]]:
     return lps, [o["token_ids"] for o in outs]
 
 
-def w8a8_transformers(path: str, group: int | None) -> tuple[list[list[float]], list[list[int]]]:
+# A fused projection's static scale: the largest of its parts' (layers/fp8_static.py).
+FUSED_STATIC_SCALES = {**STATIC_INPUT_SCALES, **dict.fromkeys(("q_proj", "k_proj", "v_proj"), 0.014),
+                       **dict.fromkeys(("gate_proj", "up_proj"), 0.013)}
+
+
+def static_rounding(name: str):
+    """A pre-hook rounding a projection's input as a static checkpoint's scale for it does."""
+    scale = torch.tensor([FUSED_STATIC_SCALES[name.split(".")[-1]]])
+    return lambda m, args: ((quantize_static(args[0], scale).float() * scale).to(args[0].dtype),)
+
+
+def w8a8_transformers(path: str, group: int | None, static: bool = False
+                      ) -> tuple[list[list[float]], list[list[int]]]:
     """transformers on `path` with every decoder projection's input rounded through e4m3 (per token and
-    group of `group` inputs; None: per token): prompt logprobs and greedy tokens of PROMPTS."""
+    group of `group` inputs; None: per token; static: with the static checkpoints' scales): prompt
+    logprobs and greedy tokens of PROMPTS."""
     from transformers import AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for module in hf.model.layers.modules():
+    def dynamic_rounding(m, args):
+        return (quantize_activations(args[0], group or args[0].shape[-1]),)
+
+    for name, module in hf.model.layers.named_modules():
         if isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(
-                lambda m, args: (quantize_activations(args[0], group or args[0].shape[-1]),))
+            module.register_forward_pre_hook(static_rounding(name) if static else dynamic_rounding)
     hf.generation_config.eos_token_id = None
     tok = AutoTokenizer.from_pretrained(path)
     lps, tokens = [], []
@@ -98,6 +115,27 @@ def test_compressed_tensors_checkpoint_runs_as_the_fp8_one(folders, layout):
     assert loaded[0].keys() == loaded[1].keys()
     assert all(torch.equal(loaded[0][name], loaded[1][name]) for name in loaded[0])
     assert prompt_logprobs(ct) == prompt_logprobs(fp8)
+
+
+@pytest.mark.parametrize("layout", ["channel", "tensor"])
+def test_static_activation_scales_match_transformers_with_that_rounding(folders, tmp_path, layout):
+    """A checkpoint with a calibrated input_scale per projection (AutoFP8's layout; compressed-tensors'
+    static per-tensor inputs the same, bit for bit): each projection's input through e4m3 at its scale
+    (a fused one's: the largest of its parts'), as transformers does with that rounding."""
+    src = str(folders / "fp32")
+    write_fp8_checkpoint(src, str(tmp_path / "static"), layout, static=True,
+                         dequantized=str(tmp_path / "dequantized"))
+    write_fp8_checkpoint(src, str(tmp_path / "ct-static"), f"ct-{layout}", static=True)
+    llm = LLM(str(tmp_path / "static"), **ENGINE)
+    qkv = llm.engine.executor.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant_method, Fp8StaticLinearMethod) and qkv.input_scale.tolist() == [
+        pytest.approx(0.014)]
+    lps, tokens = prompt_logprobs(llm)
+    ref_lps, ref_tokens = w8a8_transformers(str(tmp_path / "dequantized"), None, static=True)
+    assert max_error(lps, ref_lps) < TOL and tokens == ref_tokens
+    # the dynamic checkpoint of the same weights rounds otherwise
+    assert max_error(lps, prompt_logprobs(LLM(str(folders / layout), **ENGINE))[0]) > 10 * TOL
+    assert prompt_logprobs(LLM(str(tmp_path / "ct-static"), **ENGINE)) == (lps, tokens)
 
 
 def test_quantization_option_quantizes_per_channel_at_load(folders):

@@ -32,6 +32,12 @@ def test_fp8_w8a8_configs_read_as_the_fp8_scheme_they_equal(strategy, block):
     assert quantization_scheme(config(compressed_tensors_config(strategy)), "compressed-tensors") == scheme
 
 
+@pytest.mark.parametrize("strategy", ["tensor", "channel"])
+def test_static_per_tensor_activations_read_as_a_static_scheme(strategy):
+    scheme = quantization_scheme(config(compressed_tensors_config(strategy, static=True)))
+    assert scheme == Fp8Scheme(None, serialized=True, static_input=True, block_scale_name="weight_scale")
+
+
 def test_a_block_structure_written_as_a_string_reads_too():
     quant = compressed_tensors_config("block", block=(64, 32))
     quant["config_groups"]["group_0"]["weights"]["block_structure"] = "64x32"
@@ -71,7 +77,7 @@ REFUSED = [
     (group_with(weights__type="int"), r"quantizes its weights to 8-bit int"),
     (group_with(weights__num_bits=4), r"quantizes its weights to 4-bit float"),
     (group_with(input_activations=None), r"quantizes the weights only \(W8A16\)"),
-    (group_with(input_activations__dynamic=False), r"static \(calibrated\) input activation scales"),
+    (group_with(input_activations__dynamic=False), r"static input activation scales per 'token'"),
     (group_with(weights__symmetric=False), r"quantizes its weights asymmetrically"),
     (group_with(weights__strategy="group", weights__group_size=128), r"scales its weights per 'group'"),
     (group_with(weights__unknown=1), r"weights fields \['unknown'\]"),
