@@ -43,16 +43,19 @@ def test_each_device_takes_its_method():
 
 def test_scaled_mm_rounds_as_the_reference():
     """From 17 rows: x rounded with the static scale (clamped: some inputs exceed 448 x scale), the
-    per-channel e4m3 weight, torch._scaled_mm's float32 sums; the reference's product to bf16 rounding."""
+    per-channel e4m3 weight, torch._scaled_mm's float32 sums (on the CPU, or a GPU where the tests see
+    one); the reference's product to bf16 rounding."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(40, 256, generator=gen) * 3).to(torch.bfloat16)
     weight, weight_scale = quantize_groups(torch.randn(96, 256, generator=gen), 256)
     input_scale = torch.tensor([0.01])
     bias = torch.randn(96, generator=gen).to(torch.bfloat16)
-    out = fp8_static_scaled_mm(x, weight, weight_scale, 256, input_scale, bias)
+    on = [t.to(device) for t in (x, weight, weight_scale, input_scale, bias)]
+    out = fp8_static_scaled_mm(on[0], on[1], on[2], 256, on[3], on[4])
     ref = fp8_static_dequant_linear(x.float(), weight, weight_scale, 256, input_scale, bias.float())
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=1e-2)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=0.05, rtol=1e-2)
     assert (x.float().abs() > 448 * 0.01).any()  # the clamp is exercised
 
 
