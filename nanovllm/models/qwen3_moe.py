@@ -1,7 +1,7 @@
 """Qwen3-MoE family (Qwen3-30B-A3B, Qwen3-235B-A22B): the Qwen3 decoder whose feed-forward block is a
 sparse mixture of experts (layers/fused_moe.py) in every `decoder_sparse_step`-th layer, except the
-layers listed in `mlp_only_layers`, which keep a dense MLP of `intermediate_size` (as transformers
-decides it). Checkpoints name one tensor per expert; `expert_params_mapping` stacks them at load."""
+layers listed in `mlp_only_layers`, which keep a dense MLP of `intermediate_size` (utils/moe_layout.py).
+Checkpoints name one tensor per expert; `expert_params_mapping` stacks them at load."""
 
 from torch import nn
 from transformers import PretrainedConfig
@@ -10,12 +10,7 @@ from nanovllm.layers.fused_moe import DOWN, GATE, GATE_UP, UP, SparseMoeBlock
 from nanovllm.layers.kernel_plan import KernelPlan
 from nanovllm.models.decoder import DecoderMLP
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
-
-
-def is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
-    step = getattr(config, "decoder_sparse_step", 1)
-    return (layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
-            and config.num_experts > 0 and (layer_idx + 1) % step == 0)
+from nanovllm.utils.moe_layout import is_sparse_layer
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -20,6 +20,8 @@ import re
 
 from transformers import PretrainedConfig
 
+from nanovllm.utils.moe_layout import is_sparse_layer
+
 METHOD = "compressed-tensors"
 FIELDS = {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme", "quantization_status",
           "global_compression_ratio", "sparsity_config", "transform_config", "version"}
@@ -128,8 +130,8 @@ def _check_ignore(ignore, hf_config: PretrainedConfig) -> None:
         if _ignored(name, ignore):
             raise _refuse(f"leaves {name!r} unquantized (ignore {ignore}), which nanovllm does not implement")
     kept = [] if getattr(hf_config, "tie_word_embeddings", False) else ["lm_head"]
-    if getattr(hf_config, "num_experts", 0):
-        kept += [f"model.layers.{i}.mlp.gate" for i in range(hf_config.num_hidden_layers)]
+    kept += [f"model.layers.{i}.mlp.gate" for i in range(hf_config.num_hidden_layers)
+             if is_sparse_layer(hf_config, i)]
     for name in kept:
         if not _ignored(name, ignore):
             raise _refuse(f"quantizes {name!r} (not in ignore {ignore}), which nanovllm keeps in the model "

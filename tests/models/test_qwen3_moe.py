@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, Qwen3MoeConfig
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.fused_moe import SparseMoeBlock
 from nanovllm.models.decoder import DecoderMLP
-from nanovllm.models.qwen3_moe import is_sparse_layer
+from nanovllm.utils.moe_layout import is_sparse_layer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # 8 experts, top-2, renormalised; layer 1 of 3 keeps a dense MLP.

@@ -50,6 +50,16 @@ def test_an_moe_model_reads_with_its_routers_ignored():
         quantization_scheme(config(compressed_tensors_config("channel", ignore=("lm_head",)), moe=True))
 
 
+def test_only_the_sparse_layers_routers_need_ignoring():
+    """llm-compressor lists the routers it leaves alone by name: a dense layer (mlp_only_layers) has none."""
+    hf = config(compressed_tensors_config("channel", ignore=("lm_head", "model.layers.1.mlp.gate")), moe=True)
+    hf.mlp_only_layers = [0]
+    assert quantization_scheme(hf).block is None
+    hf.mlp_only_layers = []
+    with pytest.raises(ValueError, match=r"quantizes 'model.layers.0.mlp.gate'"):
+        quantization_scheme(hf)
+
+
 def group_with(**changes) -> dict:
     """A per-channel config with its group's weights / input_activations (or the group) changed."""
     quant = compressed_tensors_config("channel")
