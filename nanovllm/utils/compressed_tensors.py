@@ -35,8 +35,8 @@ FORMATS = ("float-quantized", "naive-quantized")
 
 def _refuse(what: str) -> ValueError:
     return ValueError(f"this compressed-tensors checkpoint {what}; nanovllm reads fp8 W8A8 ones (fp8 weights "
-                      "per tensor, channel or block, activations quantized dynamically per token or group), "
-                      "and refuses others rather than load them wrong")
+                      "per tensor, channel or block, activations quantized dynamically per token or group, "
+                      "or with a static scale per tensor), and refuses others rather than load them wrong")
 
 
 def _args(args: dict, role: str) -> dict:
@@ -90,8 +90,8 @@ def _scheme(group: dict) -> tuple[tuple[int, int] | None, bool]:
     dynamic = inputs.get("dynamic", False)
     if dynamic not in (True, False):
         raise _refuse(f"quantizes its input activations with dynamic={dynamic!r}")
-    if not dynamic:  # calibrated: one input_scale a layer
-        if block or inputs.get("strategy") != "tensor":
+    if not dynamic:  # calibrated: one input_scale a layer (no strategy and no group_size: per tensor)
+        if block or (inputs.get("strategy") or "tensor") != "tensor":
             raise _refuse(f"has static input activation scales per {inputs.get('strategy')!r} with "
                           f"{strategy} weights; nanovllm reads static ones per tensor, with tensor or "
                           "channel weights")
