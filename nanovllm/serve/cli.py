@@ -35,9 +35,11 @@ from nanovllm.config import (
 from nanovllm.serve.admission import MAX_REQUEST_BYTES
 from nanovllm.serve.engine_client import STEP_TIMEOUT_S
 from nanovllm.serve.tool_calls import TOOL_PARSERS
+from nanovllm.utils.config_checks import VALID_QUANTIZATIONS
 
 CHOICES = {"dtype": VALID_DTYPES, "device": VALID_DEVICES, "load_format": VALID_LOAD_FORMATS,
-           "attention_backend": VALID_ATTENTION_BACKENDS, "kv_cache_dtype": VALID_KV_CACHE_DTYPES}
+           "attention_backend": VALID_ATTENTION_BACKENDS, "kv_cache_dtype": VALID_KV_CACHE_DTYPES,
+           "quantization": [q for q in VALID_QUANTIZATIONS if q is not None]}
 ALIASES = {"tensor_parallel_size": ["-tp"], "kvcache_block_size": ["--block-size"],
            "num_kvcache_blocks": ["--num-gpu-blocks-override"]}
 # What an option left at None means (the engine decides), for --help.

@@ -25,6 +25,17 @@ def test_every_config_option_is_a_flag():
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
 
 
+def test_quantization_takes_the_methods_nanovllm_implements(capsys):
+    parser, _ = build_parser()
+    assert parser.parse_args(["m"]).quantization is None  # the checkpoint's own, if any
+    method = "compressed-tensors"
+    assert parser.parse_args(["m", "--quantization", method]).quantization == method
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--quantization", "awq"])
+    err = capsys.readouterr().err  # Python versions quote the choices or not
+    assert "--quantization: invalid choice: 'awq'" in err and "fp8" in err and "compressed-tensors" in err
+
+
 def test_help_says_what_an_engine_chosen_default_is():
     parser, _ = build_parser()
     text = " ".join(parser.format_help().split())
