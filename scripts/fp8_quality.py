@@ -7,8 +7,10 @@ wider than usual so that its distributions are peaked and greedy decoding has cl
 
 Paths: bf16 (the reference engine path), fp8 weights (quantization="fp8": per-channel weight scales,
 dynamic per-token activation scales), an fp8 KV cache (kv_cache_dtype="fp8"), both, an int8 KV cache
-(kv_cache_dtype="int8": a scale per token and KV head), and an fp8 checkpoint with 128x128 block scales
-written from the same weights (Qwen's FP8 layout: activations scaled per token and 128 inputs). For each: the
+(kv_cache_dtype="int8": a scale per token and KV head), an fp8 checkpoint with 128x128 block scales
+written from the same weights (Qwen's FP8 layout: activations scaled per token and 128 inputs), and one with
+per-channel weight scales and static activation scales (AutoFP8's layout: each projection's input_scale its
+input's largest magnitude over 4 calibration prompts, other than the scored ones, over 448). For each: the
 mean absolute error of the prompt tokens' logprobs against transformers in float32 (mean over each
 prompt's positions; the mean and the max over prompts), the same against the engine's bf16 path, and
 greedy agreement with the bf16 path (tokens equal before the first divergence, mean over prompts).
@@ -29,12 +31,14 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.layers.fp8 import quantize_blocks  # noqa: E402
+from nanovllm.layers.fp8 import FP8_MAX, quantize_blocks, quantize_groups  # noqa: E402
 
 BLOCK_CHECKPOINT = "fp8 blocks ckpt"
+STATIC_CHECKPOINT = "fp8 static ckpt"
 PATHS = {"bf16": {}, "fp8 weights": {"quantization": "fp8"}, "fp8 KV cache": {"kv_cache_dtype": "fp8"},
          "fp8 weights + KV": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-         "int8 KV cache": {"kv_cache_dtype": "int8"}, BLOCK_CHECKPOINT: {}}
+         "int8 KV cache": {"kv_cache_dtype": "int8"}, BLOCK_CHECKPOINT: {}, STATIC_CHECKPOINT: {}}
+CALIBRATION_PROMPTS = 4
 # The decoder's linear weights: what an FP8 checkpoint stores in e4m3 (embeddings, norms, the LM head and
 # MoE routers stay as they are).
 LINEAR_WEIGHT = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")
@@ -63,6 +67,43 @@ def write_block_checkpoint(src: str, dst: str) -> str:
         config = json.load(f)
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": list(BLOCK)}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+def calibrate(model: torch.nn.Module, prompts: list[list[int]], device: str) -> dict[str, float]:
+    """The largest input magnitude of each decoder projection over `prompts`, by checkpoint weight name."""
+    amax, hooks = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and LINEAR_WEIGHT.fullmatch(name + ".weight"):
+            def record(m, args, name=name + ".weight"):
+                amax[name] = max(amax.get(name, 0.0), args[0].abs().max().item())
+            hooks.append(module.register_forward_pre_hook(record))
+    with torch.no_grad():
+        for prompt in prompts:
+            model(torch.tensor([prompt], device=device))
+    for hook in hooks:
+        hook.remove()
+    return amax
+
+
+def write_static_checkpoint(src: str, dst: str, amax: dict[str, float]) -> str:
+    """dst: src's checkpoint with its decoder linear weights in e4m3 with a weight_scale per output channel,
+    an input_scale per projection from `amax` (calibrate's), and AutoFP8's quantization_config."""
+    shutil.copytree(src, dst)
+    for file in glob.glob(os.path.join(dst, "*.safetensors")):
+        tensors = load_file(file)
+        for name in [n for n in tensors if LINEAR_WEIGHT.fullmatch(n)]:
+            weight, scale = quantize_groups(tensors[name], tensors[name].shape[1])
+            tensors[name], tensors[name + "_scale"] = weight, scale[:, 0].contiguous()
+            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(amax[name] / FP8_MAX)
+        save_file(tensors, file, metadata={"format": "pt"})
+    if os.path.exists(os.path.join(dst, "model.safetensors.index.json")):
+        raise SystemExit("the static checkpoint is written for a single-file model")
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static"}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f)
     return dst
@@ -165,6 +206,11 @@ def main() -> None:
         prompts = [torch.randint(0, min(vocab, 10000), (args.prompt_len,), generator=gen).tolist()
                    for _ in range(args.prompts)]
         ref32 = reference_logprobs(hf32, prompts, device)
+        amax = {}
+        if STATIC_CHECKPOINT in args.paths:
+            calibration = [torch.randint(0, min(vocab, 10000), (args.prompt_len,), generator=gen).tolist()
+                           for _ in range(CALIBRATION_PROMPTS)]
+            amax = calibrate(hf32, calibration, device)
         del hf32
         gc.collect()
         max_model_len = args.prompt_len + args.greedy_tokens + 16
@@ -173,6 +219,9 @@ def main() -> None:
         folders = {name: path for name in names}
         if BLOCK_CHECKPOINT in names:
             folders[BLOCK_CHECKPOINT] = write_block_checkpoint(path, os.path.join(scratch, "fp8-blocks"))
+        if STATIC_CHECKPOINT in names:
+            static_dir = os.path.join(scratch, "fp8-static")
+            folders[STATIC_CHECKPOINT] = write_static_checkpoint(path, static_dir, amax)
         runs = {name: engine_run(folders[name], {**PATHS[name], **dtype}, prompts, args.greedy_tokens,
                                  max_model_len) for name in names}
     bf16_logprobs, bf16_tokens = runs["bf16"]
