@@ -182,7 +182,9 @@ def main() -> None:
     parser.add_argument("--init-std", type=float, default=0.05, help="std of the random weights")
     parser.add_argument("--dtype", default=None,
                         help="the engine's dtype (default: bf16 on a GPU, float32 on a CPU)")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    parser.add_argument("--paths", nargs="+", default=None, choices=list(PATHS),
+                        help=f"default: all ({STATIC_CHECKPOINT!r} not for MoE models, whose experts take no "
+                             "static scales)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                         help="config fields to replace, values in JSON (e.g. num_hidden_layers=4): a smaller "
@@ -197,6 +199,14 @@ def main() -> None:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             parser.error(f"--override {key}: {value!r} is not a JSON value")
+    from transformers import AutoConfig
+
+    experts = overrides.get("num_experts", getattr(AutoConfig.from_pretrained(args.config), "num_experts", 0))
+    moe = bool(experts)
+    if args.paths is None:
+        args.paths = [name for name in PATHS if not (moe and name == STATIC_CHECKPOINT)]
+    elif moe and STATIC_CHECKPOINT in args.paths:
+        parser.error(f"{STATIC_CHECKPOINT!r}: static activation scales are not implemented for MoE experts")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(1)
     with tempfile.TemporaryDirectory() as scratch:

@@ -121,17 +121,17 @@ def test_fp8_quality_runs_as_typed(tmp_path):
                            "--prompts", "2", "--prompt-len", "24", "--greedy-tokens", "4"],
                           cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    header, *rows = done.stdout.strip().splitlines()[-7:]
+    header, *rows = done.stdout.strip().splitlines()[-8:]
     assert header.startswith("path") and "greedy equal of 4" in header
     names = [row[:18].strip() for row in rows]
     assert names == ["bf16", "fp8 weights", "fp8 KV cache", "fp8 weights + KV", "int8 KV cache",
-                     "fp8 blocks ckpt"]
+                     "fp8 blocks ckpt", "fp8 static ckpt"]
     # The reference path against itself: no error, every greedy token equal; fp8 weights (per channel, and
-    # the block-scaled checkpoint the script writes) err above zero.
+    # the block-scaled and static-scale checkpoints the script writes) err above zero.
     assert rows[0].split()[4:] == ["0.0000", "/", "0.0000", "4.0"]
-    assert float(rows[1].split()[2]) > 0 and float(rows[5].split()[3]) > 0
+    assert float(rows[1].split()[2]) > 0 and float(rows[5].split()[3]) > 0 and float(rows[6].split()[3]) > 0
     # Prefill attends over what a quantized cache holds on the CPU too: its error shows, int8's below fp8's.
-    fp8_kv, int8_kv = (float(row[18:].split()[0]) for row in rows[2::2])
+    fp8_kv, int8_kv = (float(row[18:].split()[0]) for row in rows[2:5:2])
     assert 0 < int8_kv < fp8_kv
 
 
@@ -151,6 +151,9 @@ def test_fp8_quality_shrinks_a_config_with_overrides_as_typed():
     refused = subprocess.run(command + ["num_expertz=8"], cwd=SCRIPTS.parent, capture_output=True, text=True,
                              timeout=300)
     assert refused.returncode != 0 and "no field 'num_expertz'" in refused.stderr
+    static = [*command[:-2], "fp8 static ckpt", "--override", *tiny]  # experts take no static scales
+    refused = subprocess.run(static, cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "not implemented for MoE experts" in refused.stderr
 
 
 @pytest.mark.parametrize("extra", [[], ["--speculate"]], ids=["plain", "speculate"])
