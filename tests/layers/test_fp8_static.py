@@ -11,10 +11,12 @@ import torch
 from conftest import make_model_dir
 from fp8_files import compressed_tensors_config, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers import fp8_methods, fp8_static
 from nanovllm.layers.fp8 import quantize_groups
+from nanovllm.layers.fp8_methods import Fp8ScaledMmLinearMethod
 from nanovllm.layers.fp8_static import (
     Fp8StaticLinearMethod,
     Fp8StaticScaledMmLinearMethod,
@@ -35,8 +37,14 @@ def test_each_device_takes_its_method():
     assert type(static_linear_method(STATIC, torch.device("cpu"))) is Fp8StaticLinearMethod
     assert type(static_linear_method(STATIC, cuda, capability=(9, 0))) is Fp8StaticScaledMmLinearMethod
     assert type(static_linear_method(STATIC, cuda, capability=(8, 9))) is Fp8StaticLinearMethod
-    method = KernelPlan.for_device(cuda, torch.bfloat16, True, capability=(9, 0), hf_config=None).linear
-    assert not isinstance(method, Fp8StaticLinearMethod)  # no checkpoint, no static scales
+    # The kernel plan takes them for a static checkpoint's config, and not for a dynamic one's.
+    hf = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256)
+    choices = (("static", Fp8StaticScaledMmLinearMethod), ("dynamic", Fp8ScaledMmLinearMethod))
+    for activations, expected in choices:
+        hf.quantization_config = {"quant_method": "fp8", "activation_scheme": activations}
+        plan = KernelPlan.for_device(cuda, torch.bfloat16, True, capability=(9, 0), hf_config=hf)
+        assert type(plan.linear) is expected and plan.quantization.static_input == (activations == "static")
     kernels = [Fp8StaticScaledMmLinearMethod(STATIC).bucket(rows).plain.__name__ for rows in (1, 2, 16, 17)]
     assert kernels == ["fp8_skinny", "fp8_gemv_rows", "fp8_rows", "fp8_static_scaled_mm"]
 
