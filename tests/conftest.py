@@ -125,14 +125,20 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _mend_interpreted_bf16() -> None:
+def _mend_interpreter() -> None:
     """Triton's interpreter (triton 3.9) keeps bfloat16 tensors as their raw uint16 bits, and handles them
     unlike the GPU in three places: its tl.dot multiplied those integers (every bf16 dot of a kernel run on
     the CPU came out as nonsense, so bf16 kernel tests could only compare two kernels' equal nonsense, or be
     skipped), it rounds float32 to bfloat16 toward zero where the GPU rounds to nearest even, and it casts
     an integer to bfloat16 as numpy casts it to uint16 (an int8 KV cache's tiles came out as tiny floats).
     Here bf16 dot operands are widened to float32 first (exact products, float32 sums, as tensor cores
-    compute them), the cast rounds to nearest even, and integers reach bfloat16 through float32."""
+    compute them), the cast rounds to nearest even, and integers reach bfloat16 through float32.
+
+    Its casts to e4m3 (tl.float8e4nv) drop the carry of a mantissa rounded up past 7: 7.8 became 4.0 and
+    31.6 became 16.0 (2% of normal draws), where the GPU's cvt.rn.satfinite rounds to the nearest e4m3
+    (8.0, 32.0) and saturates at 448. An fp8 KV cache stored by a Triton kernel on the CPU then differed
+    from the reference backend's by up to 1.4 nats of prompt logprob. Here such casts go through torch's
+    float8_e4m3fn conversion, which rounds and saturates as the GPU does."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     try:
@@ -154,7 +160,16 @@ def _mend_interpreted_bf16() -> None:
     def create_widened_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
+    def to_e4m3(data, input_dtype):
+        wide = np.asarray(data)
+        if input_dtype == tl.bfloat16:
+            wide = convert_float(wide, tl.bfloat16, tl.float32, None).view(np.float32)
+        e4m3 = torch.from_numpy(np.array(wide, dtype=np.float32)).to(torch.float8_e4m3fn)
+        return e4m3.view(torch.uint8).numpy().reshape(wide.shape)
+
     def convert_nearest(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype in (tl.float32, tl.float16, tl.bfloat16):
+            return to_e4m3(data, input_dtype)
         if not (input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode is None):
             return convert_float(data, input_dtype, output_dtype, rounding_mode)
         bits = np.array(data, dtype=np.float32).view(np.uint32).astype(np.uint64)  # a copy, shape kept
@@ -171,7 +186,7 @@ def _mend_interpreted_bf16() -> None:
     interpreter._convert_float = convert_nearest
 
 
-_mend_interpreted_bf16()
+_mend_interpreter()
 
 # Under pytest-xdist (README's test command: `-n auto`, a worker a core) each worker takes its share of
 # the cores for torch's intra-op threads, so that the workers do not oversubscribe them.
