@@ -26,12 +26,19 @@ def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
     return q.float() * expanded
 
 
-def compressed_tensors_config(strategy: str, block: tuple[int, int] = (128, 128),
-                              ignore: tuple[str, ...] = ("lm_head", "re:.*mlp.gate$"), static: bool = False
-                              ) -> dict:
+# llm-compressor's kv_cache_scheme: calibrated fp8 KV-cache scales (`self_attn.k_scale`, `v_scale`).
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+                   "strategy": "tensor", "block_structure": None, "dynamic": False, "actorder": None,
+                   "observer": "minmax", "observer_kwargs": {}}
+
+
+def compressed_tensors_config(strategy: str | None, block: tuple[int, int] = (128, 128),
+                              ignore: tuple[str, ...] = ("lm_head", "re:.*mlp.gate$"), static: bool = False,
+                              kv_cache: bool = False) -> dict:
     """The quantization_config llm-compressor writes for fp8 weights per `strategy` ("tensor", "channel"
-    or "block") with dynamic activations per token (per group of the block's columns for blocks), or
-    with `static` calibrated activation scales per tensor."""
+    or "block"; None: no weights, config_groups empty) with dynamic activations per token (per group of
+    the block's columns for blocks), or with `static` calibrated activation scales per tensor; kv_cache:
+    with calibrated KV-cache scales per tensor."""
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": strategy,
                "block_structure": list(block) if strategy == "block" else None, "dynamic": False,
                "actorder": None, "observer": "minmax", "observer_kwargs": {}}
@@ -41,12 +48,13 @@ def compressed_tensors_config(strategy: str, block: tuple[int, int] = (128, 128)
               "observer_kwargs": {}, "block_structure": None}
     if static:
         inputs.update(dynamic=False, strategy="tensor", observer="minmax")
+    groups = {} if strategy is None else {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                      "input_activations": inputs, "output_activations": None,
+                                                      "format": "float-quantized"}}
     return {"quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed", "global_compression_ratio": None, "ignore": list(ignore),
-            "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {}, "version": "0.12.2",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": inputs, "output_activations": None,
-                                          "format": "float-quantized"}}}
+            "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv_cache else None, "sparsity_config": {},
+            "transform_config": {}, "version": "0.12.2", "config_groups": groups}
 
 
 # Calibrated activation scales of a static checkpoint, by projection (q/k/v and gate/up differ, so that

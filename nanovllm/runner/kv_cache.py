@@ -1,7 +1,8 @@
 """The paged KV cache of one rank: one tensor [2 (k, v), layers, blocks, block_size, kv_heads, head_dim]
 whose per-layer views the attention layers read and write (an int8 cache also a float32 tensor of scales
 [2, layers, blocks, block_size, kv_heads], one per cached token and KV head), and how many blocks fit a
-memory budget (on a GPU, what is left after a warm-up forward at the largest batch)."""
+memory budget (on a GPU, what is left after a warm-up forward at the largest batch); and an fp8 cache's
+per-layer scales where the checkpoint calibrated them."""
 
 import logging
 import math
@@ -17,6 +18,7 @@ from nanovllm.layers.kernel_plan import KernelPlan
 from nanovllm.layers.parallel import get_tp_rank, min_across_ranks, use_tp_group
 from nanovllm.models import get_model_class
 from nanovllm.runner.sampling import StepSampler, worst_case_sampling
+from nanovllm.utils.kv_scales import KvScales
 
 
 class SizedRunner(Protocol):
@@ -97,6 +99,33 @@ def allocate(layers: list[Attention], num_blocks: int, block_size: int, dtype: t
         num_bytes += scales.numel() * scales.element_size()
     logger.debug("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, block_size, num_bytes / 2**30)
     return cache
+
+
+def use_checkpoint_scales(model: nn.Module, scales: KvScales, dtype: torch.dtype) -> None:
+    """Give an fp8 cache (`dtype` e4m3) the checkpoint's calibrated scales, layer by layer (1.0 where it
+    has none); other caches leave them unread (utils/kv_scales.py). Set before any graph is captured: the
+    kernels take the scales as constants."""
+    if not scales:
+        return
+    first = get_tp_rank() == 0  # every rank reads the same scales; one says so
+    if dtype != torch.float8_e4m3fn:
+        if first:
+            logger.info("the checkpoint's KV-cache scales are unused with a %s cache (kv_cache_dtype='fp8' "
+                        "reads them)", str(dtype).removeprefix("torch."))
+        return
+    layers = [(name.rpartition(".")[0], m) for name, m in model.named_modules() if isinstance(m, Attention)]
+    given = 0
+    for attn, layer in layers:
+        found = scales.layer(attn)
+        if found is not None:
+            layer.k_scale, layer.v_scale = found
+            given += 1
+    if first and given < len(layers):
+        logger.warning("the checkpoint gives KV-cache scales for %d of %d attention layers; the others use "
+                       "1.0", given, len(layers))
+    elif first:
+        logger.info("fp8 KV cache with the checkpoint's scales (k up to %.4g, v up to %.4g)",
+                    max(layer.k_scale for _, layer in layers), max(layer.v_scale for _, layer in layers))
 
 
 def draft_footprint(draft: Config) -> tuple[int, int]:

@@ -29,6 +29,7 @@ from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row
 from nanovllm.runner.transfers import DeferredOutput, PendingOutput, Uploads
 from nanovllm.runner.verify_graphs import capture_decode_graphs, route
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
+from nanovllm.utils.kv_scales import KvScales
 from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
 logger = logging.getLogger("nanovllm")
@@ -131,13 +132,15 @@ class ModelRunner:
                 model: nn.Module = get_model_class(hf)(hf, plan)
         finally:
             torch.set_default_dtype(default_dtype)
+        kv_scales = KvScales()
         if config.load_format == "dummy":
             init_dummy_weights(model, std=getattr(hf, "initializer_range", 0.02), seed=config.seed)
         elif config.load_format == "gguf":
-            load_weights(model, config.gguf.weights(self.dtype), config.gguf_path)
+            kv_scales = load_weights(model, config.gguf.weights(self.dtype), config.gguf_path)
         else:
-            load_model(model, config.model)
+            kv_scales = load_model(model, config.model)
         process_weights_after_loading(model)
+        kv_cache.use_checkpoint_scales(model, kv_scales, self.kv_dtype)
         logger.debug("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
         return model.eval()
 

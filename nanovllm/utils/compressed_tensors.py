@@ -11,10 +11,14 @@ That is layers/fp8.py's W8A8 with dynamic activation scales (layers/fp8_static.p
 which vLLM runs for them too. `ignore` may name only modules nanovllm keeps in the model dtype anyway
 (the LM head, the embedding, an MoE router), by name or by "re:" pattern.
 
+A kv_cache_scheme (calibrated fp8 KV-cache scales a layer or a KV head, `self_attn.k_scale` and
+`v_scale`) is read too, with or without fp8 weights: the fp8 cache (kv_cache_dtype="fp8") takes the
+scales, other caches do not need them (utils/kv_scales.py).
+
 Refused, naming what to change: integer or 4-bit weights, weights without activation quantization
-(W8A16), static activation scales other than per tensor, output activations, a kv_cache_scheme
-(calibrated KV-cache scales), sparsity or transforms, several config groups or other targets, and an
-`ignore` that leaves a projection nanovllm would run in fp8 unquantized."""
+(W8A16), static activation scales other than per tensor, output activations, a KV cache scaled
+dynamically or per anything but a layer or a head, sparsity or transforms, several config groups or
+other targets, and an `ignore` that leaves a projection nanovllm would run in fp8 unquantized."""
 
 import re
 
@@ -138,11 +142,23 @@ def _check_ignore(ignore, hf_config: PretrainedConfig) -> None:
                           "dtype")
 
 
+def _kv_cache_scheme(args) -> None:
+    """A kv_cache_scheme nanovllm reads: calibrated fp8 scales a layer or a KV head, which the fp8 cache
+    takes from the checkpoint's tensors (utils/kv_scales.py)."""
+    args = _args(args, "KV cache")
+    if args.get("dynamic", False) is not False:
+        raise _refuse(f"scales its KV cache dynamically (dynamic={args['dynamic']!r}); nanovllm reads "
+                      "calibrated scales (kv_cache_dtype='int8' scales each token itself)")
+    strategy = args.get("strategy") or "tensor"
+    if strategy not in ("tensor", "attn_head"):
+        raise _refuse(f"scales its KV cache per {strategy!r}; nanovllm reads a scale a layer or a KV head")
+
+
 def compressed_tensors_scheme(quant: dict, hf_config: PretrainedConfig
-                              ) -> tuple[tuple[int, int] | None, bool]:
+                              ) -> tuple[tuple[int, int] | None, bool] | None:
     """(the weight block, None per tensor or per channel; whether activation scales are static) of a
-    compressed-tensors quantization_config nanovllm reads; ValueError, naming what to change, for any
-    other."""
+    compressed-tensors quantization_config nanovllm reads, or None for one that quantizes only the KV
+    cache (no config groups, a kv_cache_scheme); ValueError, naming what to change, for any other."""
     unknown = sorted(quant.keys() - FIELDS)
     if unknown:
         raise _refuse(f"has quantization_config fields {unknown} that nanovllm does not know")
@@ -151,11 +167,15 @@ def compressed_tensors_scheme(quant: dict, hf_config: PretrainedConfig
     if quant.get("quantization_status", "compressed") != "compressed":
         raise _refuse(f"has quantization_status {quant['quantization_status']!r}; nanovllm reads compressed "
                       "(fp8) weights")
-    for name in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    for name in ("sparsity_config", "transform_config"):
         if quant.get(name):
-            raise _refuse(f"has a {name}, which nanovllm does not implement (for a quantized KV cache "
-                          "use kv_cache_dtype)" if name == "kv_cache_scheme" else f"has a {name}")
+            raise _refuse(f"has a {name}")
+    kv_scales = quant.get("kv_cache_scheme") is not None
+    if kv_scales:
+        _kv_cache_scheme(quant["kv_cache_scheme"])
     groups = quant.get("config_groups")
+    if kv_scales and groups in (None, {}):
+        return None  # KV-cache scales only: the weights are the model dtype's
     if not isinstance(groups, dict) or len(groups) != 1:
         count = len(groups) if isinstance(groups, dict) else "no"
         raise _refuse(f"has {count} config groups; nanovllm reads one")

@@ -132,7 +132,10 @@ def quantization_scheme(hf_config: PretrainedConfig, option: str | None = None) 
         raise ValueError(f"quantization={option!r} but the checkpoint is quantized with {method!r}; "
                          "leave quantization unset (None) to use the checkpoint's")
     if method == CT_METHOD:
-        block, static = compressed_tensors_scheme(quant, hf_config)
+        weights = compressed_tensors_scheme(quant, hf_config)
+        if weights is None:  # KV-cache scales only
+            return None
+        block, static = weights
         _check_static(static, block, hf_config)
         return Fp8Scheme(block=block, serialized=True, static_input=static, block_scale_name="weight_scale")
     unknown = sorted(quant.keys() - FP8_FIELDS)

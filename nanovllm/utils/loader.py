@@ -1,6 +1,7 @@
 """Weight loading: (Hugging Face name, tensor) pairs, from safetensors checkpoints (one file or many
 shards, with or without the index file) or a GGUF file (utils/gguf_loader.py), mapped onto the
-model's fused tensor-parallel parameters by one function, `load_weights`; or random "dummy"
+model's fused tensor-parallel parameters by one function, `load_weights` (which sets a checkpoint's
+KV-cache scales apart, utils/kv_scales.py); or random "dummy"
 weights for benchmarks where only a config exists (the same model whatever the tensor_parallel_size)."""
 
 import glob
@@ -13,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanovllm.utils.kv_scales import KvScales
 from nanovllm.utils.weight_tracker import WeightTracker, checkpoint_shapes, default_weight_loader
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,20 +63,24 @@ def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor, str]]:
 WeightItem = tuple[str, torch.Tensor] | tuple[str, torch.Tensor, str]
 
 
-def load_weights(model: nn.Module, weights: Iterable[WeightItem], source: str) -> None:
+def load_weights(model: nn.Module, weights: Iterable[WeightItem], source: str) -> KvScales:
     """Copy (Hugging Face name, tensor[, file]) items into the model, through `packed_modules_mapping`
     onto fused parameters and each parameter's `weight_loader`. Every tensor's full shape is checked
     before it is copied, and every part of every parameter (each of q/k/v, gate/up) must arrive:
-    otherwise ValueError naming the file and the tensor."""
-    tracker = WeightTracker(model)
+    otherwise ValueError naming the file and the tensor. Returns the checkpoint's KV-cache scales (none
+    for most), which are not the model's parameters: the runner gives them to an fp8 cache."""
+    tracker, kv_scales = WeightTracker(model), KvScales()
     for name, tensor, *file in weights:
-        tracker.load(name, tensor, file[0] if file else source)
+        file = file[0] if file else source
+        if not kv_scales.take(name, tensor, file):
+            tracker.load(name, tensor, file)
     tracker.check_complete(source)
+    return kv_scales
 
 
-def load_model(model: nn.Module, path: str) -> None:
-    """Load a safetensors checkpoint folder."""
-    load_weights(model, safetensors_weights(path), path)
+def load_model(model: nn.Module, path: str) -> KvScales:
+    """Load a safetensors checkpoint folder; its KV-cache scales, as load_weights."""
+    return load_weights(model, safetensors_weights(path), path)
 
 
 def _tensor_seed(seed: int, name: str) -> int:

@@ -1,7 +1,7 @@
 """Which compressed-tensors quantization_configs nanovllm reads (utils/compressed_tensors.py):
-llm-compressor's fp8 W8A8 ones with dynamic activations, as the Fp8Scheme of the "fp8" checkpoint they
-equal; every other is refused at the config check, naming what to change. Config checks only: nothing
-loads."""
+llm-compressor's fp8 W8A8 ones with dynamic or static activations, as the Fp8Scheme of the "fp8"
+checkpoint they equal, with or without calibrated KV-cache scales; every other is refused at the
+config check, naming what to change. Config checks only: nothing loads."""
 
 import copy
 
@@ -83,6 +83,12 @@ def block_with(**inputs) -> dict:
     return quant
 
 
+def kv_with(**changes) -> dict:
+    quant = compressed_tensors_config("channel", kv_cache=True)
+    quant["kv_cache_scheme"].update(changes)
+    return quant
+
+
 REFUSED = [
     (group_with(weights__type="int"), r"quantizes its weights to 8-bit int"),
     (group_with(weights__num_bits=4), r"quantizes its weights to 4-bit float"),
@@ -94,7 +100,10 @@ REFUSED = [
     (group_with(output_activations={"num_bits": 8, "type": "float"}), r"quantizes output activations"),
     (group_with(targets=["re:.*self_attn.*"]), r"targets \['re:\.\*self_attn\.\*'\]"),
     (block_with(strategy="token", group_size=None), r"per 'token' .* want per group of 128"),
-    (top_with(kv_cache_scheme={"num_bits": 8, "type": "float"}), r"kv_cache_scheme.*use kv_cache_dtype"),
+    (kv_with(dynamic=True), r"scales its KV cache dynamically"),
+    (kv_with(strategy="channel"), r"scales its KV cache per 'channel'"),
+    (kv_with(type="int"), r"quantizes its KV cache to 8-bit int"),
+    (kv_with(symmetric=False), r"quantizes its KV cache asymmetrically"),
     (top_with(sparsity_config={"format": "sparse-24-bitmask"}), r"has a sparsity_config"),
     (top_with(format="pack-quantized"), r"stored in format 'pack-quantized'"),
     (top_with(quantization_status="frozen"), r"quantization_status 'frozen'"),
@@ -110,6 +119,25 @@ def test_other_configs_are_refused_naming_what_they_do(quant, match):
     with pytest.raises(ValueError, match=match) as refused:
         quantization_scheme(config(copy.deepcopy(quant)))
     assert "refuses others rather than load them wrong" in str(refused.value)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+def test_calibrated_kv_cache_scales_read_with_the_weights_scheme(strategy):
+    """A kv_cache_scheme changes nothing of the weights' scheme: its scales go to an fp8 cache
+    (utils/kv_scales.py, tests/models/test_kv_scales.py)."""
+    quant = compressed_tensors_config("block", kv_cache=True)
+    quant["kv_cache_scheme"]["strategy"] = strategy
+    weights_only = compressed_tensors_config("block")
+    assert quantization_scheme(config(quant)) == quantization_scheme(config(weights_only))
+
+
+def test_kv_cache_scales_alone_leave_the_weights_unquantized():
+    """llm-compressor's KV-cache-only recipe: no config groups, a kv_cache_scheme."""
+    quant = compressed_tensors_config(None, kv_cache=True)
+    assert quantization_scheme(config(quant)) is None
+    assert quantization_scheme(config(quant), "compressed-tensors") is None
+    with pytest.raises(ValueError, match="has 0 config groups; nanovllm reads one"):
+        quantization_scheme(config(compressed_tensors_config(None)))
 
 
 def test_two_config_groups_are_refused():
