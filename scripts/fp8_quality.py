@@ -10,7 +10,9 @@ dynamic per-token activation scales), an fp8 KV cache (kv_cache_dtype="fp8"), bo
 (kv_cache_dtype="int8": a scale per token and KV head), an fp8 checkpoint with 128x128 block scales
 written from the same weights (Qwen's FP8 layout: activations scaled per token and 128 inputs), and one with
 per-channel weight scales and static activation scales (AutoFP8's layout: each projection's input_scale its
-input's largest magnitude over 4 calibration prompts, other than the scored ones, over 448). For each: the
+input's largest magnitude over 4 calibration prompts, other than the scored ones, over 448), and an fp8 KV
+cache with calibrated scales (a k_scale / v_scale a layer in the checkpoint, its largest key and value over
+the same 4 prompts, over 448; llm-compressor's kv_cache_scheme). For each: the
 mean absolute error of the prompt tokens' logprobs against transformers in float32 (mean over each
 prompt's positions; the mean and the max over prompts), the same against the engine's bf16 path, and
 greedy agreement with the bf16 path (tokens equal before the first divergence, mean over prompts).
@@ -35,9 +37,12 @@ from nanovllm.layers.fp8 import FP8_MAX, quantize_blocks, quantize_groups  # noq
 
 BLOCK_CHECKPOINT = "fp8 blocks ckpt"
 STATIC_CHECKPOINT = "fp8 static ckpt"
+KV_SCALES_CHECKPOINT = "fp8 KV calibrated"
 PATHS = {"bf16": {}, "fp8 weights": {"quantization": "fp8"}, "fp8 KV cache": {"kv_cache_dtype": "fp8"},
          "fp8 weights + KV": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-         "int8 KV cache": {"kv_cache_dtype": "int8"}, BLOCK_CHECKPOINT: {}, STATIC_CHECKPOINT: {}}
+         "int8 KV cache": {"kv_cache_dtype": "int8"}, BLOCK_CHECKPOINT: {}, STATIC_CHECKPOINT: {},
+         KV_SCALES_CHECKPOINT: {"kv_cache_dtype": "fp8"}}
+CALIBRATED = (STATIC_CHECKPOINT, KV_SCALES_CHECKPOINT)
 CALIBRATION_PROMPTS = 4
 # The decoder's linear weights: what an FP8 checkpoint stores in e4m3 (embeddings, norms, the LM head and
 # MoE routers stay as they are).
@@ -86,6 +91,56 @@ def calibrate(model: torch.nn.Module, prompts: list[list[int]], device: str) -> 
     for hook in hooks:
         hook.remove()
     return amax
+
+
+def calibrate_kv(model: torch.nn.Module, prompts: list[list[int]], device: str) -> dict[str, float]:
+    """Each layer's largest cached key and value over `prompts`, by checkpoint scale name
+    (`...self_attn.k_scale` / `v_scale`): a key's rotated pair never exceeds its norm, so the largest pair
+    norm before the rotation bounds the cached keys."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    amax, hooks = {}, []
+
+    def recorder(key: str, pairs: bool):
+        def record(module, args, out):
+            if pairs:  # [..., heads x head_dim] or [..., heads, head_dim] -> each rotated pair's norm
+                out = out.unflatten(-1, (-1, head_dim)) if out.shape[-1] != head_dim else out
+                out = torch.hypot(out[..., :head_dim // 2], out[..., head_dim // 2:])
+            amax[key] = max(amax.get(key, 0.0), out.abs().max().item())
+        return record
+
+    for name, module in model.named_modules():
+        if name.endswith(".self_attn"):
+            keys = getattr(module, "k_norm", None) or module.k_proj
+            hooks.append(keys.register_forward_hook(recorder(f"{name}.k_scale", True)))
+            hooks.append(module.v_proj.register_forward_hook(recorder(f"{name}.v_scale", False)))
+    with torch.no_grad():
+        for prompt in prompts:
+            model(torch.tensor([prompt], device=device))
+    for hook in hooks:
+        hook.remove()
+    return amax
+
+
+def write_kv_scales_checkpoint(src: str, dst: str, amax: dict[str, float]) -> str:
+    """dst: src's checkpoint with a k_scale / v_scale a layer from `amax` (calibrate_kv's) over 448, and
+    llm-compressor's quantization_config for KV-cache scales alone (no weights quantized)."""
+    shutil.copytree(src, dst)
+    files = glob.glob(os.path.join(dst, "*.safetensors"))
+    if len(files) != 1:
+        raise SystemExit("the KV-scales checkpoint is written for a single-file model")
+    tensors = load_file(files[0])
+    tensors.update({name: torch.tensor(value / FP8_MAX) for name, value in amax.items()})
+    save_file(tensors, files[0], metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    kv = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                     "quantization_status": "compressed", "config_groups": {},
+                                     "kv_cache_scheme": kv}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
 
 
 def write_static_checkpoint(src: str, dst: str, amax: dict[str, float]) -> str:
@@ -216,11 +271,14 @@ def main() -> None:
         prompts = [torch.randint(0, min(vocab, 10000), (args.prompt_len,), generator=gen).tolist()
                    for _ in range(args.prompts)]
         ref32 = reference_logprobs(hf32, prompts, device)
-        amax = {}
-        if STATIC_CHECKPOINT in args.paths:
+        amax, kv_amax = {}, {}
+        if any(name in args.paths for name in CALIBRATED):
             calibration = [torch.randint(0, min(vocab, 10000), (args.prompt_len,), generator=gen).tolist()
                            for _ in range(CALIBRATION_PROMPTS)]
-            amax = calibrate(hf32, calibration, device)
+            if STATIC_CHECKPOINT in args.paths:
+                amax = calibrate(hf32, calibration, device)
+            if KV_SCALES_CHECKPOINT in args.paths:
+                kv_amax = calibrate_kv(hf32, calibration, device)
         del hf32
         gc.collect()
         max_model_len = args.prompt_len + args.greedy_tokens + 16
@@ -232,6 +290,9 @@ def main() -> None:
         if STATIC_CHECKPOINT in names:
             static_dir = os.path.join(scratch, "fp8-static")
             folders[STATIC_CHECKPOINT] = write_static_checkpoint(path, static_dir, amax)
+        if KV_SCALES_CHECKPOINT in names:
+            kv_dir = os.path.join(scratch, "kv-scales")
+            folders[KV_SCALES_CHECKPOINT] = write_kv_scales_checkpoint(path, kv_dir, kv_amax)
         runs = {name: engine_run(folders[name], {**PATHS[name], **dtype}, prompts, args.greedy_tokens,
                                  max_model_len) for name in names}
     bf16_logprobs, bf16_tokens = runs["bf16"]

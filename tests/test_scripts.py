@@ -121,11 +121,11 @@ def test_fp8_quality_runs_as_typed(tmp_path):
                            "--prompts", "2", "--prompt-len", "24", "--greedy-tokens", "4"],
                           cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    header, *rows = done.stdout.strip().splitlines()[-8:]
+    header, *rows = done.stdout.strip().splitlines()[-9:]
     assert header.startswith("path") and "greedy equal of 4" in header
     names = [row[:18].strip() for row in rows]
     assert names == ["bf16", "fp8 weights", "fp8 KV cache", "fp8 weights + KV", "int8 KV cache",
-                     "fp8 blocks ckpt", "fp8 static ckpt"]
+                     "fp8 blocks ckpt", "fp8 static ckpt", "fp8 KV calibrated"]
     # The reference path against itself: no error, every greedy token equal; fp8 weights (per channel, and
     # the block-scaled and static-scale checkpoints the script writes) err above zero.
     assert rows[0].split()[4:] == ["0.0000", "/", "0.0000", "4.0"]
@@ -133,6 +133,7 @@ def test_fp8_quality_runs_as_typed(tmp_path):
     # Prefill attends over what a quantized cache holds on the CPU too: its error shows, int8's below fp8's.
     fp8_kv, int8_kv = (float(row[18:].split()[0]) for row in rows[2:5:2])
     assert 0 < int8_kv < fp8_kv
+    assert float(rows[7][18:].split()[0]) > 0  # the fp8 cache with the checkpoint's calibrated scales
 
 
 def test_fp8_quality_shrinks_a_config_with_overrides_as_typed():
