@@ -20,6 +20,7 @@ from nanovllm.speculative.config import (
     draft_options,
     parse_speculative_config,
 )
+from nanovllm.utils import modelopt
 from nanovllm.utils.config_checks import check_model_config, check_option_types, check_parallel_layout
 from nanovllm.utils.device import cuda_available, gpu_total_memory
 from nanovllm.utils.embedded_model import EMBEDDED_INSTALL, EMBEDDED_NAME, embedded_model_path
@@ -135,7 +136,8 @@ class Config:
     async_scheduling: bool | None = field(default_factory=lambda: _env_default("async_scheduling", None))
     # "fp8": quantize a bf16/fp32 checkpoint's linear weights to fp8 at load (vLLM's option); None: as the
     # checkpoint is (an FP8 checkpoint's quantization_config is read without it; layers/fp8.py);
-    # "compressed-tensors": a checkpoint of that method, as None reads it (utils/compressed_tensors.py).
+    # "compressed-tensors" / "modelopt": a checkpoint of that method, as None reads it
+    # (utils/compressed_tensors.py, utils/modelopt.py).
     quantization: str | None = None
     # Speculative decoding, vLLM's dict ({"method": "ngram", "num_speculative_tokens": 3, ...}; see
     # nanovllm.speculative.config); a SpeculativeConfig once the Config is built. Steps that may carry
@@ -199,6 +201,10 @@ class Config:
                 self.hf_config = AutoConfig.from_pretrained(self.model, **HF_LOCAL_ONLY)
             except Exception as e:  # transformers' own validators raise several kinds (not only ValueError)
                 raise ValueError(f"cannot read {os.path.join(self.model, 'config.json')!r}: {e}") from e
+            if not getattr(self.hf_config, "quantization_config", None):  # an older ModelOpt export's file
+                legacy = modelopt.read_legacy_config(self.model)
+                if legacy is not None:
+                    self.hf_config.quantization_config = legacy
         check_model_config(self.hf_config, self.quantization)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.model_dtype = self._resolve_dtype()

@@ -63,15 +63,30 @@ STATIC_INPUT_SCALES = {"q_proj": 0.010, "k_proj": 0.012, "v_proj": 0.014, "o_pro
                        "up_proj": 0.013, "down_proj": 0.020}
 
 
+def modelopt_config(static: bool, kv_cache: bool = False, exclude: tuple[str, ...] = ("lm_head",)) -> dict:
+    """ModelOpt's quantization_config (config.json's form) for per-tensor weights with static input scales
+    (quant_algo "FP8") or per-channel weights with dynamic per-token ones."""
+    quant = {"quant_method": "modelopt", "quant_algo": "FP8" if static else "FP8_PER_CHANNEL_PER_TOKEN",
+             "ignore": list(exclude), "producer": {"name": "modelopt", "version": "0.33.1"},
+             "config_groups": {"group_0": {"input_activations": {"dynamic": not static, "num_bits": 8,
+                                                                 "type": "float"},
+                                           "weights": {"dynamic": False, "num_bits": 8, "type": "float"}}}}
+    if kv_cache:
+        quant["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    return quant
+
+
 def write_fp8_checkpoint(src: str, dst: str, layout: str, block: tuple[int, int] = (128, 128),
-                         dequantized: str | None = None, static: bool = False) -> None:
+                         dequantized: str | None = None, static: bool = False, legacy: bool = False) -> None:
     """Copy the float32 checkpoint folder `src` to `dst` with its linear weights in fp8. layout: "block"
     (weight_scale_inv per block of `block`), "channel" (weight_scale [N]) or "tensor" (weight_scale []),
-    or with a "ct-" prefix the same weights and scales in compressed-tensors' layout. static: calibrated
-    activation scales too (`input_scale`, STATIC_INPUT_SCALES; [] or compressed-tensors' [1]). dequantized:
-    also write, there, the float32 checkpoint of the weights the fp8 ones stand for."""
-    compressed = layout.startswith("ct-")
-    layout = layout.removeprefix("ct-")
+    or with a "ct-" prefix the same weights and scales in compressed-tensors' layout, or with "mo-"
+    ModelOpt's ("mo-tensor" with static scales: quant_algo FP8; "mo-channel": FP8_PER_CHANNEL_PER_TOKEN;
+    legacy: described by an hf_quant_config.json instead of config.json). static: calibrated activation
+    scales too (`input_scale`, STATIC_INPUT_SCALES; [] or compressed-tensors' [1]). dequantized: also
+    write, there, the float32 checkpoint of the weights the fp8 ones stand for."""
+    compressed, modelopt = layout.startswith("ct-"), layout.startswith("mo-")
+    layout = layout.removeprefix("ct-").removeprefix("mo-")
     tensors = load_file(os.path.join(src, "model.safetensors"))
     out, exact = {}, {}
     for name, w in tensors.items():
@@ -101,7 +116,10 @@ def write_fp8_checkpoint(src: str, dst: str, layout: str, block: tuple[int, int]
         quant["activation_scheme"] = "static"
     if compressed:
         quant = compressed_tensors_config(layout, block, static=static)
-    for folder, weights, extra in ((dst, out, {"quantization_config": quant}), (dequantized, exact, {})):
+    if modelopt:
+        quant = modelopt_config(static)
+    for folder, weights, extra in ((dst, out, {} if legacy else {"quantization_config": quant}),
+                                   (dequantized, exact, {})):
         if folder is None:
             continue
         shutil.copytree(src, folder)
@@ -110,3 +128,8 @@ def write_fp8_checkpoint(src: str, dst: str, layout: str, block: tuple[int, int]
             config = json.load(f)
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump({**config, **extra}, f)
+    if legacy:  # ModelOpt's older export: the description beside config.json
+        with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
+            json.dump({"producer": quant["producer"],
+                       "quantization": {"quant_algo": quant["quant_algo"], "exclude_modules": quant["ignore"],
+                                        "kv_cache_quant_algo": None}}, f)

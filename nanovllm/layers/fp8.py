@@ -6,7 +6,7 @@
 - a per-tensor or per-channel checkpoint (vLLM's "fp8" without weight_block_size): `weight_scale` [] or [N];
   activations scaled per token;
 - either in compressed-tensors' layout (utils/compressed_tensors.py): `weight_scale` [1], [N, 1]
-  or, per block, [ceil(N/rows), ceil(K/columns)];
+  or, per block, [ceil(N/rows), ceil(K/columns)]; or in ModelOpt's (utils/modelopt.py): [] or [N];
 - `quantization="fp8"` on a bf16/fp32 checkpoint: weights quantized at load, per output channel.
 
 Checkpoints with calibrated (static) activation scales take layers/fp8_static.py's methods, built on these.

@@ -24,7 +24,7 @@ import re
 
 from transformers import PretrainedConfig
 
-from nanovllm.utils.moe_layout import is_sparse_layer
+from nanovllm.utils.unquantized import check_excluded
 
 METHOD = "compressed-tensors"
 FIELDS = {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme", "quantization_status",
@@ -108,20 +108,6 @@ def _scheme(group: dict) -> tuple[tuple[int, int] | None, bool]:
     return block, False
 
 
-def quantized_modules(hf_config: PretrainedConfig) -> list[str]:
-    """The checkpoint names of the modules nanovllm runs in fp8: every decoder projection, dense or
-    expert (for an MoE model, both forms in every layer: a superset, as ignore patterns are checked
-    against it)."""
-    experts = getattr(hf_config, "num_experts", 0) or 0
-    names, mlp = [], ("gate", "up", "down")
-    for layer in range(hf_config.num_hidden_layers):
-        prefix = f"model.layers.{layer}"
-        names += [f"{prefix}.self_attn.{p}_proj" for p in "qkvo"]
-        names += [f"{prefix}.mlp.{p}_proj" for p in mlp]
-        names += [f"{prefix}.mlp.experts.{e}.{p}_proj" for e in range(experts) for p in mlp]
-    return names
-
-
 def _ignored(name: str, ignore: list[str]) -> bool:
     return any(re.match(entry[3:], name) if entry.startswith("re:") else name.endswith(entry)
                for entry in ignore)
@@ -130,16 +116,7 @@ def _ignored(name: str, ignore: list[str]) -> bool:
 def _check_ignore(ignore, hf_config: PretrainedConfig) -> None:
     if not isinstance(ignore, list) or not all(isinstance(entry, str) for entry in ignore):
         raise _refuse(f"has ignore {ignore!r}, not a list of module names")
-    for name in quantized_modules(hf_config):
-        if _ignored(name, ignore):
-            raise _refuse(f"leaves {name!r} unquantized (ignore {ignore}), which nanovllm does not implement")
-    kept = [] if getattr(hf_config, "tie_word_embeddings", False) else ["lm_head"]
-    kept += [f"model.layers.{i}.mlp.gate" for i in range(hf_config.num_hidden_layers)
-             if is_sparse_layer(hf_config, i)]
-    for name in kept:
-        if not _ignored(name, ignore):
-            raise _refuse(f"quantizes {name!r} (not in ignore {ignore}), which nanovllm keeps in the model "
-                          "dtype")
+    check_excluded(hf_config, lambda name: _ignored(name, ignore), f"ignore {ignore}", _refuse)
 
 
 def _kv_cache_scheme(args) -> None:

@@ -10,7 +10,8 @@ before any weight is loaded, with a message that says what to change.
   together (heads divide the hidden size when the config has no head_dim, query heads are a multiple
   of key/value heads), so that `num_attention_heads=0` is refused here instead of at the first step;
   and its quantization is one nanovllm implements (`quantization_scheme`: fp8, see layers/fp8.py, in the
-  "fp8" method's layout or compressed-tensors', utils/compressed_tensors.py)."""
+  "fp8" method's layout, compressed-tensors' (utils/compressed_tensors.py) or ModelOpt's
+  (utils/modelopt.py))."""
 
 import math
 import types
@@ -23,6 +24,8 @@ from transformers import PretrainedConfig
 from nanovllm.utils.compressed_tensors import METHOD as CT_METHOD
 from nanovllm.utils.compressed_tensors import compressed_tensors_scheme
 from nanovllm.utils.device import cuda_available, cuda_device_count
+from nanovllm.utils.modelopt import METHOD as MODELOPT_METHOD
+from nanovllm.utils.modelopt import modelopt_scheme
 
 # Model-config sizes that must be positive integers, and whether a config may leave them out.
 REQUIRED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -80,7 +83,7 @@ def _size(hf_config: PretrainedConfig, name: str, required: bool) -> int | None:
 # vLLM's "fp8" method), and the option values `LLM(quantization=...)` takes (vLLM's name).
 FP8_FIELDS = {"quant_method", "activation_scheme", "weight_block_size", "fmt", "modules_to_not_convert",
               "ignored_layers"}
-VALID_QUANTIZATIONS = (None, "fp8", CT_METHOD)
+VALID_QUANTIZATIONS = (None, "fp8", CT_METHOD, MODELOPT_METHOD)
 # Modules a quantization_config may leave unquantized that nanovllm never quantizes anyway: the embedding,
 # the LM head and an MoE router (`mlp.gate`).
 ALWAYS_UNQUANTIZED = ("lm_head", "embed_tokens", "mlp.gate")
@@ -117,20 +120,24 @@ def quantization_scheme(hf_config: PretrainedConfig, option: str | None = None) 
     would be cast to the model dtype with their scales dropped, and every output be garbage."""
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:
-        if option == CT_METHOD:
-            raise ValueError(f"quantization={CT_METHOD!r} reads a checkpoint's own compressed-tensors "
-                             "quantization, and this checkpoint has none; use quantization='fp8' to quantize "
-                             "its weights at load")
+        if option in (CT_METHOD, MODELOPT_METHOD):
+            raise ValueError(f"quantization={option!r} reads a checkpoint's own {option} quantization, and "
+                             "this checkpoint has none; use quantization='fp8' to quantize its weights at "
+                             "load")
         return None if option is None else Fp8Scheme(block=None, serialized=False)
     method = _quant_method(quant)
-    if method not in ("fp8", CT_METHOD) or not isinstance(quant, dict):
+    if method not in ("fp8", CT_METHOD, MODELOPT_METHOD) or not isinstance(quant, dict):
         raise ValueError(f"this checkpoint is quantized (quantization_config quant_method={method!r}), "
-                         f"which nanovllm does not implement (it implements 'fp8' and fp8 {CT_METHOD!r}); "
-                         "it is refused rather than loaded wrong. Use the model's unquantized (bf16/fp16) or "
-                         "FP8 checkpoint")
+                         f"which nanovllm does not implement (it implements 'fp8' and fp8 {CT_METHOD!r} and "
+                         f"{MODELOPT_METHOD!r}); it is refused rather than loaded wrong. Use the model's "
+                         "unquantized (bf16/fp16) or FP8 checkpoint")
     if option not in (None, method):
         raise ValueError(f"quantization={option!r} but the checkpoint is quantized with {method!r}; "
                          "leave quantization unset (None) to use the checkpoint's")
+    if method == MODELOPT_METHOD:
+        block, static = modelopt_scheme(quant, hf_config)
+        _check_static(static, block, hf_config)
+        return Fp8Scheme(block=block, serialized=True, static_input=static)
     if method == CT_METHOD:
         weights = compressed_tensors_scheme(quant, hf_config)
         if weights is None:  # KV-cache scales only

@@ -41,8 +41,8 @@ def check_stored_dtype(param: nn.Parameter, tensor: torch.Tensor, name: str, fil
     if quantized and tensor.dtype != param.dtype:
         raise ValueError(f"{file!r}: tensor {name!r} is stored as {tensor.dtype}, a quantized format "
                          "nanovllm does not implement here (it implements fp8 e4m3 checkpoints whose "
-                         "quantization_config says quant_method 'fp8', or 'compressed-tensors' with fp8 "
-                         "weights); use the model's unquantized checkpoint")
+                         "quantization_config says quant_method 'fp8', or 'compressed-tensors' or "
+                         "'modelopt' with fp8 weights); use the model's unquantized checkpoint")
     if param.element_size() == 1 and tensor.dtype != param.dtype:
         raise ValueError(f"{file!r}: tensor {name!r} is stored as {tensor.dtype} but the checkpoint's "
                          f"quantization_config makes it {param.dtype}; is config.json this checkpoint's?")

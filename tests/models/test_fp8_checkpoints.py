@@ -4,7 +4,8 @@ weights they dequantize to with the same W8A8 activation rounding (each decoder 
 e4m3 and back, per token and group); `quantization="fp8"` quantizes the float32 checkpoint alike; MoE
 experts load and run from a block-wise checkpoint; TP=2 shards the scales as TP=1 holds them; the same
 weights and scales in compressed-tensors' layout (llm-compressor's FP8 checkpoints) give the very outputs;
-checkpoints with static (calibrated) activation scales give transformers' outputs with that rounding.
+checkpoints with static (calibrated) activation scales give transformers' outputs with that rounding;
+ModelOpt's layouts (NVIDIA's FP8 checkpoints) give the outputs of the fp8 checkpoints they equal.
 
 The tiny random model amplifies rounding (INIT_RANGE 0.25): against the unquantized model its prompt
 logprobs move by ~0.2 nats on average with fp8, so the comparisons that must hold exactly are the ones with
@@ -136,6 +137,24 @@ def test_static_activation_scales_match_transformers_with_that_rounding(folders,
     # the dynamic checkpoint of the same weights rounds otherwise
     assert max_error(lps, prompt_logprobs(LLM(str(folders / layout), **ENGINE))[0]) > 10 * TOL
     assert prompt_logprobs(LLM(str(tmp_path / "ct-static"), **ENGINE)) == (lps, tokens)
+
+
+@pytest.mark.parametrize("layout, static", [("tensor", True), ("channel", False)])
+@pytest.mark.parametrize("legacy", [False, True], ids=["config.json", "hf_quant_config.json"])
+def test_modelopt_checkpoint_runs_as_the_fp8_one(folders, tmp_path, layout, static, legacy):
+    """ModelOpt's layouts of the same e4m3 weights and scales (quant_algo "FP8": per-tensor weights, static
+    inputs; "FP8_PER_CHANNEL_PER_TOKEN"), described in config.json or in an older export's
+    hf_quant_config.json: the same parameters once loaded, the same outputs."""
+    src, ours, theirs = str(folders / "fp32"), str(tmp_path / "fp8"), str(tmp_path / "modelopt")
+    write_fp8_checkpoint(src, ours, layout, static=static)
+    write_fp8_checkpoint(src, theirs, f"mo-{layout}", static=static, legacy=legacy)
+    fp8, modelopt = LLM(ours, **ENGINE), LLM(theirs, **ENGINE, quantization="modelopt")
+    method = modelopt.engine.executor.model.model.layers[0].self_attn.qkv_proj.quant_method
+    assert isinstance(method, Fp8LinearMethod) and isinstance(method, Fp8StaticLinearMethod) == static
+    loaded = [llm.engine.executor.model.state_dict() for llm in (fp8, modelopt)]
+    assert loaded[0].keys() == loaded[1].keys()
+    assert all(torch.equal(loaded[0][name], loaded[1][name]) for name in loaded[0])
+    assert prompt_logprobs(modelopt) == prompt_logprobs(fp8)
 
 
 def test_quantization_option_quantizes_per_channel_at_load(folders):
