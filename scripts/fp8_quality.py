@@ -19,6 +19,7 @@ greedy agreement with the bf16 path (tokens equal before the first divergence, m
 Prints a table last; on a CPU the fp8 weights run the dequantizing reference (slow: use a small config)."""
 
 import argparse
+import functools
 import gc
 import glob
 import json
@@ -47,6 +48,8 @@ CALIBRATION_PROMPTS = 4
 # The decoder's linear weights: what an FP8 checkpoint stores in e4m3 (embeddings, norms, the LM head and
 # MoE routers stay as they are).
 LINEAR_WEIGHT = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")
+# An expert's weight: (the layer's experts.)(index)(.projection.weight)
+EXPERT_WEIGHT = re.compile(r"(.*\.experts\.)\d+(\.\w+\.weight)")
 BLOCK = (128, 128)
 
 
@@ -78,13 +81,29 @@ def write_block_checkpoint(src: str, dst: str) -> str:
 
 
 def calibrate(model: torch.nn.Module, prompts: list[list[int]], device: str) -> dict[str, float]:
-    """The largest input magnitude of each decoder projection over `prompts`, by checkpoint weight name."""
+    """The largest input magnitude of each decoder projection over `prompts`, by checkpoint weight name
+    (MoE experts, which transformers keeps stacked, each under its own: the rows routed to it)."""
     amax, hooks = {}, []
+
+    def keep(key: str, x: torch.Tensor) -> None:
+        amax[key] = max(amax.get(key, 0.0), x.abs().max().item())
+
+    def record_experts(module, args, name):
+        hidden, ids = args[0], args[1]
+        for e in ids.unique().tolist():
+            rows = hidden[(ids == e).any(dim=-1)]
+            gate, up = torch.nn.functional.linear(rows, module.gate_up_proj[e]).chunk(2, dim=-1)
+            for proj, x in (("gate", rows), ("up", rows), ("down", module.act_fn(gate) * up)):
+                keep(f"{name}.{e}.{proj}_proj.weight", x)
+
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and LINEAR_WEIGHT.fullmatch(name + ".weight"):
-            def record(m, args, name=name + ".weight"):
-                amax[name] = max(amax.get(name, 0.0), args[0].abs().max().item())
-            hooks.append(module.register_forward_pre_hook(record))
+            hook = functools.partial(lambda key, m, args: keep(key, args[0]), name + ".weight")
+        elif name.endswith("mlp.experts") and hasattr(module, "gate_up_proj"):
+            hook = functools.partial(lambda key, m, args: record_experts(m, args, key), name)
+        else:
+            continue
+        hooks.append(module.register_forward_pre_hook(hook))
     with torch.no_grad():
         for prompt in prompts:
             model(torch.tensor([prompt], device=device))
@@ -145,14 +164,21 @@ def write_kv_scales_checkpoint(src: str, dst: str, amax: dict[str, float]) -> st
 
 def write_static_checkpoint(src: str, dst: str, amax: dict[str, float]) -> str:
     """dst: src's checkpoint with its decoder linear weights in e4m3 with a weight_scale per output channel,
-    an input_scale per projection from `amax` (calibrate's), and AutoFP8's quantization_config."""
+    an input_scale per projection from `amax` (calibrate's; an MoE expert no calibration row reached takes
+    its layer's largest for that projection), and AutoFP8's quantization_config."""
     shutil.copytree(src, dst)
+    fallback = {}
+    for name, value in amax.items():
+        if EXPERT_WEIGHT.fullmatch(name):
+            key = EXPERT_WEIGHT.sub(r"\1\2", name)
+            fallback[key] = max(fallback.get(key, 0.0), value)
     for file in glob.glob(os.path.join(dst, "*.safetensors")):
         tensors = load_file(file)
         for name in [n for n in tensors if LINEAR_WEIGHT.fullmatch(n)]:
             weight, scale = quantize_groups(tensors[name], tensors[name].shape[1])
             tensors[name], tensors[name + "_scale"] = weight, scale[:, 0].contiguous()
-            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(amax[name] / FP8_MAX)
+            largest = amax[name] if name in amax else fallback[EXPERT_WEIGHT.sub(r"\1\2", name)]
+            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(largest / FP8_MAX)
         save_file(tensors, file, metadata={"format": "pt"})
     if os.path.exists(os.path.join(dst, "model.safetensors.index.json")):
         raise SystemExit("the static checkpoint is written for a single-file model")
@@ -237,9 +263,7 @@ def main() -> None:
     parser.add_argument("--init-std", type=float, default=0.05, help="std of the random weights")
     parser.add_argument("--dtype", default=None,
                         help="the engine's dtype (default: bf16 on a GPU, float32 on a CPU)")
-    parser.add_argument("--paths", nargs="+", default=None, choices=list(PATHS),
-                        help=f"default: all ({STATIC_CHECKPOINT!r} not for MoE models, whose experts take no "
-                             "static scales)")
+    parser.add_argument("--paths", nargs="+", default=None, choices=list(PATHS), help="default: all")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                         help="config fields to replace, values in JSON (e.g. num_hidden_layers=4): a smaller "
@@ -254,14 +278,8 @@ def main() -> None:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             parser.error(f"--override {key}: {value!r} is not a JSON value")
-    from transformers import AutoConfig
-
-    experts = overrides.get("num_experts", getattr(AutoConfig.from_pretrained(args.config), "num_experts", 0))
-    moe = bool(experts)
     if args.paths is None:
-        args.paths = [name for name in PATHS if not (moe and name == STATIC_CHECKPOINT)]
-    elif moe and STATIC_CHECKPOINT in args.paths:
-        parser.error(f"{STATIC_CHECKPOINT!r}: static activation scales are not implemented for MoE experts")
+        args.paths = list(PATHS)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(1)
     with tempfile.TemporaryDirectory() as scratch:

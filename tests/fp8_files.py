@@ -61,6 +61,14 @@ def compressed_tensors_config(strategy: str | None, block: tuple[int, int] = (12
 # the engine's rule for a fused projection, the largest of its parts, shows).
 STATIC_INPUT_SCALES = {"q_proj": 0.010, "k_proj": 0.012, "v_proj": 0.014, "o_proj": 0.008, "gate_proj": 0.011,
                        "up_proj": 0.013, "down_proj": 0.020}
+EXPERT = re.compile(r".*\.experts\.(\d+)\..*")
+
+
+def static_input_scale(name: str) -> float:
+    """A static checkpoint's input scale for the weight `name`: its projection's, and for MoE expert e
+    that times 1 + e / 10 (each expert calibrated apart)."""
+    expert = EXPERT.fullmatch(name)
+    return STATIC_INPUT_SCALES[name.split(".")[-2]] * (1 + int(expert[1]) / 10 if expert else 1)
 
 
 def modelopt_config(static: bool, kv_cache: bool = False, exclude: tuple[str, ...] = ("lm_head",)) -> dict:
@@ -106,7 +114,7 @@ def write_fp8_checkpoint(src: str, dst: str, layout: str, block: tuple[int, int]
             scale = scale[:, None] if layout == "channel" else scale.reshape(1)
         out[name], out[name + "_scale"] = q, scale
         if static:
-            value = torch.tensor(STATIC_INPUT_SCALES[name.split(".")[-2]])
+            value = torch.tensor(static_input_scale(name))
             out[name.removesuffix("weight") + "input_scale"] = value.reshape(1) if compressed else value
     quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
              "modules_to_not_convert": ["lm_head"]}

@@ -190,14 +190,15 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Mo
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoeConfig | None = None,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              scale_groups: tuple[int, int] = (0, 0)) -> torch.Tensor:
+              scale_groups: tuple[int, int] = (0, 0), w8a8: bool = True) -> torch.Tensor:
     """sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k], as
     layers.fused_moe.torch_moe. x [T, H]; w13 [E, 2I, H] ([gate; up] rows); w2 [E, H, I];
     topk_weights [T, top_k] (float32 best); topk_ids [T, top_k]. float32 accumulation, x's dtype out.
     fp8 experts (layers/fp8.py's layout): e4m3 w13 and w2 with float32 scales [E, rows, ceil(K / group)],
     scale_groups the two groups along K (K itself: per channel), read as e4m3 and widened in registers
     (W8A16: x is not rounded), or, where the config says w8a8, multiplied by x and the intermediate
-    quantized per row and group as layers/fp8.quantize_activations rounds them."""
+    quantized per row and group as layers/fp8.quantize_activations rounds them. w8a8=False keeps the
+    activations unrounded whatever the default config would do (a static checkpoint's experts)."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -214,7 +215,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # one config for both GEMMs: its K tiles split both scale groups (a group >= K is one a row)
     groups = [g for g, k in zip(scale_groups, (hidden, two_i // 2)) if 0 < g < k]
     config = config or moe_config(num_slots, num_experts, x.dtype, fp8_weights=w13.element_size() == 1,
-                                  k_group=math.gcd(*groups) if groups else 0)
+                                  k_group=math.gcd(*groups) if groups else 0, w8a8=w8a8)
     if config.w8a8 and w13_scale is None:
         raise ValueError("a w8a8 config multiplies fp8 experts; these expert weights are not fp8")
     if config.w8a8 and config.block_k < MIN_FP8_DOT_K:

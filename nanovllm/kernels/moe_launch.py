@@ -44,12 +44,13 @@ W8A8_EXPERTS = False
 
 
 def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights: bool = False,
-               k_group: int = 0) -> MoeConfig:
+               k_group: int = 0, w8a8: bool = True) -> MoeConfig:
     """Few slots per expert (decode): 16-row blocks, so padding wastes little, and narrow column tiles,
     so that the few experts hit still spread over every SM. Many (prefill): larger tiles reuse each
     weight tile over more rows. Guesses for Hopper, timed by scripts/moe_bench.py (bf16 and fp8 experts).
     k_group: fp8 scales' group along K (0: none, or one a row); K tiles are narrowed to split it. fp8
-    experts run W8A8 where W8A8_EXPERTS says so and the K tiles are wide enough for an e4m3 dot."""
+    experts run W8A8 where W8A8_EXPERTS says so, w8a8 allows it (False: the activations stay unrounded) and
+    the K tiles are wide enough for an e4m3 dot."""
     per_expert = num_slots / num_experts
     small_k = 64 if dtype == torch.float32 else 128  # same bytes per tile
     if per_expert < FEW_SLOTS_PER_EXPERT:
@@ -63,6 +64,6 @@ def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights
         config = MoeConfig(64, 128, small_k // 2, num_warps=8, num_stages=3)
     if k_group and k_group % config.block_k:
         config = replace(config, block_k=math.gcd(config.block_k, k_group))
-    if fp8_weights and W8A8_EXPERTS and config.block_k >= MIN_FP8_DOT_K:
+    if fp8_weights and w8a8 and W8A8_EXPERTS and config.block_k >= MIN_FP8_DOT_K:
         config = replace(config, w8a8=True, swap_ab=config.block_m < 64)
     return config

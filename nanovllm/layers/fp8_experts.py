@@ -1,8 +1,11 @@
 """fp8 MoE experts (layers/fused_moe.py): their stacked e4m3 weights and float32 scales, registered for
 loading and brought to layers/fp8.py's layout after it (one scale row per weight row, groups along K),
-for the three ways an fp8 model arrives (block-wise and per-channel checkpoints, quantization="fp8")."""
+for the three ways an fp8 model arrives (block-wise and per-channel checkpoints, quantization="fp8");
+with static activation scales (layers/fp8_static.py) also `w13_input_scale` and `w2_input_scale` [E], one
+scale an expert (its gate's and up's larger)."""
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -47,12 +50,36 @@ def create_expert_weights(experts: nn.Module, scheme: Fp8Scheme) -> None:
             name = f"{proj}_{scheme.block_scale_name}"
         scale.weight_loader, scale.expert_proj = experts.weight_loader, proj
         setattr(experts, name, scale)
+        if scheme.static_input:  # one input_scale an expert and projection, a copy a row as loaded
+            inputs = nn.Parameter(torch.empty(e, rows, 1, dtype=torch.float32), requires_grad=False)
+            inputs.checkpoint_view, inputs.sharded_cols = expert_scalar_view(rows_of, stacked), False
+            inputs.weight_loader, inputs.expert_proj = experts.weight_loader, proj
+            setattr(experts, f"{proj}_input_scale", inputs)
+
+
+def expert_scalar_view(rows_of: Callable[[object], int], stacked: Callable[[object], bool]
+                       ) -> Callable[..., torch.Tensor]:
+    """An expert's input_scale's checkpoint_view: [] or [1] (with a leading experts dim when stacked) ->
+    [rows, 1], the scale copied to each row its projection part fills (so that the experts' loader
+    places it as it places a weight's rows)."""
+
+    def view(loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
+        lead = tuple(loaded.shape[:1]) if stacked(shard_id) else ()
+        flat = loaded.float().reshape(*lead, -1)
+        if flat.shape[-1] != 1:
+            raise ValueError(f"fp8 input_scale of shape {tuple(loaded.shape)} is not one scale an expert")
+        return flat.expand(*lead, rows_of(shard_id)).unsqueeze(-1).contiguous()
+
+    return view
 
 
 def process_expert_weights(experts: nn.Module, scheme: Fp8Scheme) -> None:
     """The loaded experts in the module docstring's layout: w13_weight, w2_weight fp8 and w13_weight_scale,
     w2_weight_scale float32."""
     for proj in ("w13", "w2"):
+        if scheme.static_input:  # an expert's gate and up see the same input: the larger scale (as dense)
+            per_expert = getattr(experts, f"{proj}_input_scale").data.amax(dim=(1, 2))
+            setattr(experts, f"{proj}_input_scale", nn.Parameter(per_expert, requires_grad=False))
         weight = getattr(experts, f"{proj}_weight")
         if not scheme.serialized:
             q, scale = quantize_groups(weight.data, weight.shape[2])

@@ -21,8 +21,10 @@ Two implementations of the routing and the experts, same math:
 
 fp8 experts (an FP8 checkpoint's, or `quantization="fp8"`) keep their weights and scales as layers/fp8.py
 lays them out. On the CPU they run through its dequantizing reference, per expert (W8A8's rounding of
-the activations included); on CUDA the grouped GEMMs above read the e4m3 weights and widen them in
-registers, the activations unrounded (W8A16, as the dense layers' decode GEMV)."""
+the activations included: per token, or with a static checkpoint's scale for each expert, as
+layers/fp8_static.py rounds dense inputs); on CUDA the grouped GEMMs above read the e4m3 weights and widen
+them in registers, the activations unrounded (W8A16, as the dense layers' decode GEMV; a static
+checkpoint's experts always so)."""
 
 from collections.abc import Callable
 
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers import fp8, fp8_experts
+from nanovllm.layers.fp8_static import fp8_static_dequant_linear
 from nanovllm.layers.linear import ReplicatedLinear, _divide
 from nanovllm.layers.linear_methods import LinearMethod
 from nanovllm.layers.norm_act import RMSNorm
@@ -163,14 +166,19 @@ class MoEExperts(nn.Module):
                      ) -> torch.Tensor:
         g13, g2 = fp8_experts.expert_groups(self, self.quantization)
         w13, w2 = self.w13_weight, self.w2_weight
+        static = self.quantization.static_input
         if x.is_cuda:  # the grouped GEMMs read e4m3: widened in registers (W8A16), or W8A8 (moe_config)
             from nanovllm.kernels.fused_moe import fused_moe
             return fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=self.w13_weight_scale,
-                             w2_scale=self.w2_weight_scale, scale_groups=(g13, g2))
-        scales = {id(w13): (self.w13_weight_scale, g13), id(w2): (self.w2_weight_scale, g2)}
+                             w2_scale=self.w2_weight_scale, scale_groups=(g13, g2), w8a8=not static)
+        scales = {id(w13): (self.w13_weight_scale, g13, getattr(self, "w13_input_scale", None)),
+                  id(w2): (self.w2_weight_scale, g2, getattr(self, "w2_input_scale", None))}
 
         def linear(rows: torch.Tensor, weight: torch.Tensor, expert: int) -> torch.Tensor:
-            scale, group = scales[id(weight)]
+            scale, group, inputs = scales[id(weight)]
+            if static:
+                return fp8_static_dequant_linear(rows, weight[expert], scale[expert], group,
+                                                 inputs[expert : expert + 1], None)
             return fp8.fp8_dequant_linear(rows, weight[expert], scale[expert], group, None)
 
         return torch_moe(x, w13, w2, topk_weights, topk_ids, linear)

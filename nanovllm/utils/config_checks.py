@@ -98,7 +98,8 @@ class Fp8Scheme:
     of `columns` inputs of a token; None: one scale per output channel (or per tensor) and activations
     scaled per token. serialized: the checkpoint's weights are fp8; False: quantized at load
     (`quantization="fp8"` on a bf16/fp32 checkpoint). static_input: one activation scale per layer, the
-    checkpoint's `input_scale` (layers/fp8_static.py; no blocks, no MoE experts)."""
+    checkpoint's `input_scale` (layers/fp8_static.py; MoE experts one each, layers/fp8_experts.py; no
+    blocks)."""
 
     block: tuple[int, int] | None
     serialized: bool
@@ -136,14 +137,14 @@ def quantization_scheme(hf_config: PretrainedConfig, option: str | None = None) 
                          "leave quantization unset (None) to use the checkpoint's")
     if method == MODELOPT_METHOD:
         block, static = modelopt_scheme(quant, hf_config)
-        _check_static(static, block, hf_config)
+        _check_static(static, block)
         return Fp8Scheme(block=block, serialized=True, static_input=static)
     if method == CT_METHOD:
         weights = compressed_tensors_scheme(quant, hf_config)
         if weights is None:  # KV-cache scales only
             return None
         block, static = weights
-        _check_static(static, block, hf_config)
+        _check_static(static, block)
         return Fp8Scheme(block=block, serialized=True, static_input=static, block_scale_name="weight_scale")
     unknown = sorted(quant.keys() - FP8_FIELDS)
     if unknown:
@@ -166,18 +167,15 @@ def quantization_scheme(hf_config: PretrainedConfig, option: str | None = None) 
                 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
             raise ValueError(f"fp8 weight_block_size must be two positive integers, got {block!r}")
         block = (block[0], block[1])
-    _check_static(scheme == "static", block, hf_config)
+    _check_static(scheme == "static", block)
     return Fp8Scheme(block=block, serialized=True, static_input=scheme == "static")
 
 
-def _check_static(static: bool, block: tuple[int, int] | None, hf_config: PretrainedConfig) -> None:
-    """Static activation scales are read for per-tensor and per-channel weights of dense layers."""
+def _check_static(static: bool, block: tuple[int, int] | None) -> None:
+    """Static activation scales are read for per-tensor and per-channel weights."""
     if static and block is not None:
         raise ValueError("static activation scales with block-scaled fp8 weights are not implemented; "
                          "nanovllm implements them with per-tensor or per-channel weight scales")
-    if static and getattr(hf_config, "num_experts", 0):
-        raise ValueError("static activation scales for MoE experts are not implemented; use the model's "
-                         "FP8 checkpoint with dynamic activation scales")
 
 
 def check_quantization(hf_config: PretrainedConfig, option: str | None = None) -> None:

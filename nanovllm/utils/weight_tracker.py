@@ -21,10 +21,11 @@ import re
 import torch
 from torch import nn
 
-# A per-expert checkpoint name (`...mlp.experts.3.gate_proj.weight`, or its fp8 scale `...weight_scale_inv`)
-# or an already stacked one (`...mlp.experts.gate_up_proj`, as transformers names GGUF experts).
+# A per-expert checkpoint name (`...mlp.experts.3.gate_proj.weight`, its fp8 scale `...weight_scale_inv`, or
+# a static checkpoint's activation scale `...gate_proj.input_scale`) or an already stacked one
+# (`...mlp.experts.gate_up_proj`, as transformers names GGUF experts).
 EXPERT_NAME = re.compile(r"(?P<prefix>.*\.experts)\.(?:(?P<expert>\d+)\.)?(?P<proj>\w+?)"
-                         r"(?:\.weight(?P<suffix>_scale(?:_inv)?)?)?")
+                         r"(?:\.weight(?P<suffix>_scale(?:_inv)?)?|\.(?P<input>input_scale))?")
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -96,9 +97,13 @@ class WeightTracker:
         if isinstance(shard_id, str) and "." in shard_id:  # a stacked expert piece: `expert.part`
             expert, part = shard_id.split(".")
             prefix, _, param_name = target.rpartition(".")
-            base, _, suffix = param_name.partition("_weight")  # w13_weight_scale_inv -> w13, _scale_inv
+            if param_name.endswith("_input_scale"):  # w13_input_scale -> w13, .input_scale
+                base, tail = param_name.removesuffix("_input_scale"), "input_scale"
+            else:  # w13_weight_scale_inv -> w13, .weight_scale_inv
+                base, _, suffix = param_name.partition("_weight")
+                tail = f"weight{suffix}"
             proj = next((p for p, mapped in self.experts.items() if mapped == (f"{base}_weight", part)), None)
-            return f"{prefix}.{expert}.{proj}.weight{suffix}" if proj else f"{target}:{shard_id}"
+            return f"{prefix}.{expert}.{proj}.{tail}" if proj else f"{target}:{shard_id}"
         for ckpt_name, (fused_name, fused_shard) in self.packed.items():
             if fused_shard == shard_id and f".{fused_name}." in target:
                 return target.replace(fused_name, ckpt_name)
@@ -106,7 +111,11 @@ class WeightTracker:
 
     def _load_expert(self, match: re.Match, tensor: torch.Tensor, file: str) -> None:
         param_name, part = self.experts[match["proj"]]
-        target = f"{match['prefix']}.{param_name}{match['suffix'] or ''}"
+        if match["input"]:  # w13_weight -> w13_input_scale
+            param_name, suffix = param_name.removesuffix("weight") + "input_scale", ""
+        else:
+            suffix = match["suffix"] or ""
+        target = f"{match['prefix']}.{param_name}{suffix}"
         param = self.params.get(target)
         if param is None:
             return

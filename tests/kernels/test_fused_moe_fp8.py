@@ -115,6 +115,10 @@ def test_w8a8_is_the_configs_choice_for_fp8_experts_only(monkeypatch):
         assert config.w8a8 and config.swap_ab == (config.block_m < 64)  # the weight tile on wgmma's side
     assert not moe_config(2048, 128, bf16).w8a8  # bf16 experts have nothing to quantize against
     assert not moe_config(8, 128, bf16, fp8_weights=True, k_group=16).w8a8  # no e4m3 dot tiles 16 inputs
+    # a static checkpoint's experts keep their activations unrounded (layers/fused_moe.py): W8A16's config
+    unrounded = moe_config(2048, 128, bf16, fp8_weights=True, w8a8=False)
+    monkeypatch.setattr(moe_launch, "W8A8_EXPERTS", False)
+    assert unrounded == moe_config(2048, 128, bf16, fp8_weights=True)
 
 
 def test_fp8_experts_in_narrow_groups_run_with_the_default_config():

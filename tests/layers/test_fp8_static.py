@@ -1,6 +1,7 @@
 """fp8 weights with static activation scales (layers/fp8_static.py): the method a device takes, the GPU's
 large-batch product (torch._scaled_mm, which also runs on the CPU) against the dequantizing reference,
-the W8A16 buckets' indifference to the input scale, and the static checkpoints nanovllm refuses."""
+the W8A16 buckets' indifference to the input scale, and the static checkpoints nanovllm refuses (MoE
+experts' static scales: tests/models/test_fp8_checkpoints.py)."""
 
 import json
 import os
@@ -113,15 +114,6 @@ def test_static_checkpoints_nanovllm_cannot_read_are_refused(static_dir, tmp_pat
     per_token["config_groups"]["group_0"]["input_activations"]["strategy"] = "token"
     with pytest.raises(ValueError, match="static input activation scales per 'token'"):
         LLM(changed(src, str(tmp_path / "per_token"), quant=per_token), **ENGINE)
-
-
-def test_static_scales_for_moe_experts_are_refused(tmp_path):
-    src = str(tmp_path / "fp32")
-    make_model_dir(src, arch="qwen3_moe", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
-                   moe_intermediate_size=32)
-    write_fp8_checkpoint(src, str(tmp_path / "static"), "channel", static=True)
-    with pytest.raises(ValueError, match="static activation scales for MoE experts are not implemented"):
-        LLM(str(tmp_path / "static"), **ENGINE)
 
 
 def test_tp2_holds_the_scales_tp1_holds(static_dir):

@@ -11,6 +11,8 @@ The tiny random model amplifies rounding (INIT_RANGE 0.25): against the unquanti
 logprobs move by ~0.2 nats on average with fp8, so the comparisons that must hold exactly are the ones with
 the same rounding."""
 
+import json
+
 import pytest
 import torch
 from conftest import PROMPTS, make_model_dir
@@ -62,11 +64,38 @@ def static_rounding(name: str):
     return lambda m, args: ((quantize_static(args[0], scale).float() * scale).to(args[0].dtype),)
 
 
+def static_experts(experts: torch.nn.Module):
+    """transformers' Qwen3MoeExperts.forward (the same loop and sums) with each expert's inputs rounded as
+    a static checkpoint's scales for that expert do: gate/up's the larger of theirs, times 1 + e / 10
+    (fp8_files.static_input_scale)."""
+
+    def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
+        scale = torch.tensor([scale])
+        return (quantize_static(x, scale).float() * scale).to(x.dtype)
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        mask = torch.nn.functional.one_hot(top_k_index, num_classes=experts.num_experts).permute(2, 1, 0)
+        for e in range(experts.num_experts):
+            top_k_pos, token_idx = torch.where(mask[e])
+            if not len(token_idx):
+                continue
+            x = rounded(hidden_states[token_idx], FUSED_STATIC_SCALES["up_proj"] * (1 + e / 10))
+            gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            y = rounded(experts.act_fn(gate) * up, STATIC_INPUT_SCALES["down_proj"] * (1 + e / 10))
+            y = torch.nn.functional.linear(y, experts.down_proj[e])
+            y = y * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+    return forward
+
+
 def w8a8_transformers(path: str, group: int | None, static: bool = False
                       ) -> tuple[list[list[float]], list[list[int]]]:
     """transformers on `path` with every decoder projection's input rounded through e4m3 (per token and
-    group of `group` inputs; None: per token; static: with the static checkpoints' scales): prompt
-    logprobs and greedy tokens of PROMPTS."""
+    group of `group` inputs; None: per token; static: with the static checkpoints' scales, MoE experts'
+    each with its own): prompt logprobs and greedy tokens of PROMPTS."""
     from transformers import AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -74,8 +103,10 @@ def w8a8_transformers(path: str, group: int | None, static: bool = False
         return (quantize_activations(args[0], group or args[0].shape[-1]),)
 
     for name, module in hf.model.layers.named_modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and not name.endswith("mlp.gate"):  # routers stay exact
             module.register_forward_pre_hook(static_rounding(name) if static else dynamic_rounding)
+        elif name.endswith("mlp.experts") and static:
+            module.forward = static_experts(module)
     hf.generation_config.eos_token_id = None
     tok = AutoTokenizer.from_pretrained(path)
     lps, tokens = [], []
@@ -155,6 +186,39 @@ def test_modelopt_checkpoint_runs_as_the_fp8_one(folders, tmp_path, layout, stat
     assert loaded[0].keys() == loaded[1].keys()
     assert all(torch.equal(loaded[0][name], loaded[1][name]) for name in loaded[0])
     assert prompt_logprobs(modelopt) == prompt_logprobs(fp8)
+
+
+def test_moe_experts_with_static_activation_scales(tmp_path):
+    """A static checkpoint of an MoE model (a calibrated input_scale for each expert's gate, up and down;
+    AutoFP8's, compressed-tensors' and ModelOpt's layouts alike): each expert's inputs rounded with its
+    own scales (gate/up: the larger), as transformers does with that rounding; TP=2 as TP=1."""
+    src = str(tmp_path / "fp32")
+    make_model_dir(src, **MOE)
+    write_fp8_checkpoint(src, str(tmp_path / "static"), "tensor", static=True,
+                         dequantized=str(tmp_path / "dequantized"))
+    llm = LLM(str(tmp_path / "static"), **ENGINE)
+    experts = llm.engine.executor.model.model.layers[0].mlp.experts
+    assert experts.w13_input_scale.tolist() == pytest.approx([0.013 * (1 + e / 10) for e in range(8)])
+    assert experts.w2_input_scale.tolist() == pytest.approx([0.020 * (1 + e / 10) for e in range(8)])
+    lps, tokens = prompt_logprobs(llm)
+    ref_lps, ref_tokens = w8a8_transformers(str(tmp_path / "dequantized"), None, static=True)
+    assert max_error(lps, ref_lps) < TOL and tokens == ref_tokens
+    # the dynamic checkpoint of the same weights rounds otherwise
+    write_fp8_checkpoint(src, str(tmp_path / "dynamic"), "tensor")
+    assert max_error(lps, prompt_logprobs(LLM(str(tmp_path / "dynamic"), **ENGINE))[0]) > 10 * TOL
+    for layout in ("ct-tensor", "mo-tensor"):
+        write_fp8_checkpoint(src, str(tmp_path / layout), layout, static=True)
+    assert prompt_logprobs(LLM(str(tmp_path / "ct-tensor"), **ENGINE)) == (lps, tokens)
+    excluded = ("lm_head", "model.layers.*.mlp.gate")  # ModelOpt leaves the routers out by name
+    with open(tmp_path / "mo-tensor" / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["ignore"] = list(excluded)
+    with open(tmp_path / "mo-tensor" / "config.json", "w") as f:
+        json.dump(config, f)
+    assert prompt_logprobs(LLM(str(tmp_path / "mo-tensor"), **ENGINE)) == (lps, tokens)
+    with LLM(str(tmp_path / "static"), **ENGINE, tensor_parallel_size=2) as tp2:
+        lps2, tokens2 = prompt_logprobs(tp2)
+    assert max_error(lps, lps2) < 1e-4 and tokens2 == tokens
 
 
 def test_quantization_option_quantizes_per_channel_at_load(folders):

@@ -73,9 +73,13 @@ def test_other_configs_are_refused_naming_what_they_do(quant, match):
     assert "refuses others rather than load them wrong" in str(refused.value)
 
 
-def test_static_inputs_are_refused_for_moe_experts():
-    with pytest.raises(ValueError, match="static activation scales for MoE experts are not implemented"):
-        quantization_scheme(config(with_(ignore=["lm_head", "model.layers.*.mlp.gate"]), moe=True))
+def test_an_moe_model_reads_with_its_routers_excluded():
+    """NVIDIA's FP8 MoE checkpoints: static inputs for every expert (layers/fp8_experts.py), routers left
+    out by pattern."""
+    moe = config(with_(ignore=["lm_head", "model.layers.*.mlp.gate"]), moe=True)
+    assert quantization_scheme(moe) == Fp8Scheme(block=None, serialized=True, static_input=True)
+    with pytest.raises(ValueError, match=r"quantizes 'model.layers.0.mlp.gate' \(not in exclusions"):
+        quantization_scheme(config(with_(ignore=["lm_head"]), moe=True))
 
 
 def test_the_option_must_fit_the_checkpoint():
