@@ -81,8 +81,8 @@ def _copy_with_config(src: str, dst, **changes) -> str:
 ])
 def test_impossible_model_configs_are_refused_before_loading(qwen3_dir, tmp_path, monkeypatch, changes,
                                                              match):
-    import nanovllm.runner.model_runner as model_runner
-    monkeypatch.setattr(model_runner, "load_model", lambda *a: pytest.fail("weights were loaded"))
+    import nanovllm.runner.model_loading as model_loading
+    monkeypatch.setattr(model_loading, "load_model", lambda *a: pytest.fail("weights were loaded"))
     path = _copy_with_config(qwen3_dir, tmp_path / "model", **changes)
     with pytest.raises(ValueError, match=match):
         LLM(path)

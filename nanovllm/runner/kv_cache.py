@@ -101,10 +101,10 @@ def allocate(layers: list[Attention], num_blocks: int, block_size: int, dtype: t
     return cache
 
 
-def use_checkpoint_scales(model: nn.Module, scales: KvScales, dtype: torch.dtype) -> None:
+def use_checkpoint_scales(model: nn.Module, scales: KvScales | None, dtype: torch.dtype) -> None:
     """Give an fp8 cache (`dtype` e4m3) the checkpoint's calibrated scales, layer by layer (1.0 where it
-    has none); other caches leave them unread (utils/kv_scales.py). Set before any graph is captured: the
-    kernels take the scales as constants."""
+    has none; None: no checkpoint); other caches leave them unread (utils/kv_scales.py). Set before any
+    graph is captured: the kernels take the scales as constants."""
     if not scales:
         return
     first = get_tp_rank() == 0  # every rank reads the same scales; one says so

@@ -10,27 +10,24 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from nanovllm.attention.layer import Attention
 from nanovllm.attention.registry import select_backend
 from nanovllm.config import Config
 from nanovllm.engine.executor import ExecutorInfo
 from nanovllm.engine.step import SamplingBatch, StepBatch, StepOutput
-from nanovllm.layers.kernel_plan import KernelPlan, kernel_table, process_weights_after_loading
+from nanovllm.layers.kernel_plan import KernelPlan, kernel_table
 from nanovllm.layers.parallel import get_tp_rank
 from nanovllm.layers.sampler import SamplingTensors
-from nanovllm.models import get_model_class
 from nanovllm.runner import kv_cache, warm_up
 from nanovllm.runner.cuda_graph import DecodeGraphs, staging_bytes
 from nanovllm.runner.inputs import model_inputs, padded_num_tokens, to_device
+from nanovllm.runner.model_loading import build_model
 from nanovllm.runner.piecewise import PiecewiseGraphs, memory_token_limit
 from nanovllm.runner.sampling import StepSampler, prompt_logprobs_by_row
 from nanovllm.runner.transfers import DeferredOutput, PendingOutput, Uploads
 from nanovllm.runner.verify_graphs import capture_decode_graphs, route
 from nanovllm.utils.cpu_threads import CpuThreadPolicy
-from nanovllm.utils.kv_scales import KvScales
-from nanovllm.utils.loader import init_dummy_weights, load_model, load_weights
 
 logger = logging.getLogger("nanovllm")
 
@@ -80,8 +77,9 @@ class ModelRunner:
             self.cpu_threads = CpuThreadPolicy(config.cpu_threads)
             self.cpu_threads.apply()
         torch.manual_seed(config.seed)
-        self.model = self._build_model(KernelPlan.for_device(self.device, self.dtype, config.skinny_gemm,
-                                                             quantization=config.quantization, hf_config=hf))
+        plan = KernelPlan.for_device(self.device, self.dtype, config.skinny_gemm,
+                                     quantization=config.quantization, hf_config=hf)
+        self.model = build_model(config, plan, self.device, self.dtype, self.kv_dtype)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         layer = self.attention_layers[0]
         self.backend = select_backend(config.attention_backend, self.device, self.block_size, self.dtype,
@@ -122,27 +120,6 @@ class ModelRunner:
         threads = self.cpu_threads.num_threads if self.cpu_threads is not None else None
         self.info = ExecutorInfo(str(self.device), config.model_dtype, self.backend.name,
                                  self.num_kvcache_blocks, threads)
-
-    def _build_model(self, plan: KernelPlan) -> nn.Module:
-        config, hf = self.config, self.config.hf_config
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model: nn.Module = get_model_class(hf)(hf, plan)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        kv_scales = KvScales()
-        if config.load_format == "dummy":
-            init_dummy_weights(model, std=getattr(hf, "initializer_range", 0.02), seed=config.seed)
-        elif config.load_format == "gguf":
-            kv_scales = load_weights(model, config.gguf.weights(self.dtype), config.gguf_path)
-        else:
-            kv_scales = load_model(model, config.model)
-        process_weights_after_loading(model)
-        kv_cache.use_checkpoint_scales(model, kv_scales, self.kv_dtype)
-        logger.debug("weights loaded (%s, %s on %s)", config.load_format, self.dtype, self.device)
-        return model.eval()
 
     def _decode_graph_size(self) -> tuple[int, int]:
         """(the largest decode batch the scheduler can form, so that no step falls outside the captured

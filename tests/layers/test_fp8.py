@@ -196,7 +196,7 @@ def test_unimplemented_quantization_configs_are_refused(tiny, tmp_path, changes,
 
 
 def test_unknown_quantization_option_and_a_conflicting_one_are_refused(tiny):
-    options = r"\[None, 'fp8', 'compressed-tensors'\]"
+    options = r"\[None, 'fp8', 'compressed-tensors', 'modelopt'\]"
     with pytest.raises(ValueError, match=rf"quantization must be one of {options}, got 'int8'"):
         LLM(str(tiny / "fp32"), **ENGINE, quantization="int8")
     with pytest.raises(TypeError, match="option quantization must be str or None"):
