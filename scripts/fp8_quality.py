@@ -80,6 +80,15 @@ def write_block_checkpoint(src: str, dst: str) -> str:
     return dst
 
 
+def run_hooked(model: torch.nn.Module, prompts: list[list[int]], device: str, hooks: list) -> None:
+    """Run the prompts through the model with its recording hooks, then take the hooks off."""
+    with torch.no_grad():
+        for prompt in prompts:
+            model(torch.tensor([prompt], device=device))
+    for hook in hooks:
+        hook.remove()
+
+
 def calibrate(model: torch.nn.Module, prompts: list[list[int]], device: str) -> dict[str, float]:
     """The largest input magnitude of each decoder projection over `prompts`, by checkpoint weight name
     (MoE experts, which transformers keeps stacked, each under its own: the rows routed to it)."""
@@ -104,11 +113,7 @@ def calibrate(model: torch.nn.Module, prompts: list[list[int]], device: str) -> 
         else:
             continue
         hooks.append(module.register_forward_pre_hook(hook))
-    with torch.no_grad():
-        for prompt in prompts:
-            model(torch.tensor([prompt], device=device))
-    for hook in hooks:
-        hook.remove()
+    run_hooked(model, prompts, device, hooks)
     return amax
 
 
@@ -133,11 +138,7 @@ def calibrate_kv(model: torch.nn.Module, prompts: list[list[int]], device: str) 
             keys = getattr(module, "k_norm", None) or module.k_proj
             hooks.append(keys.register_forward_hook(recorder(f"{name}.k_scale", True)))
             hooks.append(module.v_proj.register_forward_hook(recorder(f"{name}.v_scale", False)))
-    with torch.no_grad():
-        for prompt in prompts:
-            model(torch.tensor([prompt], device=device))
-    for hook in hooks:
-        hook.remove()
+    run_hooked(model, prompts, device, hooks)
     return amax
 
 
