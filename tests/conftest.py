@@ -138,7 +138,8 @@ def _mend_interpreter() -> None:
     31.6 became 16.0 (2% of normal draws), where the GPU's cvt.rn.satfinite rounds to the nearest e4m3
     (8.0, 32.0) and saturates at 448. An fp8 KV cache stored by a Triton kernel on the CPU then differed
     from the reference backend's by up to 1.4 nats of prompt logprob. Here such casts go through torch's
-    float8_e4m3fn conversion, which rounds and saturates as the GPU does."""
+    float8_e4m3fn conversion, which rounds and saturates as the GPU does; and e4m3's NaN, which it widened
+    to 480, widens to NaN."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     try:
@@ -167,9 +168,17 @@ def _mend_interpreter() -> None:
         e4m3 = torch.from_numpy(np.array(wide, dtype=np.float32)).to(torch.float8_e4m3fn)
         return e4m3.view(torch.uint8).numpy().reshape(wide.shape)
 
+    def from_e4m3(data, output_dtype):
+        wide = torch.from_numpy(np.array(data, dtype=np.uint8)).view(torch.float8_e4m3fn).float().numpy()
+        if output_dtype == tl.bfloat16:  # kept as its bits: the upper half of float32's, exactly
+            return (wide.view(np.uint32) >> 16).astype(np.uint16)
+        return wide.astype(np.float16 if output_dtype == tl.float16 else np.float32)
+
     def convert_nearest(data, input_dtype, output_dtype, rounding_mode):
         if output_dtype == tl.float8e4nv and input_dtype in (tl.float32, tl.float16, tl.bfloat16):
             return to_e4m3(data, input_dtype)
+        if input_dtype == tl.float8e4nv and output_dtype in (tl.float32, tl.float16, tl.bfloat16):
+            return from_e4m3(data, output_dtype)
         if not (input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode is None):
             return convert_float(data, input_dtype, output_dtype, rounding_mode)
         bits = np.array(data, dtype=np.float32).view(np.uint32).astype(np.uint64)  # a copy, shape kept
