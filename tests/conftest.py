@@ -132,7 +132,8 @@ def _mend_interpreter() -> None:
     skipped), it rounds float32 to bfloat16 toward zero where the GPU rounds to nearest even, and it casts
     an integer to bfloat16 as numpy casts it to uint16 (an int8 KV cache's tiles came out as tiny floats).
     Here bf16 dot operands are widened to float32 first (exact products, float32 sums, as tensor cores
-    compute them), the cast rounds to nearest even, and integers reach bfloat16 through float32.
+    compute them; float16 ones too, so that a float16 dot sums in the very order a bf16 one does), the
+    cast rounds to nearest even, and integers reach bfloat16 through float32.
 
     Its casts to e4m3 (tl.float8e4nv) drop the carry of a mantissa rounded up past 7: 7.8 became 4.0 and
     31.6 became 16.0 (2% of normal draws), where the GPU's cvt.rn.satfinite rounds to the nearest e4m3
@@ -153,6 +154,8 @@ def _mend_interpreter() -> None:
     int_to_float = builder.create_si_to_fp
 
     def widen(handle):
+        if handle.dtype.scalar == tl.float16:  # float32 too, laid out as bf16's: its sums run as theirs
+            return interpreter.TensorHandle(np.ascontiguousarray(handle.data, dtype=np.float32), tl.float32)
         if handle.dtype.scalar != tl.bfloat16:
             return handle
         widened = convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)

@@ -21,8 +21,12 @@ slot pads fewer than BLOCK_M rows); blocks past the real ones get expert -1 and 
 once. So nothing reads the routing on the host, and a decode step replays with any routing.
 
 fp8 experts (e4m3 weights, float32 scales per row and K group, layers/fp8.py's layout) are read as e4m3,
-half the weight bytes of bf16, in one of two ways:
+half the weight bytes of bf16, in one of three ways:
 - W8A16: each weight tile widened in registers, the activations unrounded;
+- W8A16 in float16 (MoeConfig.f16): bf16 x and intermediate first as float16 rows times a power of two a
+  row (kernels/float16_rows.py, exact), so that weight tiles widen to float16 (one conversion a pair on
+  sm_90, where bf16 takes a permute and three), each row's sums times its scale at the end: the same
+  products and float32 sums as W8A16's;
 - W8A8 (MoeConfig.w8a8): x and the intermediate quantized per row and scale group first (kernels/fp8_gemm's
   quantize_rows, the rounding of layers/fp8.py's reference), both operands multiplied on fp8 tensor cores
   without widening anything, each K tile's sum added in float32 times its two scales."""
@@ -34,6 +38,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.common import dot_precision
+from nanovllm.kernels.float16_rows import float16_rows
 from nanovllm.kernels.fp8_gemm import MIN_FP8_DOT_K, quantize_rows
 from nanovllm.kernels.moe_align import MoeAlignment, max_num_blocks, moe_align  # noqa: F401 (re-exported)
 from nanovllm.kernels.moe_launch import MoeConfig, moe_config  # noqa: F401 (re-exported)
@@ -48,7 +53,7 @@ def _grouped_gemm_kernel(
     expert_ids_ptr,
     topk_weights_ptr,  # [num_slots] float32
     scale_ptr,  # fp8 weights: [E, N or 2N, num_groups] float32, w[e, n, k] * scale[e, n, k // GROUP]
-    a_scale_ptr,  # A_FP8: [rows, num_groups] float32, a[row, k] * a_scale[row, k // GROUP]
+    a_scale_ptr,  # A_FP8: [rows, num_groups] float32, a[row, k] * a_scale[row, k // GROUP]; A_F16: [rows, 1]
     num_slots,
     N,
     K,
@@ -70,6 +75,7 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,  # products as w @ a^T: the weight tile on the tensor cores' 64-row side
     DOT_PRECISION: tl.constexpr,
+    A_F16: tl.constexpr = False,  # W8A16, a as float16 times a power of two a row (kernels/float16_rows.py)
 ):
     pid_m = tl.program_id(0)  # fastest: neighbouring blocks of one expert share its weight tiles in L2
     pid_n = tl.program_id(1)
@@ -106,11 +112,18 @@ def _grouped_gemm_kernel(
         acc = tl.trans(acc)
         if GATED:
             acc_up = tl.trans(acc_up)
-    if W_FP8 and GROUP == 0:  # one scale a row (and a token, W8A8): they multiply the finished sums
-        row_scale = tl.load(as_rows, mask=valid, other=0.0)[:, None] if A_FP8 else 1.0
+    if A_F16 or (A_FP8 and GROUP == 0):  # a scale a row of a: it multiplies the finished sums
+        row_scale = tl.load(as_rows, mask=valid, other=0.0)[:, None]
+    else:
+        row_scale = 1.0
+    if W_FP8 and GROUP == 0:  # one scale a weight row: the finished sums too
         acc *= tl.load(s_rows)[None, :] * row_scale
         if GATED:
             acc_up *= tl.load(s_rows + N * stride_sn)[None, :] * row_scale
+    elif A_F16:
+        acc *= row_scale
+        if GATED:
+            acc_up *= row_scale
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_ROUTED_WEIGHT:
@@ -171,17 +184,18 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Mo
         raise ValueError(f"fp8 experts' scale groups of {group} inputs do not split into the GEMM's "
                          f"{config.block_k}-wide K tiles")
     scales = scale if scale is not None else topk_weights  # not read without fp8 weights
-    a_scale = topk_weights  # not read unless W8A8
-    w8a8 = config.w8a8
-    if w8a8:
+    a_scale = topk_weights  # not read unless W8A8 or float16 rows
+    if config.w8a8:
         a, a_scale = quantize_rows(a, group or k)
+    elif config.f16:
+        a, a_scale = float16_rows(a)
     _grouped_gemm_kernel[grid](
         a, w, out, align.sorted_ids, align.expert_ids, topk_weights, scales, a_scale, out.shape[0], n, k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         scale.stride(0) if scale is not None else 0, scale.stride(1) if scale is not None else 0,
-        a_scale.stride(0) if w8a8 else 0,
+        a_scale.stride(0) if config.w8a8 or config.f16 else 0,
         A_ROWS_PER_SLOT_DIV=top_k, GATED=gated, MUL_ROUTED_WEIGHT=not gated, W_FP8=scale is not None,
-        A_FP8=w8a8, GROUP=group,
+        A_FP8=config.w8a8, A_F16=config.f16, GROUP=group,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWAP_AB=config.swap_ab,
         DOT_PRECISION=dot_precision(a.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -216,8 +230,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     groups = [g for g, k in zip(scale_groups, (hidden, two_i // 2)) if 0 < g < k]
     config = config or moe_config(num_slots, num_experts, x.dtype, fp8_weights=w13.element_size() == 1,
                                   k_group=math.gcd(*groups) if groups else 0, w8a8=w8a8)
-    if config.w8a8 and w13_scale is None:
-        raise ValueError("a w8a8 config multiplies fp8 experts; these expert weights are not fp8")
+    if (config.w8a8 or config.f16) and w13_scale is None:
+        raise ValueError("a w8a8 or f16 config multiplies fp8 experts; these expert weights are not fp8")
+    if config.f16 and (config.w8a8 or x.dtype != torch.bfloat16):
+        raise ValueError("an f16 config takes bf16 activations (exact in float16 rows) and no w8a8")
     if config.w8a8 and config.block_k < MIN_FP8_DOT_K:
         raise ValueError(f"w8a8 needs K tiles of at least {MIN_FP8_DOT_K} inputs (the narrowest fp8 dot); "
                          f"the config's are {config.block_k}: the experts' scale groups are too narrow")

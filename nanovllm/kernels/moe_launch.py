@@ -27,6 +27,9 @@ class MoeConfig:
     # the fp8 tensor cores (W8A8, what the checkpoints' "dynamic" activation scheme and the CPU's
     # reference compute); otherwise the e4m3 weight tiles are widened in registers (W8A16).
     w8a8: bool = False
+    # fp8 experts with bf16 activations, W8A16: x and the intermediate as float16 rows times a power of two
+    # (exact), so the weight tiles widen to float16, the cheap conversion on sm_90.
+    f16: bool = False
 
 
 # Slots per expert (on average) below which the GEMMs take 16-row, then 32-row blocks; above, 64.
@@ -41,6 +44,12 @@ NARROW_TILE_MAX_SLOTS = 64
 # where widened fp8 experts stream at ~0.6 of their copy floor against bf16's ~0.9 (Qwen3-30B-A3B, 256
 # rows); scripts/moe_bench.py --fp8 times both.
 W8A8_EXPERTS = False
+# Whether fp8 experts that stay W8A16 (W8A8 off or not allowed) widen to float16 over float16 rows
+# (MoeConfig.f16, with swap_ab below 64-row blocks). Off until timed: its sm_90 builds (Triton 3.6, the
+# 256-row config) take 315 instructions a warp a gate/up K tile per channel against 507 widening to bf16
+# (309 against 504 with 128-blocks; W8A8: 137 and 225), down 207 against 303: the F2F and PRMT of bf16's
+# widening gone. A float16-rows launch (kernels/float16_rows.py) comes before each of the two GEMMs.
+F16_EXPERTS = False
 
 
 def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights: bool = False,
@@ -50,7 +59,8 @@ def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights
     weight tile over more rows. Guesses for Hopper, timed by scripts/moe_bench.py (bf16 and fp8 experts).
     k_group: fp8 scales' group along K (0: none, or one a row); K tiles are narrowed to split it. fp8
     experts run W8A8 where W8A8_EXPERTS says so, w8a8 allows it (False: the activations stay unrounded) and
-    the K tiles are wide enough for an e4m3 dot."""
+    the K tiles are wide enough for an e4m3 dot; else with bf16 activations over float16 rows where
+    F16_EXPERTS says so."""
     per_expert = num_slots / num_experts
     small_k = 64 if dtype == torch.float32 else 128  # same bytes per tile
     if per_expert < FEW_SLOTS_PER_EXPERT:
@@ -66,4 +76,6 @@ def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights
         config = replace(config, block_k=math.gcd(config.block_k, k_group))
     if fp8_weights and w8a8 and W8A8_EXPERTS and config.block_k >= MIN_FP8_DOT_K:
         config = replace(config, w8a8=True, swap_ab=config.block_m < 64)
+    elif fp8_weights and F16_EXPERTS and dtype == torch.bfloat16:
+        config = replace(config, f16=True, swap_ab=config.block_m < 64)
     return config

@@ -2,8 +2,9 @@
 layout) against the torch path on the exactly dequantized weights with unrounded activations (W8A16),
 and with w8a8 against the CPU's reference (activations rounded per token and group), on CPU tensors
 through the Triton interpreter (or on CUDA with TRITON_INTERPRET=0): 128-wide scale groups (a block-wise
-checkpoint's) and one scale a row (per channel), few and many tokens, either operand order (swap_ab); the
-launch parameters it picks for fp8 experts; and the misuse it refuses."""
+checkpoint's) and one scale a row (per channel), few and many tokens, either operand order (swap_ab); with
+f16, the same outputs as widening to bf16; the launch parameters it picks for fp8 experts; and the misuse
+it refuses."""
 
 import pytest
 import torch
@@ -93,6 +94,46 @@ def test_w8a8_experts_round_the_activations_as_the_reference(num_tokens, groupin
     unrounded = torch_moe(x, dequantize(q13, s13, groups[0]), dequantize(q2, s2, groups[1]), topk_weights,
                           topk_ids)
     assert (out - unrounded).abs().max() > 0.03  # 0.06-0.11 here: the rounding of x and the intermediate
+
+
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["a-w", "w-a"])
+@pytest.mark.parametrize("grouping", ["block-128", "per-channel"])
+@pytest.mark.parametrize("num_tokens", [1, 40])
+def test_float16_rows_give_the_bf16_widened_experts_bit_for_bit(num_tokens, grouping, swap_ab):
+    """f16 configs: bf16 x and intermediate as float16 rows times powers of two (exact), the e4m3 tiles
+    widened to float16: the same products as widening to bf16, each a power of two apart, the same float32
+    sums (the interpreter sums float16 dots as bf16 ones), so the same bf16 outputs. Rows of x thousands of
+    times apart in magnitude, as float16's range alone could not hold."""
+    groups = scale_groups(grouping)
+    q13, s13, q2, s2 = fp8_experts(*groups)
+    x, topk_weights, topk_ids = routed_tokens(num_tokens, torch.bfloat16)
+    x = (x.float() * torch.logspace(4, -3, num_tokens, device=DEVICE)[:, None]).to(torch.bfloat16)
+    outs = [fused_moe(x, q13, q2, topk_weights, topk_ids, MoeConfig(16, 32, 128, swap_ab=swap_ab, f16=f16),
+                      w13_scale=s13, w2_scale=s2, scale_groups=groups) for f16 in (False, True)]
+    assert outs[1].dtype == torch.bfloat16 and outs[1].abs().max() > 1e4
+    if DEVICE == "cpu":
+        assert torch.equal(outs[1], outs[0])
+    else:  # the GPU's float16 and bf16 tensor cores may sum in other orders: a row's rounding apart
+        rows = outs[0].float().abs().amax(dim=1, keepdim=True)
+        assert ((outs[1].float() - outs[0].float()).abs() / rows).max() < 1e-2
+
+
+def test_float16_rows_are_a_choice_for_bf16_fp8_experts_left_w8a16(monkeypatch):
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(moe_launch, "F16_EXPERTS", True)
+    config = moe_config(2048, 128, bf16, fp8_weights=True)
+    assert config.f16 and not config.w8a8 and config.swap_ab  # 32-row blocks: the weight on wgmma's side
+    assert moe_config(2048, 128, bf16, fp8_weights=True, w8a8=False).f16  # a static checkpoint's experts
+    assert not moe_config(2048, 128, torch.float32, fp8_weights=True).f16  # float32 is not exact in float16
+    assert not moe_config(2048, 128, bf16).f16  # bf16 experts widen nothing
+    monkeypatch.setattr(moe_launch, "W8A8_EXPERTS", True)
+    config = moe_config(2048, 128, bf16, fp8_weights=True)
+    assert config.w8a8 and not config.f16  # W8A8 first where allowed
+    q13, s13, q2, s2 = fp8_experts(128, 128)
+    x, topk_weights, topk_ids = routed_tokens(3, torch.float32)
+    with pytest.raises(ValueError, match="an f16 config takes bf16 activations"):
+        fused_moe(x, q13, q2, topk_weights, topk_ids, MoeConfig(16, 32, 128, f16=True), w13_scale=s13,
+                  w2_scale=s2, scale_groups=(128, 128))
 
 
 def test_fp8_experts_take_k_tiles_that_split_their_scale_groups():

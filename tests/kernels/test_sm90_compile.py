@@ -84,7 +84,8 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "moe-count", "moe-scatter", "moe-scatter-summed", "moe-gate-up", "moe-down",
               "moe-align-one-launch",
               "moe-gate-up-fp8-block", "moe-down-fp8-channel", "moe-gate-up-w8a8-block",
-              "moe-down-w8a8-channel", "moe-gate-up-fp8-channel-swap-ab",
+              "moe-down-w8a8-channel", "moe-gate-up-fp8-channel-swap-ab", "moe-gate-up-fp8-f16-channel",
+              "moe-gate-up-fp8-f16-block", "moe-down-fp8-f16-channel", "float16-rows",
               "moe-topk-softmax", "race-chunk", "race-chunk-greedy", "race-pick", "race-pick-scatter",
               "decode-inputs", "gemv-rows-pdl", "gemv-rows-silu-mul", "gemv-rows-split",
               "fp8-quantize-rows", "fp8-w8a8-gemm-block", "fp8-w8a8-gemm-channel",
@@ -128,7 +129,8 @@ def test_every_kernel_has_a_case(compiled):
 # on that side falls back to mma.sync, which on e4m3 operands widens both to float16 first.
 WGMMA_CASES = ("prefill", "skinny-rows-fp8-pdl", "fp8-gemv-channel", "fp8-w8a8-gemm-block",
                "fp8-w8a8-gemm-split", "moe-down",
-               "moe-gate-up-fp8-channel-swap-ab", "moe-gate-up-w8a8-block", "moe-down-w8a8-channel")
+               "moe-gate-up-fp8-channel-swap-ab", "moe-gate-up-w8a8-block", "moe-down-w8a8-channel",
+               "moe-gate-up-fp8-f16-channel", "moe-gate-up-fp8-f16-block", "moe-down-fp8-f16-channel")
 
 
 def test_weight_tiles_on_the_wide_side_take_wgmma(compiled):
