@@ -1,0 +1,82 @@
+"""The mixture-of-experts kernels' cases for sm90_cases.cases(): routing, alignment and the grouped GEMMs
+over bf16 and fp8 experts (widened to bf16, to float16 over float16 rows, or W8A8), at Qwen3-30B-A3B's
+shapes (top-8 of 128 experts; the 256-row configs where a case says so)."""
+
+# fp8 experts' weights, and their activations as float16 rows with a scale a row (W8A16 in float16) or as
+# e4m3 with scales (W8A8).
+FP8_EXPERTS = {"w_ptr": "*fp8e4nv"}
+F16_ROWS = {"w_ptr": "*fp8e4nv", "a_ptr": "*fp16", "a_scale_ptr": "*fp32"}
+E4M3_ROWS = {"w_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32"}
+
+
+def moe_cases() -> dict:
+    """name: (kernel, constexprs[, pointer types[, launch options]]), as sm90_cases.cases()."""
+    from nanovllm.kernels import float16_rows, fused_moe, moe_align, moe_routing
+
+    return {
+        "moe-topk-softmax": (moe_routing._topk_softmax_kernel,
+                             dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=32, RENORMALIZE=True)),
+        "moe-count": (moe_align._count_kernel, dict(E_PAD=128, BLOCK_S=32)),
+        "moe-scatter": (moe_align._scatter_kernel,
+                        dict(E_PAD=128, BLOCK_M=16, BLOCK_S=32, LABEL_ROWS=32, COUNT_HERE=False,
+                             SUM_HERE=False, CHUNKS_PAD=128)),
+        "moe-scatter-summed": (moe_align._scatter_kernel,
+                               dict(E_PAD=128, BLOCK_M=16, BLOCK_S=32, LABEL_ROWS=32, COUNT_HERE=False,
+                                    SUM_HERE=True, CHUNKS_PAD=64), {}, dict(num_warps=8)),
+        "moe-align-one-launch": (moe_align._scatter_kernel,
+                                 dict(E_PAD=128, BLOCK_M=16, BLOCK_S=64, LABEL_ROWS=32, COUNT_HERE=True,
+                                      SUM_HERE=False, CHUNKS_PAD=1)),
+        "moe-gate-up": (fused_moe._grouped_gemm_kernel,
+                        dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False, W_FP8=False,
+                             A_FP8=False, GROUP=0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                             SWAP_AB=False, DOT_PRECISION="tf32")),
+        "moe-down": (fused_moe._grouped_gemm_kernel,
+                     dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True, W_FP8=False,
+                          A_FP8=False, GROUP=0, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SWAP_AB=False,
+                          DOT_PRECISION="tf32")),
+        # fp8 experts: e4m3 weights widened in registers, 128x128 block scales or one a row.
+        "moe-gate-up-fp8-block": (fused_moe._grouped_gemm_kernel,
+                                  dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False, W_FP8=True,
+                                       A_FP8=False, GROUP=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                                       SWAP_AB=False, DOT_PRECISION="tf32"),
+                                  FP8_EXPERTS),
+        "moe-down-fp8-channel": (fused_moe._grouped_gemm_kernel,
+                                 dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True, W_FP8=True,
+                                      A_FP8=False, GROUP=0, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
+                                      SWAP_AB=False, DOT_PRECISION="tf32"),
+                                 FP8_EXPERTS),
+        # fp8 experts widened in registers with the weight tile as wgmma's 64-row operand.
+        "moe-gate-up-fp8-channel-swap-ab": (fused_moe._grouped_gemm_kernel,
+                                            dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False,
+                                                 W_FP8=True, A_FP8=False, GROUP=0, BLOCK_M=16, BLOCK_N=64,
+                                                 BLOCK_K=128, SWAP_AB=True, DOT_PRECISION="tf32"),
+                                            FP8_EXPERTS),
+        # fp8 experts widened to float16 over float16 rows (bf16 x times a power of two a row, exactly).
+        "moe-gate-up-fp8-f16-channel": (fused_moe._grouped_gemm_kernel,
+                                        dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False,
+                                             W_FP8=True, A_FP8=False, A_F16=True, GROUP=0, BLOCK_M=32,
+                                             BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, DOT_PRECISION="tf32"),
+                                        F16_ROWS),
+        "moe-gate-up-fp8-f16-block": (fused_moe._grouped_gemm_kernel,
+                                      dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False,
+                                           W_FP8=True, A_FP8=False, A_F16=True, GROUP=128, BLOCK_M=32,
+                                           BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, DOT_PRECISION="tf32"),
+                                      F16_ROWS),
+        "moe-down-fp8-f16-channel": (fused_moe._grouped_gemm_kernel,
+                                     dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True,
+                                          W_FP8=True, A_FP8=False, A_F16=True, GROUP=0, BLOCK_M=32,
+                                          BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, DOT_PRECISION="tf32"),
+                                     F16_ROWS),
+        "float16-rows": (float16_rows._float16_rows_kernel, dict(BLOCK=1024), {"out_ptr": "*fp16"}),
+        # W8A8 experts: the activations quantized to e4m3 as well, both operands on fp8 tensor cores.
+        "moe-gate-up-w8a8-block": (fused_moe._grouped_gemm_kernel,
+                                   dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False,
+                                        W_FP8=True, A_FP8=True, GROUP=128, BLOCK_M=32, BLOCK_N=64,
+                                        BLOCK_K=128, SWAP_AB=True, DOT_PRECISION="tf32"),
+                                   E4M3_ROWS),
+        "moe-down-w8a8-channel": (fused_moe._grouped_gemm_kernel,
+                                  dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True, W_FP8=True,
+                                       A_FP8=True, GROUP=0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                                       SWAP_AB=True, DOT_PRECISION="tf32"),
+                                  E4M3_ROWS),
+    }
