@@ -12,11 +12,13 @@ logprobs move by ~0.2 nats on average with fp8, so the comparisons that must hol
 the same rounding."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from conftest import PROMPTS, make_model_dir
 from fp8_files import STATIC_INPUT_SCALES, write_fp8_checkpoint
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
@@ -219,6 +221,14 @@ def test_moe_experts_with_static_activation_scales(tmp_path):
     with LLM(str(tmp_path / "static"), **ENGINE, tensor_parallel_size=2) as tp2:
         lps2, tokens2 = prompt_logprobs(tp2)
     assert max_error(lps, lps2) < 1e-4 and tokens2 == tokens
+    # every expert's scale must arrive: a missing one is named
+    shutil.copytree(tmp_path / "static", tmp_path / "missing")
+    tensors = load_file(tmp_path / "missing" / "model.safetensors")
+    missing = "model.layers.2.mlp.experts.3.up_proj.input_scale"
+    del tensors[missing]
+    save_file(tensors, tmp_path / "missing" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"lacks 1 tensors .*'{missing}'"):
+        LLM(str(tmp_path / "missing"), **ENGINE)
 
 
 def test_quantization_option_quantizes_per_channel_at_load(folders):
