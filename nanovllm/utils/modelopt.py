@@ -5,7 +5,8 @@ clear refusal of every other.
 Two layouts of the same description: config.json's quantization_config {"quant_method": "modelopt",
 "quant_algo": ..., "ignore": [...], "kv_cache_scheme": ..., "config_groups": ..., "producer": ...}, or,
 in older exports, hf_quant_config.json beside it ({"producer": ..., "quantization": {"quant_algo": ...,
-"kv_cache_quant_algo": ..., "exclude_modules": [...]}}), read when config.json has none.
+"kv_cache_quant_algo": ..., "exclude_modules": [...]}}), read when config.json has none (and taken in
+that nested form as a quantization_config too).
 
 Read:
   quant_algo "FP8"                         an e4m3 `weight` with a `weight_scale` per tensor and a
@@ -55,12 +56,18 @@ def read_legacy_config(folder: str) -> dict | None:
         raise ValueError(f"cannot read {path!r}: {e}") from e
     if not isinstance(legacy, dict) or not isinstance(legacy.get("quantization"), dict):
         raise ValueError(f"{path!r} has no 'quantization' mapping; is it a ModelOpt export?")
-    unknown = sorted(legacy["quantization"].keys() - LEGACY_FIELDS)
+    return _flattened(legacy, LEGACY_FILE)
+
+
+def _flattened(nested: dict, source: str) -> dict:
+    """The config.json form of the older, nested description ({"producer": ..., "quantization": {...}},
+    also found as a quantization_config)."""
+    unknown = sorted(nested["quantization"].keys() - LEGACY_FIELDS)
     if unknown:
-        raise _refuse(f"gives its {LEGACY_FILE} fields {unknown} that nanovllm does not know")
-    quant = dict(legacy["quantization"])
+        raise _refuse(f"gives its {source} fields {unknown} that nanovllm does not know")
+    quant = dict(nested["quantization"])
     quant["ignore"] = quant.pop("exclude_modules", None) or []
-    return {"quant_method": METHOD, "producer": legacy.get("producer"), **quant}
+    return {"quant_method": METHOD, "producer": nested.get("producer"), **quant}
 
 
 def _kv_cache(quant: dict) -> None:
@@ -78,6 +85,10 @@ def _kv_cache(quant: dict) -> None:
 def modelopt_scheme(quant: dict, hf_config: PretrainedConfig) -> tuple[tuple[int, int] | None, bool]:
     """(the weight block, None; whether activation scales are static) of a ModelOpt quantization_config
     nanovllm reads; ValueError, naming what to change, for any other."""
+    if isinstance(quant.get("quantization"), dict):  # the nested form, as a quantization_config
+        if quant.keys() - {"quant_method", "producer", "quantization"}:
+            raise _refuse(f"mixes the nested and flat forms (fields {sorted(quant)})")
+        quant = _flattened(quant, "quantization_config")
     unknown = sorted(quant.keys() - FIELDS)
     if unknown:
         raise _refuse(f"has quantization_config fields {unknown} that nanovllm does not know")

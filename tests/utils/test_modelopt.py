@@ -101,6 +101,10 @@ def test_an_older_exports_hf_quant_config_reads_as_the_config_json_form(tmp_path
     assert quant == {"quant_method": "modelopt", "producer": legacy["producer"], "quant_algo": "FP8",
                      "kv_cache_quant_algo": "FP8", "ignore": ["lm_head"]}
     assert quantization_scheme(config(quant)).static_input
+    nested = {"quant_method": "modelopt", **legacy}  # the nested form as config.json's quantization_config
+    assert quantization_scheme(config(nested)) == quantization_scheme(config(quant))
+    with pytest.raises(ValueError, match="mixes the nested and flat forms"):
+        quantization_scheme(config({**nested, "quant_algo": "FP8"}))
     legacy["quantization"]["smoothquant_alpha"] = 0.5
     (tmp_path / "hf_quant_config.json").write_text(json.dumps(legacy))
     with pytest.raises(ValueError, match=r"hf_quant_config.json fields \['smoothquant_alpha'\]"):
