@@ -9,6 +9,21 @@ F16_ROWS = {"w_ptr": "*fp8e4nv", "a_ptr": "*fp16", "a_scale_ptr": "*fp32"}
 E4M3_ROWS = {"w_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32"}
 
 
+# The grouped GEMM's constexprs: gate/up reads x (a row a token, top-8 slots each) and gates; down reads
+# the intermediate (a row a slot) and multiplies the routing weights. fp8 experts widened to bf16, one
+# scale a row, 64-column tiles, unless a case says otherwise.
+GEMM = dict(W_FP8=True, A_FP8=False, GROUP=0, BLOCK_N=64, SWAP_AB=False, DOT_PRECISION="tf32")
+F16_256_ROWS = dict(A_F16=True, BLOCK_M=32, BLOCK_K=128, SWAP_AB=True)
+
+
+def gate_up(**changes) -> dict:
+    return {**GEMM, "A_ROWS_PER_SLOT_DIV": 8, "GATED": True, "MUL_ROUTED_WEIGHT": False, **changes}
+
+
+def down(**changes) -> dict:
+    return {**GEMM, "A_ROWS_PER_SLOT_DIV": 1, "GATED": False, "MUL_ROUTED_WEIGHT": True, **changes}
+
+
 def moe_cases() -> dict:
     """name: (kernel, constexprs[, pointer types[, launch options]]), as sm90_cases.cases()."""
     from nanovllm.kernels import float16_rows, fused_moe, moe_align, moe_routing
@@ -26,57 +41,27 @@ def moe_cases() -> dict:
         "moe-align-one-launch": (moe_align._scatter_kernel,
                                  dict(E_PAD=128, BLOCK_M=16, BLOCK_S=64, LABEL_ROWS=32, COUNT_HERE=True,
                                       SUM_HERE=False, CHUNKS_PAD=1)),
-        "moe-gate-up": (fused_moe._grouped_gemm_kernel,
-                        dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False, W_FP8=False,
-                             A_FP8=False, GROUP=0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
-                             SWAP_AB=False, DOT_PRECISION="tf32")),
-        "moe-down": (fused_moe._grouped_gemm_kernel,
-                     dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True, W_FP8=False,
-                          A_FP8=False, GROUP=0, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SWAP_AB=False,
-                          DOT_PRECISION="tf32")),
+        "moe-gate-up": (fused_moe._grouped_gemm_kernel, gate_up(W_FP8=False, BLOCK_M=16, BLOCK_K=128)),
+        "moe-down": (fused_moe._grouped_gemm_kernel, down(W_FP8=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)),
         # fp8 experts: e4m3 weights widened in registers, 128x128 block scales or one a row.
-        "moe-gate-up-fp8-block": (fused_moe._grouped_gemm_kernel,
-                                  dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False, W_FP8=True,
-                                       A_FP8=False, GROUP=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
-                                       SWAP_AB=False, DOT_PRECISION="tf32"),
+        "moe-gate-up-fp8-block": (fused_moe._grouped_gemm_kernel, gate_up(GROUP=128, BLOCK_M=16, BLOCK_K=128),
                                   FP8_EXPERTS),
-        "moe-down-fp8-channel": (fused_moe._grouped_gemm_kernel,
-                                 dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True, W_FP8=True,
-                                      A_FP8=False, GROUP=0, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
-                                      SWAP_AB=False, DOT_PRECISION="tf32"),
+        "moe-down-fp8-channel": (fused_moe._grouped_gemm_kernel, down(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
                                  FP8_EXPERTS),
         # fp8 experts widened in registers with the weight tile as wgmma's 64-row operand.
         "moe-gate-up-fp8-channel-swap-ab": (fused_moe._grouped_gemm_kernel,
-                                            dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False,
-                                                 W_FP8=True, A_FP8=False, GROUP=0, BLOCK_M=16, BLOCK_N=64,
-                                                 BLOCK_K=128, SWAP_AB=True, DOT_PRECISION="tf32"),
-                                            FP8_EXPERTS),
-        # fp8 experts widened to float16 over float16 rows (bf16 x times a power of two a row, exactly).
-        "moe-gate-up-fp8-f16-channel": (fused_moe._grouped_gemm_kernel,
-                                        dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False,
-                                             W_FP8=True, A_FP8=False, A_F16=True, GROUP=0, BLOCK_M=32,
-                                             BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, DOT_PRECISION="tf32"),
-                                        F16_ROWS),
-        "moe-gate-up-fp8-f16-block": (fused_moe._grouped_gemm_kernel,
-                                      dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False,
-                                           W_FP8=True, A_FP8=False, A_F16=True, GROUP=128, BLOCK_M=32,
-                                           BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, DOT_PRECISION="tf32"),
+                                            gate_up(BLOCK_M=16, BLOCK_K=128, SWAP_AB=True), FP8_EXPERTS),
+        # fp8 experts widened to float16 over float16 rows (bf16 x times a power of two a row, exactly), at
+        # the 256-row config.
+        "moe-gate-up-fp8-f16-channel": (fused_moe._grouped_gemm_kernel, gate_up(**F16_256_ROWS), F16_ROWS),
+        "moe-gate-up-fp8-f16-block": (fused_moe._grouped_gemm_kernel, gate_up(**F16_256_ROWS, GROUP=128),
                                       F16_ROWS),
-        "moe-down-fp8-f16-channel": (fused_moe._grouped_gemm_kernel,
-                                     dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True,
-                                          W_FP8=True, A_FP8=False, A_F16=True, GROUP=0, BLOCK_M=32,
-                                          BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, DOT_PRECISION="tf32"),
-                                     F16_ROWS),
+        "moe-down-fp8-f16-channel": (fused_moe._grouped_gemm_kernel, down(**F16_256_ROWS), F16_ROWS),
         "float16-rows": (float16_rows._float16_rows_kernel, dict(BLOCK=1024), {"out_ptr": "*fp16"}),
         # W8A8 experts: the activations quantized to e4m3 as well, both operands on fp8 tensor cores.
         "moe-gate-up-w8a8-block": (fused_moe._grouped_gemm_kernel,
-                                   dict(A_ROWS_PER_SLOT_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False,
-                                        W_FP8=True, A_FP8=True, GROUP=128, BLOCK_M=32, BLOCK_N=64,
-                                        BLOCK_K=128, SWAP_AB=True, DOT_PRECISION="tf32"),
+                                   gate_up(A_FP8=True, GROUP=128, BLOCK_M=32, BLOCK_K=128, SWAP_AB=True),
                                    E4M3_ROWS),
         "moe-down-w8a8-channel": (fused_moe._grouped_gemm_kernel,
-                                  dict(A_ROWS_PER_SLOT_DIV=1, GATED=False, MUL_ROUTED_WEIGHT=True, W_FP8=True,
-                                       A_FP8=True, GROUP=0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
-                                       SWAP_AB=True, DOT_PRECISION="tf32"),
-                                  E4M3_ROWS),
+                                  down(A_FP8=True, BLOCK_M=16, BLOCK_K=128, SWAP_AB=True), E4M3_ROWS),
     }
