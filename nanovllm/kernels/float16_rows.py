@@ -17,6 +17,15 @@ ROW_BLOCK = 1024
 
 
 @triton.jit
+def float16_row_scale(amax):
+    """(2^e, 2^-e) for a row whose largest magnitude is amax (float32 scalar): amax * 2^-e in [2^14, 2^15)."""
+    # amax's unbiased exponent + 1 (amax < 2^that), from its bits; an all-zero row takes scale 1
+    exp = ((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127 + SCALE_EXP_OFFSET
+    exp = tl.where(amax > 0, tl.maximum(exp, -126), 0)  # a float32-subnormal amax: the smallest normal scale
+    return ((exp + 127) << 23).to(tl.float32, bitcast=True), ((127 - exp) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _float16_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_xm, BLOCK: tl.constexpr):
     """One program a row: its amax, then the row times 2^-e as float16, and 2^e as its scale."""
     m = tl.program_id(0)
@@ -25,12 +34,7 @@ def _float16_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_xm, BLOCK: tl.cons
     for k in range(0, K, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    amax = tl.max(amax, axis=0)
-    # amax's unbiased exponent + 1 (amax < 2^that), from its bits; an all-zero row takes scale 1
-    exp = ((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127 + SCALE_EXP_OFFSET
-    exp = tl.where(amax > 0, tl.maximum(exp, -126), 0)  # a float32-subnormal amax: the smallest normal scale
-    scale = ((exp + 127) << 23).to(tl.float32, bitcast=True)
-    inverse = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+    scale, inverse = float16_row_scale(tl.max(amax, axis=0))
     tl.store(scale_ptr + m, scale)
     for k in range(0, K, BLOCK):
         offs = k + tl.arange(0, BLOCK)

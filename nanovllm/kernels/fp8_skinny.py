@@ -51,8 +51,10 @@ FP8_SPLIT_BELOW_BLOCKS = 128
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-           bias: torch.Tensor | None) -> None:
+           bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> None:
+    """Shapes and dtypes of a call; out_dtype: the output's (and a bias's), x's unless given."""
     n, k = weight.shape
+    out_dtype = out_dtype or x.dtype
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x dtype {x.dtype} is not float16, bfloat16 or float32")
     if weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
@@ -64,8 +66,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, gr
     if scale.shape != (n, 1) or scale.dtype != torch.float32 or not scale.is_contiguous():
         raise ValueError(f"weight_scale {tuple(weight_scale.shape)} {weight_scale.dtype} must be contiguous "
                          f"float32 ({n}, 1)")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous ({n},) {x.dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != out_dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous ({n},) {out_dtype}")
 
 
 def _checked(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -134,6 +136,26 @@ def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     _check(x, weight, weight_scale, group, bias)
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     return launch_rows(x, weight, bias, out, fp8_rows_config(n, k), pdl, weight_scale=weight_scale)
+
+
+def fp8_rows_float16_linear(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                            weight_scale: torch.Tensor, group: int, bias: torch.Tensor | None = None,
+                            pdl: bool = False, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp8_rows_linear of x * x_scale for x float16 rows [M, K] and x_scale float32 [M, 1], each a power of
+    two (kernels/float16_rows.py: bf16 rows exactly): the weight tiles widen to float16, the cheap conversion
+    on sm_90, and each row's sums are multiplied by its scale at the end: fp8_rows_linear's products and
+    sums, a power of two apart. Out in out_dtype."""
+    n, k = weight.shape
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != k or x.stride(-1) != 1:
+        raise ValueError(f"x must be 1 to {MAX_ROWS} rows of {k} with a contiguous last dim; got "
+                         f"{tuple(x.shape)}")
+    if x.dtype != torch.float16 or x_scale.shape != (x.shape[0], 1) or x_scale.dtype != torch.float32:
+        raise ValueError(f"x {x.dtype} must be float16 rows with float32 scales ({x.shape[0]}, 1); got "
+                         f"{x_scale.dtype} {tuple(x_scale.shape)}")
+    _check(x, weight, weight_scale, group, bias, out_dtype)
+    out = torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
+    return launch_rows(x, weight, bias, out, fp8_rows_config(n, k), pdl, weight_scale=weight_scale,
+                       x_scale=x_scale.contiguous())
 
 
 def fp8_rows_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,

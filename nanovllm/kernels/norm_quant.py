@@ -8,12 +8,14 @@ model's dtype first (norm_act's rounding), then scaled per row, or per row and g
 row feeds torch._scaled_mm's row-wise scaling (per-channel weights); 128-wide groups feed torch's
 block-scaled GEMM (128 x 128 weight blocks), which takes its rows padded to a multiple of 4 and the
 scales column-major: `pad_rows` and the scale layout here are that GEMM's, the padding rows copies of
-the last real row."""
+the last real row. With `float16` they write float16 rows times a power of two a row instead
+(kernels/float16_rows.py), for W8A16 over float16 rows (kernels/fp8_skinny.py)."""
 
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.float16_rows import float16_row_scale
 from nanovllm.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX, MIN_AMAX, round_to_e4m3_grid
 from nanovllm.kernels.norm_act import rms_norm_row, rows_view
 
@@ -47,9 +49,20 @@ def _store_groups(y, start, n_cols, q_row, scale_row, stride_sg, GROUP: tl.const
 
 
 @triton.jit
+def _scaled(y, amax, FLOAT16: tl.constexpr):
+    """(y's values as q stores them, the row's scale): e4m3 over amax / 448, or with FLOAT16 float16 rows
+    times a power of two (kernels/float16_rows.py)."""
+    if FLOAT16:
+        scale, inverse = float16_row_scale(amax)
+        return y * inverse, scale
+    scale = _scale_of(amax)
+    return _quantized(y, scale), scale
+
+
+@triton.jit
 def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, sum_ptr, M, n_cols, stride_x,
                            stride_r, stride_sum, stride_sm, stride_sg, eps, HAS_RESIDUAL: tl.constexpr,
-                           GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                           GROUP: tl.constexpr, BLOCK: tl.constexpr, FLOAT16: tl.constexpr = False):
     """One program a row of q; rows past M (padding) repeat row M - 1. GROUP 0: one scale a row."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -62,9 +75,9 @@ def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, su
     if GROUP:
         _store_groups(y, 0, n_cols, q_row, scale_row, stride_sg, GROUP, BLOCK)
     else:
-        scale = _scale_of(tl.max(tl.abs(y), axis=0))
+        q, scale = _scaled(y, tl.max(tl.abs(y), axis=0), FLOAT16)
         tl.store(scale_row, scale)
-        tl.store(q_row + cols, _quantized(y, scale).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -78,7 +91,7 @@ def _silu_mul(x_row, n_cols, cols):
 
 @triton.jit
 def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, M, n_cols, stride_x, stride_sm, stride_sg,
-                           GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                           GROUP: tl.constexpr, BLOCK: tl.constexpr, FLOAT16: tl.constexpr = False):
     """One program a row of q (rows past M repeat row M - 1). With groups (BLOCK a multiple of GROUP) each
     block of the row is quantized as it is computed; with one scale a row, a first pass finds the row's
     amax and a second quantizes (the SiLU-mul recomputed, its inputs read again, mostly from L2)."""
@@ -95,32 +108,35 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, M, n_cols, stride_x, stride_
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, n_cols, start + offs)))
-        scale = _scale_of(tl.max(amax, axis=0))
+        amax = tl.max(amax, axis=0)
+        scale = _scaled(amax, amax, FLOAT16)[1]
         tl.store(scale_row, scale)
         for start in range(0, n_cols, BLOCK):
             cols = start + offs
-            q = _quantized(_silu_mul(x_row, n_cols, cols), scale)
+            q = _scaled(_silu_mul(x_row, n_cols, cols), amax, FLOAT16)[0]
             tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-def _outputs(m: int, k: int, group: int, pad_rows: int, device: torch.device
+def _outputs(m: int, k: int, group: int, pad_rows: int, device: torch.device, dtype: torch.dtype = FP8_DTYPE
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [M', k] and its scales for M' = m padded to a multiple of pad_rows: [M', 1], or with groups
     column-major [M', k / group] (strides (1, M'): torch's block-scaled GEMM's layout)."""
     if group and (k % group or group & (group - 1)):
         raise ValueError(f"groups of {group} inputs: a power of two dividing the {k} inputs is needed")
     rows = -(-m // pad_rows) * pad_rows
-    q = torch.empty((rows, k), dtype=FP8_DTYPE, device=device)
+    q = torch.empty((rows, k), dtype=dtype, device=device)
     if not group:
         return q, torch.empty((rows, 1), dtype=torch.float32, device=device)
     return q, torch.empty((k // group, rows), dtype=torch.float32, device=device).t()
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                   group: int = 0, pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   group: int = 0, pad_rows: int = 1, float16: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(e4m3 q, float32 scales, s) for s = x + residual (or x), [M, K]: rms_norm(s) in x's dtype
     (norm_act's rounding), quantized as fp8_gemm.quantize_rows(y, group or K) would; q and the scales
-    have M rounded up to a multiple of pad_rows (see the module docstring for the layout)."""
+    have M rounded up to a multiple of pad_rows (see the module docstring for the layout). float16: q as
+    float16 rows and their power-of-two scales instead, as float16_rows.float16_rows(y) writes them."""
     if weight.dtype != x.dtype or weight.shape != (x.shape[-1],):
         raise ValueError(f"weight {weight.dtype} {tuple(weight.shape)} must be x's dtype {x.dtype} and shape "
                          f"({x.shape[-1]},)")
@@ -129,7 +145,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
                          f"{tuple(x.shape)}")
     rows = rows_view(x)
     m, k = rows.shape
-    q, scale = _outputs(m, k, group, pad_rows, x.device)
+    q, scale = _outputs(m, k, group, pad_rows, x.device, torch.float16 if float16 else FP8_DTYPE)
     summed = torch.empty_like(rows) if residual is not None else rows
     if m:
         res = rows_view(residual) if residual is not None else rows
@@ -137,22 +153,23 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
         _rms_norm_quant_kernel[(q.shape[0],)](
             rows, res, weight, q, scale, summed, m, k, rows.stride(0), res.stride(0), summed.stride(0),
             scale.stride(0), scale.stride(1), eps, HAS_RESIDUAL=residual is not None, GROUP=group,
-            BLOCK=block, num_warps=4 if block <= 2048 else 8)
+            BLOCK=block, FLOAT16=float16, num_warps=4 if block <= 2048 else 8)
     return q, scale, summed
 
 
-def silu_mul_quant(x: torch.Tensor, group: int = 0, pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_mul_quant(x: torch.Tensor, group: int = 0, pad_rows: int = 1, float16: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 q, float32 scales) of silu(gate) * up for x = [gate | up] [M, 2I], in x's dtype first
     (norm_act's rounding), quantized as fp8_gemm.quantize_rows(y, group or I) would; rows padded and scales
-    laid out as rms_norm_quant's."""
+    laid out as rms_norm_quant's; float16 as rms_norm_quant's."""
     if x.shape[-1] % 2:
         raise ValueError(f"the last dim holds [gate | up] halves; got an odd size {x.shape[-1]}")
     rows = rows_view(x)
     m, n = rows.shape[0], rows.shape[1] // 2
-    q, scale = _outputs(m, n, group, pad_rows, x.device)
+    q, scale = _outputs(m, n, group, pad_rows, x.device, torch.float16 if float16 else FP8_DTYPE)
     if m and n:
         block = min(ACT_BLOCK, triton.next_power_of_2(n))
         _silu_mul_quant_kernel[(q.shape[0],)](rows, q, scale, m, n, rows.stride(0), scale.stride(0),
                                               scale.stride(1), GROUP=group, BLOCK=max(block, group),
-                                              num_warps=4)
+                                              FLOAT16=float16, num_warps=4)
     return q, scale

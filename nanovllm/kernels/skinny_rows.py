@@ -112,6 +112,7 @@ def _skinny_rows_kernel(
     # SCALE_GROUP: its block scales, [N / SCALE_ROWS, scale_stride] (weight[n, k] * w_scale[n // SCALE_ROWS,
     # k // SCALE_GROUP]), BLOCK_N dividing SCALE_ROWS and BLOCK_K SCALE_GROUP: a tile, one scale
     scale_stride,
+    x_scale_ptr,  # X_SCALED: x's float32 [M] scales, one a row (x[m, k] * x_scale[m]: float16 rows)
     ROWS_: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -124,6 +125,7 @@ def _skinny_rows_kernel(
     SCALED: tl.constexpr = False,  # fp8 weights: their row's scale multiplies the sums (partials too)
     SCALE_GROUP: tl.constexpr = 0,  # fp8 block-scaled weights: each tile's product times its block's scale
     SCALE_ROWS: tl.constexpr = 128,
+    X_SCALED: tl.constexpr = False,  # x as float16 rows times a power of two (kernels/float16_rows.py)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -164,6 +166,8 @@ def _skinny_rows_kernel(
         acc = acc * tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[None, :]
     if SCALED:
         acc = acc * tl.load(w_scale_ptr + tl.minimum(offs_n, N - 1))[:, None]
+    if X_SCALED:
+        acc = acc * tl.load(x_scale_ptr + real_m)[None, :]
     out_mask = n_mask[:, None] & m_mask[None, :]
     if WRITE_PARTIAL:
         tl.store(out_ptr + (pid_k * M + offs_m)[None, :] * N + offs_n[:, None], acc, mask=out_mask)
@@ -176,11 +180,11 @@ def _skinny_rows_kernel(
 
 def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, prologue: tl.constexpr = PLAIN,
                 residual=None, summed=None, norm_weight=None, eps: float = 0.0, weight_scale=None,
-                block: tuple[int, int] | None = None) -> torch.Tensor:
+                block: tuple[int, int] | None = None, x_scale=None) -> torch.Tensor:
     """out[:M] = prologue(x) @ weight.T (+ bias); the callers check shapes and dtypes. weight_scale: an e4m3
     weight's float32 scales, one a row ([N] or [N, 1], contiguous), or with block = (rows, inputs) one a
     block ([N / rows, >= K / inputs], last dim contiguous; config.block_n dividing rows, config.block_k
-    inputs)."""
+    inputs). x_scale: x's float32 scales, one a row ([M] or [M, 1], contiguous; a plain prologue)."""
     m, (n, k) = x.shape[0], weight.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the rows kernel takes 1 to {MAX_ROWS} rows, not {m}")
@@ -193,12 +197,13 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
         norm_weight if norm_weight is not None else x, eps, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
         split.tiles_per_split, weight_scale if weight_scale is not None else x,  # never read unless scaled
-        0 if block is None else weight_scale.stride(0),
+        0 if block is None else weight_scale.stride(0), x_scale if x_scale is not None else x,
         ROWS_=ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
         WRITE_PARTIAL=write_partial, NUM_STAGES=config.num_stages, PROLOGUE=prologue.value, PDL=pdl,
         PRELOAD=min(config.preload if pdl else 0, split.tiles_per_split),
         num_warps=config.num_warps, launch_pdl=pdl, SCALED=weight_scale is not None and block is None,
         SCALE_GROUP=0 if block is None else block[1], SCALE_ROWS=128 if block is None else block[0],
+        X_SCALED=x_scale is not None,
     )
     return reduce_split_k(target, bias, out) if write_partial else out
 

@@ -23,6 +23,14 @@ from nanovllm.layers.linear_methods import Bucket, norm_first, rms_norm_kernel, 
 from nanovllm.layers.norm_act import silu_and_mul
 from nanovllm.utils.config_checks import Fp8Scheme
 
+# Whether per-channel fp8's 3-16 row bucket (Fp8ScaledMmLinearMethod) runs the rows kernel over float16
+# rows (fp8_rows_f16: bf16 activations as float16 times a power of two a row, exactly; the norm and the
+# SiLU-mul writing them) so that the e4m3 tiles widen to float16. Off until timed: a float16-operand
+# variant of the rows kernel took 11.3 / 9.0 / 29.1 / 18.1 us at 16 rows of Qwen3-8B's shapes against 14.4
+# / 10.9 / 40.2 / 23.7 for today's (H200, 2026-12-03/04), but failed float16's range then; o_proj adds a
+# float16-rows launch.
+FLOAT16_ROWS = False
+
 
 # The GPU kernels, under the names the kernel table prints (imported when first called: no Triton here).
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -69,6 +77,41 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         return fp8_gemv(x, weight, weight_scale, group, bias, pdl)
     from nanovllm.kernels.fp8_skinny import fp8_rows_linear
     return fp8_rows_linear(x, weight, weight_scale, group, bias, pdl)
+
+
+def fp8_rows_f16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                 bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    """fp8_rows over x as float16 rows times powers of two (kernels/float16_rows.py, exact for bf16 x): the
+    weight tiles widen to float16 (FLOAT16_ROWS)."""
+    if x.dtype != torch.bfloat16:  # float16 rows hold bf16 exactly, not float32
+        return fp8_rows(x, weight, weight_scale, group, bias, pdl)
+    from nanovllm.kernels.float16_rows import float16_rows
+    from nanovllm.kernels.fp8_skinny import fp8_rows_float16_linear
+    return fp8_rows_float16_linear(*float16_rows(x), weight, weight_scale, group, bias, pdl, x.dtype)
+
+
+def fp8_rows_f16_norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl=False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_rows_f16 of rms_norm(x + residual), the norm writing the float16 rows and scales itself
+    (kernels/norm_quant.py: the same bits as the norm, then float16_rows)."""
+    if x.dtype != torch.bfloat16:
+        normed, summed = rms_norm_kernel(x, norm_weight, eps, residual, pdl)
+        return fp8_rows(normed, weight, weight_scale, group, bias, pdl), summed
+    from nanovllm.kernels import norm_quant
+    from nanovllm.kernels.fp8_skinny import fp8_rows_float16_linear
+    rows, scale, summed = norm_quant.rms_norm_quant(x, norm_weight, eps, residual, float16=True)
+    return fp8_rows_float16_linear(rows, scale, weight, weight_scale, group, bias, pdl, x.dtype), summed
+
+
+def fp8_rows_f16_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                      bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    """fp8_rows_f16 of silu(gate) * up, the SiLU-mul writing the float16 rows and scales itself."""
+    if x.dtype != torch.bfloat16:
+        return fp8_rows(silu_and_mul(x), weight, weight_scale, group, bias, pdl)
+    from nanovllm.kernels import norm_quant
+    from nanovllm.kernels.fp8_skinny import fp8_rows_float16_linear
+    return fp8_rows_float16_linear(*norm_quant.silu_mul_quant(x, float16=True), weight, weight_scale, group,
+                                   bias, pdl, x.dtype)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -186,7 +229,9 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     block scales take Fp8BlockScaledMmLinearMethod."""
 
     BUCKETS = (Bucket(1, fp8_skinny, norm_first(fp8_skinny), silu_first(fp8_skinny)),
-               Bucket(2, fp8_gemv_rows), Bucket(16, fp8_rows),
+               Bucket(2, fp8_gemv_rows),
+               Bucket(16, fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu) if FLOAT16_ROWS
+               else Bucket(16, fp8_rows),
                Bucket(None, fp8_scaled_mm, fp8_scaled_mm_norm, fp8_scaled_mm_silu))
 
 

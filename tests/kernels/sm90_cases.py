@@ -35,6 +35,7 @@ POINTER_TYPES = {
     "log_min_p_ptr": "*fp32",
     "k_scales_ptr": "*fp32",  # an int8 KV cache's per-token scales
     "v_scales_ptr": "*fp32",
+    "x_scale_ptr": "*fp32",  # float16 rows' scales
 }
 FLOAT_SCALARS = {"eps", "scale_log2", "q_eps", "k_eps", "k_scale_inv", "v_scale_inv", "v_scale"}
 # Cases reading or writing an fp8 (e4m3) KV cache: their cache pointers hold fp8.
@@ -238,6 +239,19 @@ def cases() -> dict:
                                   dict(ROWS_=16, BLOCK_N=16, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True,
                                        NUM_STAGES=5, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
                                        SCALED=True), FP8_WEIGHT, dict(num_warps=2, launch_pdl=True)),
+        # W8A16 over float16 rows (layers/fp8_methods.FLOAT16_ROWS): x float16 with a scale a row, the
+        # e4m3 tiles widened to float16; fp8_rows_config's 128-input tiles.
+        "skinny-rows-fp8-f16": (skinny_rows._skinny_rows_kernel,
+                                dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, WRITE_PARTIAL=False,
+                                     NUM_STAGES=4, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
+                                     SCALED=True, X_SCALED=True),
+                                dict(FP8_WEIGHT, x_ptr="*fp16"), dict(num_warps=4, launch_pdl=True)),
+        "skinny-rows-fp8-rows-kernel-tiles": (skinny_rows._skinny_rows_kernel,
+                                              dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False,
+                                                   WRITE_PARTIAL=False, NUM_STAGES=4,
+                                                   PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
+                                                   SCALED=True),
+                                              FP8_WEIGHT, dict(num_warps=4, launch_pdl=True)),
         "skinny-rows-fp8-blocks-split": (  # 128 x 128 block scales: a tile's product times its block's
             skinny_rows._skinny_rows_kernel,
             dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, WRITE_PARTIAL=True, NUM_STAGES=4,
@@ -258,6 +272,12 @@ def cases() -> dict:
                                {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, dict(num_warps=8)),
         "silu-mul-quant": (norm_quant._silu_mul_quant_kernel, dict(GROUP=0, BLOCK=norm_quant.ACT_BLOCK),
                            {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
+        "add-rms-norm-float16": (norm_quant._rms_norm_quant_kernel,
+                                 dict(HAS_RESIDUAL=True, GROUP=0, BLOCK=4096, FLOAT16=True),
+                                 {"q_ptr": "*fp16", "scale_ptr": "*fp32"}, dict(num_warps=8)),
+        "silu-mul-float16": (norm_quant._silu_mul_quant_kernel,
+                             dict(GROUP=0, BLOCK=norm_quant.ACT_BLOCK, FLOAT16=True),
+                             {"q_ptr": "*fp16", "scale_ptr": "*fp32"}),
         "add-rms-norm-quant-groups": (norm_quant._rms_norm_quant_kernel,
                                       dict(HAS_RESIDUAL=True, GROUP=128, BLOCK=4096),
                                       {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, dict(num_warps=8)),

@@ -1,0 +1,84 @@
+"""The fp8 rows kernel over float16 rows (kernels/fp8_skinny.fp8_rows_float16_linear, and the linear
+methods' fp8_rows_f16 kernels with the RMSNorm and SiLU-mul writing those rows): bf16 activations as
+float16 times a power of two a row give the bf16 rows kernel's outputs bit for bit (the same products and
+sums a power of two apart; the interpreter sums float16 dots as bf16 ones), on CPU tensors through the
+Triton interpreter (or on CUDA when TRITON_INTERPRET=0, to a row's rounding); rows thousands of times
+apart in magnitude, split-K and single launches, a bias; and the argument checks."""
+
+import pytest
+import torch
+from conftest import triton_test_device
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels import norm_act  # noqa: E402
+from nanovllm.kernels.float16_rows import float16_rows  # noqa: E402
+from nanovllm.kernels.fp8_skinny import fp8_rows_float16_linear, fp8_rows_linear  # noqa: E402
+from nanovllm.layers.fp8 import quantize_groups  # noqa: E402
+from nanovllm.layers.fp8_methods import fp8_rows, fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu  # noqa: E402
+
+DEVICE = triton_test_device()
+BF16 = torch.bfloat16
+# (N, K): ragged; 16 rows of a long K over few column blocks (split-K).
+SHAPES = [(200, 300), (16, 4096)]
+
+
+def make(n: int, k: int, rows: int, width: int | None = None, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    magnitudes = torch.logspace(4, -3, rows)[:, None]
+    x = (torch.randn(rows, width or k, generator=gen) * magnitudes).to(DEVICE, BF16)
+    weight, scale = quantize_groups(torch.randn(n, k, generator=gen) / k**0.5, k)
+    return x, weight.to(DEVICE), scale.to(DEVICE), torch.randn(n, generator=gen).to(DEVICE, BF16)
+
+
+def assert_same(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.dtype == expected.dtype == BF16
+    if DEVICE == "cpu":
+        assert torch.equal(out, expected)
+    else:  # the GPU's float16 and bf16 tensor cores may sum in other orders: a row's rounding apart
+        rows = expected.float().abs().amax(dim=1, keepdim=True)
+        assert ((out.float() - expected.float()).abs() / rows).max() < 1e-2
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [3, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float16_rows_give_the_bf16_rows_kernel_bit_for_bit(n, k, rows, with_bias):
+    x, weight, scale, bias = make(n, k, rows)
+    bias = bias if with_bias else None
+    expected = fp8_rows_linear(x, weight, scale, k, bias)
+    assert_same(fp8_rows_float16_linear(*float16_rows(x), weight, scale, k, bias, out_dtype=BF16), expected)
+    assert_same(fp8_rows_f16(x, weight, scale, k, bias), expected)  # the linear methods' kernel
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_the_norm_writes_the_float16_rows_the_rows_kernel_takes(with_residual):
+    x, weight, scale, _ = make(96, 256, 5)
+    gen = torch.Generator().manual_seed(9)
+    norm_weight = (torch.rand(256, generator=gen) * 3).to(DEVICE, BF16)
+    residual = torch.randn(5, 256, generator=gen).to(DEVICE, BF16) if with_residual else None
+    out, summed = fp8_rows_f16_norm(x, norm_weight, 1e-6, weight, scale, 256, None, residual)
+    if residual is None:
+        normed, expected_sum = norm_act.rms_norm(x, norm_weight, 1e-6), x
+    else:
+        normed, expected_sum = norm_act.add_rms_norm(x, residual, norm_weight, 1e-6)
+    assert_same(out, fp8_rows(normed, weight, scale, 256, None))
+    assert torch.equal(summed, expected_sum)
+
+
+def test_the_silu_mul_writes_the_float16_rows_the_rows_kernel_takes():
+    x, weight, scale, _ = make(96, 256, 7, width=512)
+    out = fp8_rows_f16_silu(x / 100, weight, scale, 256, None)  # silu(gate) * up: squares x's magnitudes
+    assert_same(out, fp8_rows(norm_act.silu_and_mul(x / 100), weight, scale, 256, None))
+
+
+def test_float16_rows_refuse_other_activations():
+    x, weight, scale, _ = make(96, 256, 3)
+    rows, row_scale = float16_rows(x)
+    with pytest.raises(ValueError, match="must be float16 rows with float32 scales"):
+        fp8_rows_float16_linear(x, row_scale, weight, scale, 256)
+    with pytest.raises(ValueError, match=r"float32 scales \(3, 1\)"):
+        fp8_rows_float16_linear(rows, row_scale[:2], weight, scale, 256)
+    # float32 activations are not exact in float16 rows: the methods' kernel keeps the rows kernel's path
+    x32 = x.float()
+    assert torch.equal(fp8_rows_f16(x32, weight, scale, 256, None), fp8_rows(x32, weight, scale, 256, None))
