@@ -74,10 +74,14 @@ def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, su
     q_row, scale_row = q_ptr + row * n_cols, scale_ptr + row * stride_sm
     if GROUP:
         _store_groups(y, 0, n_cols, q_row, scale_row, stride_sg, GROUP, BLOCK)
-    else:
-        q, scale = _scaled(y, tl.max(tl.abs(y), axis=0), FLOAT16)
+    elif FLOAT16:
+        scale, inverse = float16_row_scale(tl.max(tl.abs(y), axis=0))
         tl.store(scale_row, scale)
-        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + cols, (y * inverse).to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        scale = _scale_of(tl.max(tl.abs(y), axis=0))
+        tl.store(scale_row, scale)
+        tl.store(q_row + cols, _quantized(y, scale).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
