@@ -87,9 +87,10 @@ def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 
 
 def _check_blocks(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor, block: tuple[int, int],
-                  block_n: int, bias: torch.Tensor | None) -> int:
-    """Check a block-scaled weight, its scales and the bias for programs of block_n columns; returns the
-    scale groups along K."""
+                  block_n: int, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> int:
+    """Check a block-scaled weight, its scales and the bias (in out_dtype, x's unless given) for programs of
+    block_n columns; returns the scale groups along K."""
+    out_dtype = out_dtype or x.dtype
     (n, k), (rows, inputs) = weight.shape, block
     if weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
         raise ValueError(f"weight {weight.dtype} must be {FP8_DTYPE} with a contiguous last dim")
@@ -100,8 +101,8 @@ def _check_blocks(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tens
             or block_scale.shape[1] < groups or block_scale.stride(-1) != 1):
         raise ValueError(f"block_scale {tuple(block_scale.shape)} {block_scale.dtype} must be float32 "
                          f"{(n // rows, groups)} (or wider rows) with a contiguous last dim")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous ({n},) {x.dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != out_dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous ({n},) {out_dtype}")
     return groups
 
 
@@ -123,62 +124,56 @@ def fp8_block_gemv_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: to
     return launch_block_gemv(x, weight, block_scale, block, bias, out, config, pdl)
 
 
-def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                    bias: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N, 1])^T (+ bias) for 1 to 16 rows of float16 or
-    bfloat16 (the dot's operands: float32 would run as TF32), float32 sums; group as fp8_skinny_linear's."""
-    n, k = weight.shape
+def _rows_input(x: torch.Tensor, k: int, x_scale: torch.Tensor | None, out_dtype: torch.dtype | None
+                ) -> torch.dtype:
+    """Check the rows kernel's x (and x_scale); the output's dtype."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != k or x.stride(-1) != 1:
         raise ValueError(f"x must be 1 to {MAX_ROWS} rows of {k} with a contiguous last dim; got "
                          f"{tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"x dtype {x.dtype} is not float16 or bfloat16")
-    _check(x, weight, weight_scale, group, bias)
-    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    return launch_rows(x, weight, bias, out, fp8_rows_config(n, k), pdl, weight_scale=weight_scale)
+    if x_scale is not None and (x.dtype != torch.float16 or x_scale.shape != (x.shape[0], 1)
+                                or x_scale.dtype != torch.float32 or not x_scale.is_contiguous()):
+        raise ValueError(f"x with scales must be float16 rows with contiguous float32 scales "
+                         f"({x.shape[0]}, 1); got {x.dtype} and {x_scale.dtype} {tuple(x_scale.shape)}")
+    return out_dtype or x.dtype
 
 
-def fp8_rows_float16_linear(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-                            weight_scale: torch.Tensor, group: int, bias: torch.Tensor | None = None,
-                            pdl: bool = False, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """fp8_rows_linear of x * x_scale for x float16 rows [M, K] and x_scale float32 [M, 1], each a power of
-    two (kernels/float16_rows.py: bf16 rows exactly): the weight tiles widen to float16, the cheap conversion
-    on sm_90, and each row's sums are multiplied by its scale at the end: fp8_rows_linear's products and
-    sums, a power of two apart. Out in out_dtype."""
+def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                    bias: torch.Tensor | None = None, pdl: bool = False, x_scale: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N, 1])^T (+ bias) for 1 to 16 rows of float16 or
+    bfloat16 (the dot's operands: float32 would run as TF32), float32 sums; group as fp8_skinny_linear's.
+    x_scale: float32 [M, 1], x then float16 rows standing for x * x_scale (kernels/float16_rows.py: bf16
+    rows exactly), each row's sums times its scale; the output in out_dtype (x's unless given)."""
     n, k = weight.shape
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != k or x.stride(-1) != 1:
-        raise ValueError(f"x must be 1 to {MAX_ROWS} rows of {k} with a contiguous last dim; got "
-                         f"{tuple(x.shape)}")
-    if x.dtype != torch.float16 or x_scale.shape != (x.shape[0], 1) or x_scale.dtype != torch.float32:
-        raise ValueError(f"x {x.dtype} must be float16 rows with float32 scales ({x.shape[0]}, 1); got "
-                         f"{x_scale.dtype} {tuple(x_scale.shape)}")
+    out_dtype = _rows_input(x, k, x_scale, out_dtype)
     _check(x, weight, weight_scale, group, bias, out_dtype)
     out = torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
     return launch_rows(x, weight, bias, out, fp8_rows_config(n, k), pdl, weight_scale=weight_scale,
-                       x_scale=x_scale.contiguous())
+                       x_scale=x_scale)
 
 
 def fp8_rows_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
-                          block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False
+                          block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False,
+                          x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
                           ) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] e4m3 * block_scale [N / rows, K / inputs] a block = (rows, inputs))^T
     (+ bias) for 1 to 16 rows of float16 or bfloat16, float32 sums: the rows kernel with tiles inside one
     block, each tile's product times its block's scale (the weight-only reference's sum, reassociated).
-    `inputs` a power of two from 16; the scales' rows may be padded past K / inputs."""
+    `inputs` a power of two from 16; the scales' rows may be padded past K / inputs. x_scale, out_dtype:
+    as fp8_rows_linear's."""
     n, k = weight.shape
     rows, inputs = block
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != k or x.stride(-1) != 1:
-        raise ValueError(f"x must be 1 to {MAX_ROWS} rows of {k} with a contiguous last dim; got "
-                         f"{tuple(x.shape)}")
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"x dtype {x.dtype} is not float16 or bfloat16")
+    out_dtype = _rows_input(x, k, x_scale, out_dtype)
     if inputs < 16 or inputs & (inputs - 1):
         raise ValueError(f"blocks of {inputs} inputs: the rows kernel's tiles take a power of two from 16")
     config = fp8_rows_config(n, k)
     config = dataclasses.replace(config, block_k=min(config.block_k, inputs))
-    _check_blocks(x, weight, block_scale, block, config.block_n, bias)
-    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    return launch_rows(x, weight, bias, out, config, pdl, weight_scale=block_scale, block=block)
+    _check_blocks(x, weight, block_scale, block, config.block_n, bias, out_dtype)
+    out = torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
+    return launch_rows(x, weight, bias, out, config, pdl, weight_scale=block_scale, block=block,
+                       x_scale=x_scale)
 
 
 def fp8_rows_config(n: int, k: int) -> RowsConfig:

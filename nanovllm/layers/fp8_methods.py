@@ -23,12 +23,9 @@ from nanovllm.layers.linear_methods import Bucket, norm_first, rms_norm_kernel, 
 from nanovllm.layers.norm_act import silu_and_mul
 from nanovllm.utils.config_checks import Fp8Scheme
 
-# Whether per-channel fp8's 3-16 row bucket (Fp8ScaledMmLinearMethod) runs the rows kernel over float16
-# rows (fp8_rows_f16: bf16 activations as float16 times a power of two a row, exactly; the norm and the
-# SiLU-mul writing them) so that the e4m3 tiles widen to float16. Off until timed: a float16-operand
-# variant of the rows kernel took 11.3 / 9.0 / 29.1 / 18.1 us at 16 rows of Qwen3-8B's shapes against 14.4
-# / 10.9 / 40.2 / 23.7 for today's (H200, 2026-12-03/04), but failed float16's range then; o_proj adds a
-# float16-rows launch.
+# Whether fp8's few-row buckets (per channel 3-16 rows, 128 x 128 blocks 2-16) run the rows kernel over
+# bf16 activations as float16 rows times powers of two (exact), so that e4m3 tiles widen to float16. Off
+# until timed (docs/performance-notes.md, "fp8 weights", "The rows kernel over float16 rows").
 FLOAT16_ROWS = False
 
 
@@ -81,37 +78,46 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
 
 def fp8_rows_f16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                  bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    """fp8_rows over x as float16 rows times powers of two (kernels/float16_rows.py, exact for bf16 x): the
-    weight tiles widen to float16 (FLOAT16_ROWS)."""
+    """fp8_rows over x as float16 rows times powers of two (kernels/float16_rows.py; FLOAT16_ROWS)."""
     if x.dtype != torch.bfloat16:  # float16 rows hold bf16 exactly, not float32
         return fp8_rows(x, weight, weight_scale, group, bias, pdl)
-    from nanovllm.kernels.float16_rows import float16_rows
-    from nanovllm.kernels.fp8_skinny import fp8_rows_float16_linear
-    return fp8_rows_float16_linear(*float16_rows(x), weight, weight_scale, group, bias, pdl, x.dtype)
+    from nanovllm.kernels import float16_rows, fp8_skinny
+    rows, scale = float16_rows.float16_rows(x)
+    return fp8_skinny.fp8_rows_linear(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype)
 
 
 def fp8_rows_f16_norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl=False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8_rows_f16 of rms_norm(x + residual), the norm writing the float16 rows and scales itself
-    (kernels/norm_quant.py: the same bits as the norm, then float16_rows)."""
+    """fp8_rows_f16 of rms_norm(x + residual), the norm writing the float16 rows itself (norm_quant.py)."""
     if x.dtype != torch.bfloat16:
-        normed, summed = rms_norm_kernel(x, norm_weight, eps, residual, pdl)
-        return fp8_rows(normed, weight, weight_scale, group, bias, pdl), summed
+        return norm_first(fp8_rows)(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl)
     from nanovllm.kernels import norm_quant
-    from nanovllm.kernels.fp8_skinny import fp8_rows_float16_linear
+    from nanovllm.kernels.fp8_skinny import fp8_rows_linear
     rows, scale, summed = norm_quant.rms_norm_quant(x, norm_weight, eps, residual, float16=True)
-    return fp8_rows_float16_linear(rows, scale, weight, weight_scale, group, bias, pdl, x.dtype), summed
+    return fp8_rows_linear(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype), summed
 
 
 def fp8_rows_f16_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                       bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     """fp8_rows_f16 of silu(gate) * up, the SiLU-mul writing the float16 rows and scales itself."""
     if x.dtype != torch.bfloat16:
-        return fp8_rows(silu_and_mul(x), weight, weight_scale, group, bias, pdl)
+        return silu_first(fp8_rows)(x, weight, weight_scale, group, bias, pdl)
     from nanovllm.kernels import norm_quant
-    from nanovllm.kernels.fp8_skinny import fp8_rows_float16_linear
-    return fp8_rows_float16_linear(*norm_quant.silu_mul_quant(x, float16=True), weight, weight_scale, group,
-                                   bias, pdl, x.dtype)
+    from nanovllm.kernels.fp8_skinny import fp8_rows_linear
+    rows, scale = norm_quant.silu_mul_quant(x, float16=True)
+    return fp8_rows_linear(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype)
+
+
+def fp8_rows_blocks_f16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                        bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    """fp8_rows_blocks over x as float16 rows times powers of two, as fp8_rows_f16 (FLOAT16_ROWS)."""
+    blocks = getattr(weight_scale, "blocks", None)
+    if blocks is None or x.dtype != torch.bfloat16:
+        return fp8_rows_blocks(x, weight, weight_scale, group, bias, pdl)
+    from nanovllm.kernels import float16_rows, fp8_skinny
+    rows, scale = float16_rows.float16_rows(x)
+    return fp8_skinny.fp8_rows_block_linear(rows, weight, blocks, BLOCK_SCALED_MM_BLOCK, bias, pdl, scale,
+                                            x.dtype)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -251,7 +257,7 @@ class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):
     e4m3 and the GEMM's activation scales themselves (kernels/norm_quant.py), as per channel's do."""
 
     BUCKETS = (Bucket(1, fp8_gemv_blocks, norm_first(fp8_gemv_blocks), silu_first(fp8_gemv_blocks)),
-               Bucket(16, fp8_rows_blocks),
+               Bucket(16, fp8_rows_blocks_f16) if FLOAT16_ROWS else Bucket(16, fp8_rows_blocks),
                Bucket(None, fp8_block_scaled_mm, fp8_block_scaled_mm_norm, fp8_block_scaled_mm_silu))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -257,6 +257,12 @@ def cases() -> dict:
             dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, WRITE_PARTIAL=True, NUM_STAGES=4,
                  PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2, SCALED=False, SCALE_GROUP=128,
                  SCALE_ROWS=128), FP8_WEIGHT, dict(num_warps=4, launch_pdl=True)),
+        "skinny-rows-fp8-blocks-f16": (  # the same over float16 rows (fp8_methods.FLOAT16_ROWS)
+            skinny_rows._skinny_rows_kernel,
+            dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, WRITE_PARTIAL=True, NUM_STAGES=4,
+                 PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2, SCALED=False, SCALE_GROUP=128,
+                 SCALE_ROWS=128, X_SCALED=True), dict(FP8_WEIGHT, x_ptr="*fp16"),
+            dict(num_warps=4, launch_pdl=True)),
         "split-k-reduce": (split_k.split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
         "add-rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
         "rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=1024)),

@@ -1,5 +1,5 @@
-"""The fp8 rows kernel over float16 rows (kernels/fp8_skinny.fp8_rows_float16_linear, and the linear
-methods' fp8_rows_f16 kernels with the RMSNorm and SiLU-mul writing those rows): bf16 activations as
+"""The fp8 rows kernel over float16 rows (kernels/fp8_skinny's x_scale; the linear methods' fp8_rows_f16
+kernels, the RMSNorm and SiLU-mul writing those rows; block-scaled weights too): bf16 activations as
 float16 times a power of two a row give the bf16 rows kernel's outputs bit for bit (the same products and
 sums a power of two apart; the interpreter sums float16 dots as bf16 ones), on CPU tensors through the
 Triton interpreter (or on CUDA when TRITON_INTERPRET=0, to a row's rounding); rows thousands of times
@@ -13,8 +13,9 @@ pytest.importorskip("triton")
 
 from nanovllm.kernels import norm_act  # noqa: E402
 from nanovllm.kernels.float16_rows import float16_rows  # noqa: E402
-from nanovllm.kernels.fp8_skinny import fp8_rows_float16_linear, fp8_rows_linear  # noqa: E402
-from nanovllm.layers.fp8 import quantize_groups  # noqa: E402
+from nanovllm.kernels.fp8_skinny import fp8_rows_block_linear, fp8_rows_linear  # noqa: E402
+from nanovllm.layers import fp8_methods  # noqa: E402
+from nanovllm.layers.fp8 import quantize_blocks, quantize_groups  # noqa: E402
 from nanovllm.layers.fp8_methods import fp8_rows, fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -47,8 +48,25 @@ def test_float16_rows_give_the_bf16_rows_kernel_bit_for_bit(n, k, rows, with_bia
     x, weight, scale, bias = make(n, k, rows)
     bias = bias if with_bias else None
     expected = fp8_rows_linear(x, weight, scale, k, bias)
-    assert_same(fp8_rows_float16_linear(*float16_rows(x), weight, scale, k, bias, out_dtype=BF16), expected)
+    rows16, row_scale = float16_rows(x)
+    assert_same(fp8_rows_linear(rows16, weight, scale, k, bias, x_scale=row_scale, out_dtype=BF16), expected)
     assert_same(fp8_rows_f16(x, weight, scale, k, bias), expected)  # the linear methods' kernel
+
+
+@pytest.mark.parametrize("rows", [2, 16])
+def test_float16_rows_give_the_block_scaled_rows_kernel_bit_for_bit(rows):
+    n, k = 256, 384
+    x, _, _, _ = make(n, k, rows)
+    gen = torch.Generator().manual_seed(4)
+    weight, block_scale = quantize_blocks(torch.randn(n, k, generator=gen) / k**0.5, (128, 128))
+    weight, block_scale = weight.to(DEVICE), block_scale.to(DEVICE)
+    expected = fp8_rows_block_linear(x, weight, block_scale, (128, 128))
+    rows16, row_scale = float16_rows(x)
+    assert_same(fp8_rows_block_linear(rows16, weight, block_scale, (128, 128), x_scale=row_scale,
+                                      out_dtype=BF16), expected)
+    per_row = block_scale.repeat_interleave(128, dim=0)  # the layer's layout, its compact blocks beside
+    per_row.blocks = block_scale
+    assert_same(fp8_methods.fp8_rows_blocks_f16(x, weight, per_row, 128, None), expected)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -75,10 +93,10 @@ def test_the_silu_mul_writes_the_float16_rows_the_rows_kernel_takes():
 def test_float16_rows_refuse_other_activations():
     x, weight, scale, _ = make(96, 256, 3)
     rows, row_scale = float16_rows(x)
-    with pytest.raises(ValueError, match="must be float16 rows with float32 scales"):
-        fp8_rows_float16_linear(x, row_scale, weight, scale, 256)
+    with pytest.raises(ValueError, match="must be float16 rows with contiguous float32 scales"):
+        fp8_rows_linear(x, weight, scale, 256, x_scale=row_scale)
     with pytest.raises(ValueError, match=r"float32 scales \(3, 1\)"):
-        fp8_rows_float16_linear(rows, row_scale[:2], weight, scale, 256)
+        fp8_rows_linear(rows, weight, scale, 256, x_scale=row_scale[:2])
     # float32 activations are not exact in float16 rows: the methods' kernel keeps the rows kernel's path
     x32 = x.float()
     assert torch.equal(fp8_rows_f16(x32, weight, scale, 256, None), fp8_rows(x32, weight, scale, 256, None))

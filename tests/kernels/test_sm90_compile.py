@@ -77,6 +77,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "fp8-block-gemv-pdl", "fp8-block-gemv-split",
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split", "skinny-rows-fp8-pdl",
               "skinny-rows-fp8-split", "skinny-rows-fp8-f16", "skinny-rows-fp8-rows-kernel-tiles",
+              "skinny-rows-fp8-blocks-f16",
               "add-rms-norm-float16", "silu-mul-float16",
               "skinny-rows-fp8-blocks-split",
               "decode-rope-pdl", "decode-rope-pdl-late-trigger", "split-k-reduce", "add-rms-norm", "rms-norm",
