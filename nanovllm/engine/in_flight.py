@@ -25,6 +25,9 @@ class InFlightStep:
     # Per sampling row of a verification step, its sequence's length before the commit (where the
     # assumed tokens begin).
     starts: list[int] = field(default_factory=list)
+    # Per sampling row of a verification step, its sequence's num_preemptions at the commit: a sequence
+    # preempted since (and perhaps admitted again, its KV recomputed) keeps the scheduler's count of it.
+    preemptions: list[int] = field(default_factory=list)
     # Sequences whose rows here took drafts that the step before rejected: not committed, not read.
     void: set[int] = field(default_factory=set)
 

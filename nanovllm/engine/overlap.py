@@ -243,6 +243,7 @@ class OverlapLoop:
         for row, drafts in zip(step.sample_rows, step.drafts, strict=True):
             seq = step.seqs[row]
             step.starts.append(len(seq.token_ids))
+            step.preemptions.append(seq.num_preemptions)
             if not seq.is_finished and seq.seq_id not in void:
                 seq.token_ids.extend(drafts)
                 seq.token_ids.append(PENDING_TOKEN_ID)
@@ -277,7 +278,8 @@ class OverlapLoop:
             tokens = self.spec.accept(seq, token_ids[first:last + 1], drafts)
             before = len(seq.token_ids)
             if self.scheduler.settle_verified(seq, step.starts[i], tokens,
-                                              None if logprobs is None else logprobs[:len(tokens)]):
+                                              None if logprobs is None else logprobs[:len(tokens)],
+                                              kv_kept=seq.num_preemptions == step.preemptions[i]):
                 finished.append(seq)
             elif len(tokens) <= len(drafts) and self.in_flight is not None:
                 self.in_flight.void.add(seq.seq_id)  # its next rows took the rejected drafts

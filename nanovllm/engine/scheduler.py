@@ -240,13 +240,15 @@ class Scheduler:
                     finished.append(seq)
         return finished
 
-    def settle_verified(self, seq: Sequence, start: int, tokens: list[int], logprobs: list | None
-                        ) -> bool:
+    def settle_verified(self, seq: Sequence, start: int, tokens: list[int], logprobs: list | None,
+                        kv_kept: bool = True) -> bool:
         """Record a verification of seq's drafts whose first position is `start` - 1. token_ids[start:]
         (with overlap scheduling, the drafts and the pending token it assumed: nanovllm.engine.overlap)
         give way to the tokens it emitted, appended one at a time, each checked for a stop; what follows
         a stop is dropped. KV counts as computed for token start - 1 and the accepted drafts (the new last
-        token has none). True when seq finished."""
+        token has none), unless seq lost that KV while the verification ran (kv_kept False: preempted,
+        and perhaps admitted again with its KV counted from the prefix cache and a step scheduled on
+        it). True when seq finished."""
         del seq.token_ids[start:]
         seq.num_assumed_tokens = 0
         reason, num_appended = None, 0
@@ -258,7 +260,7 @@ class Scheduler:
                 seq.cumulative_logprob += logprob[token]
             if (reason := self.stop_checker.check(seq)) is not None:
                 break
-        if seq.block_table:  # else preempted while the step ran: it is recomputed from scratch
+        if kv_kept and seq.block_table:  # else preempted while the step ran: its KV is recomputed
             seq.num_computed_tokens = start - 1 + min(len(tokens), num_appended + 1)
             if seq.num_computed_tokens // self.block_manager.block_size > len(seq.block_hashes):
                 self.block_manager.cache_computed_blocks(seq)

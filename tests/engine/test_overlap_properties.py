@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_properties import EOS, MAX_STEPS, VOCAB, admit_arrivals, make_sequences, workloads
+from test_properties import EOS, MAX_STEPS, VOCAB, Request, admit_arrivals, make_sequences, workloads
 
 from nanovllm.engine.invariants import check_invariants
 from nanovllm.engine.overlap import OverlapLoop
@@ -169,3 +169,17 @@ def test_overlapped_verification_keeps_kv_and_outputs_right(workload, k, right):
     stats = run_overlapped(*workload, speculate=(k, right)).spec.stats()
     if right == 1.0:  # every draft (and every guess of a pending token) right: none rejected
         assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_a_sequence_preempted_and_admitted_again_under_its_verification():
+    """Found by the property above: a sequence whose verification was in flight was preempted by the next
+    step's scheduling and admitted again at once (its prompt's blocks in the prefix cache), a step
+    scheduled on its recomputed KV; settling the verification then counted the KV it had lost, and the
+    next commit ran past its block table. The settle leaves a preempted sequence's count to the scheduler."""
+    config = SimpleNamespace(max_num_seqs=3, max_num_batched_tokens=4, num_kvcache_blocks=16,
+                             kvcache_block_size=1, enable_prefix_caching=True, mixed_batches=True)
+    requests = [Request(0, [1, 3, 1], 1, False), Request(1, [1, 3, 1], 4, False),
+                Request(0, [1, 3, 1], 3, False), Request(0, [1, 3, 1, 1], 10, False),
+                *[Request(0, [1, 3, 1], 1, False)] * 4]
+    loop = run_overlapped(config, requests, {}, 0, speculate=(1, 0.6))
+    assert loop.scheduler.num_preemptions > 0  # the case it is named after
