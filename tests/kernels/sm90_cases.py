@@ -49,6 +49,20 @@ DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, 
               COMBINE_HEADS=2, COMBINE_ROWS=16, TILES="cast", KV_PER_PROG=1)
 
 
+def words_large_batch_cases(name: str, cache: dict, decode_attention, decode_launch) -> dict:
+    """The large-batch decode builds of a quantized cache read as 16-bit words: one chunk a context, and
+    two KV heads a program (decode_launch.FP8_PACKED)."""
+    one_split = dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, TILES="words", ONE_SPLIT=True)
+    return {
+        f"decode-{name}-words-large-batch-one-split": (
+            decode_attention._decode_split_kernel, one_split, cache,
+            decode_launch.FP8_LARGE_BATCH.options(words=True)),
+        f"decode-{name}-words-packed": (
+            decode_attention._decode_split_kernel, dict(one_split, KV_PER_PROG=2), cache,
+            decode_launch.FP8_PACKED.options(words=True)),
+    }
+
+
 def cases() -> dict:
     """name: (kernel, constexprs[, pointer types[, launch options]]), for shapes of Qwen3-0.6B (the MoE
     kernels: of Qwen3-30B-A3B). Imports the kernels: call it with the interpreter off."""
@@ -97,16 +111,9 @@ def cases() -> dict:
         "decode-one-split": (decode_attention._decode_split_kernel,
                              dict(DECODE, DOT_PRECISION="tf32", ORDERED=True, ONE_SPLIT=True), {},
                              decode_launch.WIDE.options(words=False)),
-        "decode-fp8-words-large-batch-one-split": (
-            decode_attention._decode_split_kernel,
-            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, TILES="words", ONE_SPLIT=True),
-            FP8_CACHE, decode_launch.FP8_LARGE_BATCH.options(words=True)),
-        # decode_launch.FP8_PACKED: two KV heads a program, their GQA groups stacked (decode_words).
-        "decode-fp8-words-packed": (
-            decode_attention._decode_split_kernel,
-            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, TILES="words", ONE_SPLIT=True,
-                 KV_PER_PROG=2),
-            FP8_CACHE, decode_launch.FP8_PACKED.options(words=True)),
+        # fp8's large-batch words tiles, one chunk a context; FP8_PACKED: two KV heads a program, their GQA
+        # groups stacked (decode_words).
+        **words_large_batch_cases("fp8", FP8_CACHE, decode_attention, decode_launch),
         "decode-fp8-words-small-batch": (decode_attention._decode_split_kernel,
                                          dict(DECODE, DOT_PRECISION="tf32", ORDERED=False, TILES="words"),
                                          FP8_CACHE, dict(num_warps=4, num_stages=3)),
@@ -159,15 +166,7 @@ def cases() -> dict:
             dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, ONE_SPLIT=True), INT8_CACHE,
             decode_launch.FP8_LARGE_BATCH.options(words=False)),
         # decode_words.INT8_WORDS: an int8 cache read as words (as fp8's), its scales beside the dots.
-        "decode-int8-words-large-batch-one-split": (
-            decode_attention._decode_split_kernel,
-            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, TILES="words", ONE_SPLIT=True),
-            INT8_CACHE, decode_launch.FP8_LARGE_BATCH.options(words=True)),
-        "decode-int8-words-packed": (
-            decode_attention._decode_split_kernel,
-            dict(DECODE, BLOCK_N=64, DOT_PRECISION="tf32", ORDERED=True, TILES="words", ONE_SPLIT=True,
-                 KV_PER_PROG=2),
-            INT8_CACHE, decode_launch.FP8_PACKED.options(words=True)),
+        **words_large_batch_cases("int8", INT8_CACHE, decode_attention, decode_launch),
         "decode-rope-int8-words-pdl": (decode_rope._decode_rope_split_kernel,
                                        dict(DECODE, DOT_PRECISION="tf32", HAS_NORM=True, QUANT=True, PDL=True,
                                             LATE_TRIGGER=True, TILES="words"), INT8_CACHE,
