@@ -49,17 +49,6 @@ def _store_groups(y, start, n_cols, q_row, scale_row, stride_sg, GROUP: tl.const
 
 
 @triton.jit
-def _scaled(y, amax, FLOAT16: tl.constexpr):
-    """(y's values as q stores them, the row's scale): e4m3 over amax / 448, or with FLOAT16 float16 rows
-    times a power of two (kernels/float16_rows.py)."""
-    if FLOAT16:
-        scale, inverse = float16_row_scale(amax)
-        return y * inverse, scale
-    scale = _scale_of(amax)
-    return _quantized(y, scale), scale
-
-
-@triton.jit
 def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, sum_ptr, M, n_cols, stride_x,
                            stride_r, stride_sum, stride_sm, stride_sg, eps, HAS_RESIDUAL: tl.constexpr,
                            GROUP: tl.constexpr, BLOCK: tl.constexpr, FLOAT16: tl.constexpr = False):
@@ -112,12 +101,18 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, M, n_cols, stride_x, stride_
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, n_cols, start + offs)))
-        amax = tl.max(amax, axis=0)
-        scale = _scaled(amax, amax, FLOAT16)[1]
+        if FLOAT16:
+            scale, inverse = float16_row_scale(tl.max(amax, axis=0))
+        else:
+            scale, inverse = _scale_of(tl.max(amax, axis=0)), 0.0  # inverse unread
         tl.store(scale_row, scale)
         for start in range(0, n_cols, BLOCK):
             cols = start + offs
-            q = _scaled(_silu_mul(x_row, n_cols, cols), amax, FLOAT16)[0]
+            y = _silu_mul(x_row, n_cols, cols)
+            if FLOAT16:
+                q = y * inverse
+            else:
+                q = _quantized(y, scale)
             tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
 
 

@@ -23,7 +23,7 @@ import re
 
 import torch
 
-# `which` is "k", "v" or "kv"; the checkpoint's own name for a layer's attention block is `attn`.
+# attn: the layer's attention block (the prefix); own ("k", "v" or "kv") or proj ("k" or "v"): what it scales.
 KV_SCALE_NAME = re.compile(r"(?P<attn>.+\.self_attn)\."
                            r"(?:(?P<own>k|v|kv)_scale|(?P<proj>k|v)_proj\.(?:output_scale|(?P=proj)_scale))")
 

@@ -11,7 +11,8 @@ that nested form as a quantization_config too).
 Read:
   quant_algo "FP8"                         an e4m3 `weight` with a `weight_scale` per tensor and a
                                            calibrated `input_scale` per tensor: the "fp8" method's static
-                                           scheme (layers/fp8_static.py; dense layers)
+                                           scheme (layers/fp8_static.py; MoE experts too, one scale
+                                           an expert: layers/fp8_experts.py)
   quant_algo "FP8_PER_CHANNEL_PER_TOKEN"   `weight_scale` per output channel, activations scaled per token
                                            as they arrive: the dynamic per-channel scheme (layers/fp8.py)
   kv_cache_quant_algo "FP8"                calibrated KV-cache scales (`k_proj.k_scale`, `v_proj.v_scale`),
