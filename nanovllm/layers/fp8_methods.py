@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.fp8 import Fp8LinearMethod, fp8_dequant_linear
+from nanovllm.layers.fp8_float16_rows import float16_rows_forms
 from nanovllm.layers.linear_methods import Bucket, norm_first, rms_norm_kernel, silu_first
 from nanovllm.layers.norm_act import silu_and_mul
 from nanovllm.utils.config_checks import Fp8Scheme
@@ -76,48 +77,24 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     return fp8_rows_linear(x, weight, weight_scale, group, bias, pdl)
 
 
-def fp8_rows_f16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                 bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    """fp8_rows over x as float16 rows times powers of two (kernels/float16_rows.py; FLOAT16_ROWS)."""
-    if x.dtype != torch.bfloat16:  # float16 rows hold bf16 exactly, not float32
-        return fp8_rows(x, weight, weight_scale, group, bias, pdl)
-    from nanovllm.kernels import float16_rows, fp8_skinny
-    rows, scale = float16_rows.float16_rows(x)
-    return fp8_skinny.fp8_rows_linear(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype)
-
-
-def fp8_rows_f16_norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl=False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8_rows_f16 of rms_norm(x + residual), the norm writing the float16 rows itself (norm_quant.py)."""
-    if x.dtype != torch.bfloat16:
-        return norm_first(fp8_rows)(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl)
-    from nanovllm.kernels import norm_quant
+def _rows_launch(rows, weight, weight_scale, group, bias, pdl, x_scale, out_dtype) -> torch.Tensor:
     from nanovllm.kernels.fp8_skinny import fp8_rows_linear
-    rows, scale, summed = norm_quant.rms_norm_quant(x, norm_weight, eps, residual, float16=True)
-    return fp8_rows_linear(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype), summed
+    return fp8_rows_linear(rows, weight, weight_scale, group, bias, pdl, x_scale, out_dtype)
 
 
-def fp8_rows_f16_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                      bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    """fp8_rows_f16 of silu(gate) * up, the SiLU-mul writing the float16 rows and scales itself."""
-    if x.dtype != torch.bfloat16:
-        return silu_first(fp8_rows)(x, weight, weight_scale, group, bias, pdl)
-    from nanovllm.kernels import norm_quant
-    from nanovllm.kernels.fp8_skinny import fp8_rows_linear
-    rows, scale = norm_quant.silu_mul_quant(x, float16=True)
-    return fp8_rows_linear(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype)
+def _rows_blocks_launch(rows, weight, weight_scale, group, bias, pdl, x_scale, out_dtype) -> torch.Tensor:
+    from nanovllm.kernels.fp8_skinny import fp8_rows_block_linear
+    return fp8_rows_block_linear(rows, weight, weight_scale.blocks, BLOCK_SCALED_MM_BLOCK, bias, pdl, x_scale,
+                                 out_dtype)
 
 
-def fp8_rows_blocks_f16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                        bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    """fp8_rows_blocks over x as float16 rows times powers of two, as fp8_rows_f16 (FLOAT16_ROWS)."""
-    blocks = getattr(weight_scale, "blocks", None)
-    if blocks is None or x.dtype != torch.bfloat16:
-        return fp8_rows_blocks(x, weight, weight_scale, group, bias, pdl)
-    from nanovllm.kernels import float16_rows, fp8_skinny
-    rows, scale = float16_rows.float16_rows(x)
-    return fp8_skinny.fp8_rows_block_linear(rows, weight, blocks, BLOCK_SCALED_MM_BLOCK, bias, pdl, scale,
-                                            x.dtype)
+# The few-row buckets over float16 rows (FLOAT16_ROWS; layers/fp8_float16_rows.py): bf16 activations only
+# (float16 rows hold bf16 exactly, not float32), block-scaled weights with their compact blocks.
+fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu = float16_rows_forms(
+    fp8_rows, _rows_launch, lambda x, _: x.dtype == torch.bfloat16)
+fp8_rows_blocks_f16, fp8_rows_blocks_f16_norm, fp8_rows_blocks_f16_silu = float16_rows_forms(
+    fp8_rows_blocks, _rows_blocks_launch,
+    lambda x, scale: x.dtype == torch.bfloat16 and getattr(scale, "blocks", None) is not None)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -257,7 +234,8 @@ class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):
     e4m3 and the GEMM's activation scales themselves (kernels/norm_quant.py), as per channel's do."""
 
     BUCKETS = (Bucket(1, fp8_gemv_blocks, norm_first(fp8_gemv_blocks), silu_first(fp8_gemv_blocks)),
-               Bucket(16, fp8_rows_blocks_f16) if FLOAT16_ROWS else Bucket(16, fp8_rows_blocks),
+               Bucket(16, fp8_rows_blocks_f16, fp8_rows_blocks_f16_norm, fp8_rows_blocks_f16_silu)
+               if FLOAT16_ROWS else Bucket(16, fp8_rows_blocks),
                Bucket(None, fp8_block_scaled_mm, fp8_block_scaled_mm_norm, fp8_block_scaled_mm_silu))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -1,9 +1,9 @@
 """The fp8 rows kernel over float16 rows (kernels/fp8_skinny's x_scale; the linear methods' fp8_rows_f16
-kernels, the RMSNorm and SiLU-mul writing those rows; block-scaled weights too): bf16 activations as
-float16 times a power of two a row give the bf16 rows kernel's outputs bit for bit (the same products and
-sums a power of two apart; the interpreter sums float16 dots as bf16 ones), on CPU tensors through the
-Triton interpreter (or on CUDA when TRITON_INTERPRET=0, to a row's rounding); rows thousands of times
-apart in magnitude, split-K and single launches, a bias; and the argument checks."""
+kernels, the RMSNorm and SiLU-mul writing those rows, per channel and for block-scaled weights): bf16
+activations as float16 times a power of two a row give the bf16 rows kernel's outputs bit for bit (the
+same products and sums a power of two apart; the interpreter sums float16 dots as bf16 ones), on CPU
+tensors through the Triton interpreter (or on CUDA when TRITON_INTERPRET=0, to a row's rounding); rows
+thousands of times apart in magnitude, split-K and single launches, a bias; and the argument checks."""
 
 import pytest
 import torch
@@ -41,6 +41,15 @@ def assert_same(out: torch.Tensor, expected: torch.Tensor) -> None:
         assert ((out.float() - expected.float()).abs() / rows).max() < 1e-2
 
 
+def blocked(n: int, k: int, seed: int = 4):
+    """A block-scaled weight in the layer's layout: scales repeated per row, the compact blocks beside."""
+    gen = torch.Generator().manual_seed(seed)
+    weight, block_scale = quantize_blocks(torch.randn(n, k, generator=gen) / k**0.5, (128, 128))
+    per_row = block_scale.repeat_interleave(128, dim=0).to(DEVICE)
+    per_row.blocks = block_scale.to(DEVICE)
+    return weight.to(DEVICE), per_row
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", [3, 16])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -57,37 +66,45 @@ def test_float16_rows_give_the_bf16_rows_kernel_bit_for_bit(n, k, rows, with_bia
 def test_float16_rows_give_the_block_scaled_rows_kernel_bit_for_bit(rows):
     n, k = 256, 384
     x, _, _, _ = make(n, k, rows)
-    gen = torch.Generator().manual_seed(4)
-    weight, block_scale = quantize_blocks(torch.randn(n, k, generator=gen) / k**0.5, (128, 128))
-    weight, block_scale = weight.to(DEVICE), block_scale.to(DEVICE)
-    expected = fp8_rows_block_linear(x, weight, block_scale, (128, 128))
+    weight, per_row = blocked(n, k)
+    expected = fp8_rows_block_linear(x, weight, per_row.blocks, (128, 128))
     rows16, row_scale = float16_rows(x)
-    assert_same(fp8_rows_block_linear(rows16, weight, block_scale, (128, 128), x_scale=row_scale,
+    assert_same(fp8_rows_block_linear(rows16, weight, per_row.blocks, (128, 128), x_scale=row_scale,
                                       out_dtype=BF16), expected)
-    per_row = block_scale.repeat_interleave(128, dim=0)  # the layer's layout, its compact blocks beside
-    per_row.blocks = block_scale
     assert_same(fp8_methods.fp8_rows_blocks_f16(x, weight, per_row, 128, None), expected)
 
 
+# (the float16 form's kernels, the bf16 form they must equal, the weight) per scale layout
+FORMS = {"channel": ((fp8_rows_f16_norm, fp8_rows_f16_silu), fp8_rows, lambda n, k: make(n, k, 1)[1:3]),
+         "blocks": ((fp8_methods.fp8_rows_blocks_f16_norm, fp8_methods.fp8_rows_blocks_f16_silu),
+                    fp8_methods.fp8_rows_blocks, blocked)}
+
+
+@pytest.mark.parametrize("layout", FORMS)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_the_norm_writes_the_float16_rows_the_rows_kernel_takes(with_residual):
-    x, weight, scale, _ = make(96, 256, 5)
+def test_the_norm_writes_the_float16_rows_the_rows_kernel_takes(layout, with_residual):
+    (normed_kernel, _), bf16_kernel, weights = FORMS[layout]
+    x, _, _, _ = make(128, 256, 5)
+    weight, scale = weights(128, 256)
     gen = torch.Generator().manual_seed(9)
     norm_weight = (torch.rand(256, generator=gen) * 3).to(DEVICE, BF16)
     residual = torch.randn(5, 256, generator=gen).to(DEVICE, BF16) if with_residual else None
-    out, summed = fp8_rows_f16_norm(x, norm_weight, 1e-6, weight, scale, 256, None, residual)
+    out, summed = normed_kernel(x, norm_weight, 1e-6, weight, scale, 256, None, residual)
     if residual is None:
         normed, expected_sum = norm_act.rms_norm(x, norm_weight, 1e-6), x
     else:
         normed, expected_sum = norm_act.add_rms_norm(x, residual, norm_weight, 1e-6)
-    assert_same(out, fp8_rows(normed, weight, scale, 256, None))
+    assert_same(out, bf16_kernel(normed, weight, scale, 256, None))
     assert torch.equal(summed, expected_sum)
 
 
-def test_the_silu_mul_writes_the_float16_rows_the_rows_kernel_takes():
-    x, weight, scale, _ = make(96, 256, 7, width=512)
-    out = fp8_rows_f16_silu(x / 100, weight, scale, 256, None)  # silu(gate) * up: squares x's magnitudes
-    assert_same(out, fp8_rows(norm_act.silu_and_mul(x / 100), weight, scale, 256, None))
+@pytest.mark.parametrize("layout", FORMS)
+def test_the_silu_mul_writes_the_float16_rows_the_rows_kernel_takes(layout):
+    (_, silu_kernel), bf16_kernel, weights = FORMS[layout]
+    x, _, _, _ = make(128, 256, 7, width=512)
+    weight, scale = weights(128, 256)
+    out = silu_kernel(x / 100, weight, scale, 256, None)  # silu(gate) * up: squares x's magnitudes
+    assert_same(out, bf16_kernel(norm_act.silu_and_mul(x / 100), weight, scale, 256, None))
 
 
 def test_float16_rows_refuse_other_activations():

@@ -1,0 +1,52 @@
+"""fp8's few-row kernels over float16 rows (the forms fp8_methods.FLOAT16_ROWS picks): bf16 activations
+written as float16 times a power of two a row, exactly (bf16's significand fits float16's;
+kernels/float16_rows.py), so that the rows kernel widens its e4m3 weight tiles to float16 (one conversion
+a pair, where widening to bf16 takes three instructions) and multiplies each row's sums by its scale at
+the end: the bf16 form's products and sums, bit for bit. The RMSNorm before q/k/v and gate/up and the
+SiLU-mul before down write the float16 rows and their scales themselves (kernels/norm_quant.py's float16
+mode: no launch added); other inputs (o_proj's) take a float16_rows launch first."""
+
+from collections.abc import Callable
+
+import torch
+
+from nanovllm.layers.linear_methods import Kernel, NormedKernel, SiluKernel, norm_first, silu_first
+
+# (rows, weight, weight_scale, group, bias, pdl, x_scale, out_dtype) -> the rows kernel's output
+RowsLaunch = Callable[..., torch.Tensor]
+# (x, weight_scale) -> whether a call can run over float16 rows
+Takes = Callable[[torch.Tensor, torch.Tensor], bool]
+
+
+def float16_rows_forms(fallback: Kernel, launch: RowsLaunch, takes: Takes
+                       ) -> tuple[Kernel, NormedKernel, SiluKernel]:
+    """A few-row bucket's plain, norm and SiLU-mul kernels over float16 rows: `launch` runs the rows kernel
+    over them; a call `takes` refuses (float32 activations, which float16 cannot hold exactly; weights
+    without what the launch needs) runs `fallback`, the bucket's bf16 form, with its norm and SiLU-mul in
+    their own kernels first."""
+    fallback_norm, fallback_silu = norm_first(fallback), silu_first(fallback)
+
+    def plain(x, weight, weight_scale, group, bias, pdl=False):
+        if not takes(x, weight_scale):
+            return fallback(x, weight, weight_scale, group, bias, pdl)
+        from nanovllm.kernels.float16_rows import float16_rows
+        rows, scale = float16_rows(x)
+        return launch(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype)
+
+    def norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl=False):
+        if not takes(x, weight_scale):
+            return fallback_norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl)
+        from nanovllm.kernels.norm_quant import rms_norm_quant
+        rows, scale, summed = rms_norm_quant(x, norm_weight, eps, residual, float16=True)
+        return launch(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype), summed
+
+    def silu(x, weight, weight_scale, group, bias, pdl=False):
+        if not takes(x, weight_scale):
+            return fallback_silu(x, weight, weight_scale, group, bias, pdl)
+        from nanovllm.kernels.norm_quant import silu_mul_quant
+        rows, scale = silu_mul_quant(x, float16=True)
+        return launch(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype)
+
+    plain.__name__ = f"{fallback.__name__}_f16"
+    norm.__name__, silu.__name__ = f"{plain.__name__}_norm", f"{plain.__name__}_silu"
+    return plain, norm, silu
