@@ -38,18 +38,18 @@ SOME_SLOTS_PER_EXPERT = 32
 # Below this many slots (decode batch < 8 at top-8) few experts are hit: 32-column tiles make twice
 # as many programs as 64-column ones, to keep every SM streaming weights.
 NARROW_TILE_MAX_SLOTS = 64
-# Whether fp8 experts run W8A8 (MoeConfig.w8a8, with swap_ab below 64-row blocks). Off until it has run on
-# a GPU and been timed: its sm_90 builds (wgmma e4m3) issue a quarter to a third of the widening builds'
-# instructions a K tile (tests/kernels/sm90_build.py; docs/performance-notes.md, "Mixture of experts"),
-# where widened fp8 experts stream at ~0.6 of their copy floor against bf16's ~0.9 (Qwen3-30B-A3B, 256
-# rows); scripts/moe_bench.py --fp8 times both.
-W8A8_EXPERTS = False
-# Whether fp8 experts that stay W8A16 (W8A8 off or not allowed) widen to float16 over float16 rows
-# (MoeConfig.f16, with swap_ab below 64-row blocks). Off until timed: its sm_90 builds (Triton 3.6, the
-# 256-row config) take 315 instructions a warp a gate/up K tile per channel against 507 widening to bf16
-# (309 against 504 with 128-blocks; W8A8: 137 and 225), down 207 against 303: the F2F and PRMT of bf16's
-# widening gone. A float16-rows launch (kernels/float16_rows.py) comes before each of the two GEMMs.
-F16_EXPERTS = False
+# Whether fp8 experts run W8A8 (MoeConfig.w8a8, with swap_ab below 64-row blocks): x and the intermediate
+# rounded to e4m3 with a scale a row (or a 128-group), as vLLM's fp8 experts and the dense fp8 GEMMs from 17
+# rows do. Its sm_90 builds (wgmma e4m3) issue a quarter to a third of the widening builds' instructions a K
+# tile; bench.py on Qwen3-30B-A3B with fp8 weights 7,990 tok/s against 6,487 widening to bf16 and 6,927
+# widening to float16 (H200, 2026-12-05; docs/performance-notes.md, "Mixture of experts").
+W8A8_EXPERTS = True
+# Whether fp8 experts that stay W8A16 (static activation scales, K tiles too narrow for an e4m3 dot)
+# widen to float16 over float16 rows (MoeConfig.f16, with swap_ab below 64-row blocks) rather than to
+# bf16: 315 instructions a warp a gate/up K tile against 507 (sm_90, Triton 3.6), the F2F and PRMT of
+# bf16's widening gone; bench.py as above 6,927 tok/s against 6,487. A float16-rows launch
+# (kernels/float16_rows.py) comes before each of the two GEMMs.
+F16_EXPERTS = True
 
 
 def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights: bool = False,

@@ -83,10 +83,11 @@ def test_fp8_kernels_run_on_gpus_with_fp8_tensor_cores(device, capability, block
     chosen = fp8_linear_method(Fp8Scheme(block, True), torch.device(device), True, capability)
     assert type(chosen) is method and chosen.pdl
     names = [chosen.bucket(rows).plain.__name__ for rows in (1, 16, 17, 4096)]
-    # One scale a row on sm_90: bf16's one-row and few-row kernels over the e4m3 weight; 128 x 128 blocks
-    # there: the block GEMV at one row, the rows kernel scaling each tile's product at 2-16.
-    sm90 = {Fp8ScaledMmLinearMethod: ["fp8_skinny", "fp8_rows"],
-            Fp8BlockScaledMmLinearMethod: ["fp8_gemv_blocks", "fp8_rows_blocks"]}
+    # One scale a row on sm_90: bf16's one-row and few-row kernels over the e4m3 weight (the few-row one
+    # over float16 rows); 128 x 128 blocks there: the block GEMV at one row, the rows kernel scaling each
+    # tile's product at 2-16.
+    sm90 = {Fp8ScaledMmLinearMethod: ["fp8_skinny", "fp8_rows_f16"],
+            Fp8BlockScaledMmLinearMethod: ["fp8_gemv_blocks", "fp8_rows_blocks_f16"]}
     few = sm90.get(method, ["fp8_gemv"] * 2)
     assert names == (few + [gemm] * 2 if gemm else ["fp8_dequant_linear"] * 4)
     if method in sm90:  # one row's norm and SiLU-mul: their own kernels, chained to the GEMV under PDL
@@ -123,8 +124,8 @@ def test_the_block_method_falls_back_to_the_triton_gemm_without_whole_blocks(mon
         ("torch", tuple(blocks.shape))) or x.new_zeros(x.shape[0], w.shape[0]))
     monkeypatch.setattr(fp8_methods, "fp8_gemm", lambda *args: calls.append(("triton",)))
     method = Fp8BlockScaledMmLinearMethod(Fp8Scheme((128, 128), True))
-    assert [method.bucket(r).plain.__name__ for r in (1, 16, 17)] == ["fp8_gemv_blocks", "fp8_rows_blocks",
-                                                                      "fp8_block_scaled_mm"]
+    assert [method.bucket(r).plain.__name__ for r in (1, 16, 17)] == [
+        "fp8_gemv_blocks", "fp8_rows_blocks_f16", "fp8_block_scaled_mm"]
     layer = ReplicatedLinear(384, 256, bias=False, quant_method=method)  # loaded: the per-row layout
     layer.weight_scale_inv.data.copy_((torch.rand(2, 3) + 0.5).repeat_interleave(128, dim=0))
     method.process_weights_after_loading(layer)
