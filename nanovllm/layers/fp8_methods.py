@@ -8,11 +8,11 @@ Triton here).
   of the reference, on fp8 tensor cores).
 - `Fp8ScaledMmLinearMethod` (one scale a row, sm_90+): one row through bf16's GEMV over the e4m3 weight
   (kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), 2-16 rows through bf16's
-  few-row kernels over it (the same file), and from 17 torch._scaled_mm, the norm or SiLU-mul before it
-  writing e4m3 directly (kernels/norm_quant.py).
+  few-row kernels over it (the same file; from 3 rows over float16 rows: layers/fp8_float16_rows.py), and
+  from 17 torch._scaled_mm, the norm or SiLU-mul before it writing e4m3 directly (kernels/norm_quant.py).
 - `Fp8BlockScaledMmLinearMethod` (128 x 128 blocks, sm_90): one row through a GEMV with a scale a run of
-  each tile, 2-16 rows through bf16's rows kernel with each tile's product times its block's scale (both
-  kernels/fp8_skinny.py), then torch's block-scaled GEMM."""
+  each tile, 2-16 rows through bf16's rows kernel over float16 rows with each tile's product times its
+  block's scale (both kernels/fp8_skinny.py), then torch's block-scaled GEMM."""
 
 import torch
 import torch.nn.functional as F
