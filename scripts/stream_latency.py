@@ -2,8 +2,11 @@
 ignore_eos, after one warm-up request; prints ms per output token (prefill included) and tokens/s.
 
     python scripts/stream_latency.py --model MODEL_DIR [--quantization fp8] [--kv-cache-dtype fp8]
+    python scripts/stream_latency.py --model MODEL_DIR --streams 16 --output-len 512
     python scripts/stream_latency.py --model M --workload copy --speculative-config '{"method": "ngram", ...}'
 
+--streams N: N requests of the random workload at once, each its own prompt; prints ms per decode step
+  (the run's time over --output-len steps, prefill included): BENCHMARKS.md's "16 streams" rows.
 --workload copy: the prompt is a 256-token passage written twice, and the output is greedy with a
   repetition-prone random model, so n-gram proposals find matches (speculative decoding's copy case).
 --repeating (with --load-format dummy): random weights drawn 1e-5 wide with tied embeddings, so that every
@@ -78,8 +81,14 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="overlap scheduling on or off (default: the engine's, on with CUDA); with "
                              "n-gram drafts, --no-async-scheduling times the synchronous loop")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="requests at once, each its own random prompt (--workload random only)")
     parser.add_argument("--label", default="", help="printed first on the result line")
     args = parser.parse_args()
+    if args.streams < 1:
+        parser.error(f"--streams must be at least 1, got {args.streams}")
+    if args.streams > 1 and args.workload != "random":
+        parser.error(f"--streams {args.streams} runs the random workload; drop --workload {args.workload}")
     if args.load_format == "dummy" and args.workload in CHAT_WORKLOADS:
         parser.error(f"--workload {args.workload} needs the model's tokenizer; --load-format dummy has none")
     if args.repeating and args.load_format != "dummy":
@@ -107,7 +116,8 @@ def main() -> None:
     config = getattr(llm, "config", None)
     top = min(10000, config.hf_config.vocab_size - 1) if hasattr(config, "hf_config") else 10000
     if args.workload == "random":
-        prompt = [randint(0, top) for _ in range(args.prompt_len)]
+        prompts = [[randint(0, top) for _ in range(args.prompt_len)] for _ in range(args.streams)]
+        prompt = prompts[0]
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len)
     elif args.workload == "copy":
         passage = [randint(0, top) for _ in range(args.prompt_len // 2)]
@@ -118,6 +128,15 @@ def main() -> None:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                    add_generation_prompt=True, tokenize=False)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    if args.streams > 1:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(output["token_ids"]) for output in outputs)
+        print(f"{args.label} {args.streams} streams (random): {tokens} tok in {elapsed:.2f}s -> "
+              f"{tokens / elapsed:.1f} tok/s ({elapsed / args.output_len * 1e3:.3f} ms/step incl. prefill)",
+              flush=True)
+        return
     start = time.perf_counter()
     output = llm.generate([prompt], params, use_tqdm=False)[0]
     elapsed = time.perf_counter() - start

@@ -57,7 +57,8 @@ def test_stream_latency_runs_as_typed_with_speculation(qwen3_dir):
 
 
 def test_stream_latency_runs_on_random_weights_from_a_config(tmp_path):
-    """`--load-format dummy`: a config.json alone (no tokenizer, no weights), as benchmarks size 8B."""
+    """`--load-format dummy`: a config.json alone (no tokenizer, no weights), as benchmarks size 8B; one
+    stream, and `--streams N` (N random prompts at once, ms a decode step)."""
     from transformers import Qwen3Config
 
     Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -69,6 +70,13 @@ def test_stream_latency_runs_on_random_weights_from_a_config(tmp_path):
     done = subprocess.run(command, cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "dummy single stream (random): 16 tok in" in done.stdout
+    streams = subprocess.run(command + ["--streams", "3"], cwd=SCRIPTS.parent, capture_output=True, text=True,
+                             timeout=300)  # BENCHMARKS.md's "16 streams" workload, smaller
+    assert streams.returncode == 0, streams.stderr[-2000:]
+    assert "dummy 3 streams (random): 48 tok in" in streams.stdout and "ms/step" in streams.stdout
+    copying = subprocess.run(command + ["--streams", "2", "--workload", "copy"], cwd=SCRIPTS.parent,
+                             capture_output=True, text=True, timeout=300)
+    assert copying.returncode == 2 and "runs the random workload" in copying.stderr
     chat = subprocess.run(command + ["--workload", "summarize"], cwd=SCRIPTS.parent, capture_output=True,
                           text=True, timeout=300)
     assert chat.returncode == 2 and "needs the model's tokenizer" in chat.stderr
