@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from fp8_gemm_bench import timed_us as graph_timed_us  # a script beside this one
 
-from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, skinny_linear, skinny_norm_linear
+from nanovllm.kernels.gemv_folds import skinny_norm_linear
+from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, skinny_linear
 from nanovllm.kernels.skinny_rows import RowsConfig, launch_rows, rows_config
 
 COPIES = 4  # weights cycled through: together beyond the 60 MB L2 at 8B's shapes

@@ -37,6 +37,8 @@ import torch
 from nanovllm.kernels import gemv_rows
 from nanovllm.kernels.common import sm_count
 from nanovllm.kernels.fp8_block_gemv import launch_block_gemv
+from nanovllm.kernels.gemv_folds import check_gated
+from nanovllm.kernels.norm_act import silu_and_mul
 from nanovllm.kernels.skinny_gemm import check_one_row, launch_gemv
 from nanovllm.kernels.skinny_launch import SkinnyConfig, skinny_config
 from nanovllm.kernels.skinny_rows import MAX_ROWS, MIN_COLUMN_BLOCKS, SPLIT_K, RowsConfig, launch_rows
@@ -78,12 +80,18 @@ def _checked(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
 
 
 def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
-                      bias: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, pdl: bool = False, gated: bool = False
+                      ) -> torch.Tensor:
     """x [1, K] @ (weight [N, K] e4m3 * weight_scale [N, 1])^T (+ bias) in x's dtype, float32 sums;
-    group: the inputs a scale covers (K or more: one a row)."""
+    group: the inputs a scale covers (K or more: one a row). gated: weight is a gated MLP's [gate; up]
+    and the result silu(gate) * up ([1, N / 2]; kernels/gemv_folds.py), the SiLU-mul's kernel saved."""
     config = _checked(x, weight, weight_scale, group, bias, weight.shape[1])
-    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    return launch_gemv(x, weight, bias, out, config, pdl, weight_scale=weight_scale)
+    if gated:
+        check_gated(weight)
+        if config.split_k > 1:  # the epilogue needs whole sums
+            return silu_and_mul(fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl), pdl)
+    out = torch.empty((1, weight.shape[0] // (2 if gated else 1)), dtype=x.dtype, device=x.device)
+    return launch_gemv(x, weight, bias, out, config, pdl, weight_scale=weight_scale, gated=gated)
 
 
 def _check_blocks(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor, block: tuple[int, int],

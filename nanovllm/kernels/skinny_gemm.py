@@ -16,9 +16,10 @@ All sizes come from shapes (no host sync, no data-dependent allocation), so call
 Accumulation is float32; the result is in x's dtype.
 
 A prologue can fold the small kernel before a linear layer into the GEMV's pass over x: RMSNorm (after
-a residual add or not; skinny_norm_linear) or SiLU-mul (skinny_silu_linear). At one row a decode step ran
-57 norm and 28 SiLU-mul kernels of ~1.5 us each, mostly launch gaps (commit 105f5a8;
-docs/performance-notes.md, section "Decode GEMMs and GEMVs").
+a residual add or not) or SiLU-mul; or the SiLU-mul after a gated MLP's gate/up projection folds in as
+its epilogue (GATED), each program owning matching gate and up rows (kernels/gemv_folds.py has the entry
+points). At one row a decode step ran 57 norm and 28 SiLU-mul kernels of ~1.5 us each, mostly launch gaps
+(commit 105f5a8; docs/performance-notes.md, section "Decode GEMMs and GEMVs").
 
 On sm_90+ the layers launch it as a programmatic dependent (pdl=True): it starts while the kernel before
 it runs, loads its first weight tiles, waits for that kernel's output, then lets the next kernel start
@@ -35,8 +36,8 @@ from nanovllm.kernels.skinny_launch import PDL_PRELOAD_TILES, SkinnyConfig, skin
 from nanovllm.kernels.split_k import plan_split_k, reduce_split_k, split_k_workspace
 
 # What the kernel does to x before the GEMV (in its pass over x, which every program reads anyway), so
-# that the small kernel before a linear layer (its RMSNorm, SiLU-mul) need not run: skinny_norm_linear,
-# skinny_silu_linear. (tl.constexpr: a kernel may read a global only when it is one.)
+# that the small kernel before a linear layer (its RMSNorm, SiLU-mul) need not run (kernels/gemv_folds.py).
+# (tl.constexpr: a kernel may read a global only when it is one.)
 PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_MUL = (tl.constexpr(i) for i in range(4))
 
 
@@ -65,6 +66,16 @@ def _gemv_tile(partial, squares, w, k, k_end, x_ptr, residual_ptr, sum_ptr, norm
 
 
 @triton.jit
+def _store_gated(acc, out_ptr, pid_n, half, BLOCK_N: tl.constexpr):
+    """silu(gate) * up of sums interleaved [gate, up, gate, up, ...], each rounded to out's dtype first as
+    the gate/up projection's output is stored, then as norm_act's SiLU-mul kernel computes it."""
+    gate, up = tl.split(tl.reshape(acc.to(out_ptr.dtype.element_ty).to(tl.float32), [BLOCK_N // 2, 2]))
+    offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=offs < half)
+
+
+@triton.jit
 def weight_tile(w_rows, k, k_end, offs):
     """The [rows, len(offs)] weight tile at K offset k; columns from k_end on read as 0. Also skinny_rows'."""
     return tl.load(w_rows + (k + offs)[None, :], mask=(k + offs < k_end)[None, :], other=0.0)
@@ -75,7 +86,7 @@ def _skinny_gemm_kernel(
     x_ptr,  # [K], contiguous ([2K] for SILU_MUL: gate then up)
     w_ptr,
     bias_ptr,
-    out_ptr,  # [N] in x's dtype, or with WRITE_PARTIAL a [split_k, N] float32 workspace
+    out_ptr,  # [N] in x's dtype ([N / 2] GATED), or with WRITE_PARTIAL a [split_k, N] float32 workspace
     residual_ptr,  # ADD_RMS_NORM: [K], added to x
     sum_ptr,  # ADD_RMS_NORM: [K], receives x + residual (written by the first column block)
     norm_w_ptr,  # RMS_NORM, ADD_RMS_NORM: [K]
@@ -94,6 +105,7 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before
     PRELOAD: tl.constexpr = 0,  # weight tiles (0-2) loaded first: before the wait under PDL
     SCALED: tl.constexpr = False,  # fp8 weights: their row's scale multiplies the finished sums
+    GATED: tl.constexpr = False,  # weight [gate; up] ([N / 2] rows each): silu(gate) * up out, N / 2 wide
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -102,6 +114,10 @@ def _skinny_gemm_kernel(
     # Columns past N read the last real weight row instead of being masked (their sums are never
     # stored), so the weight load needs only the K mask, which is uniform along each row.
     real_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    if GATED:  # BLOCK_N / 2 outputs j: gate row j and up row N / 2 + j side by side
+        lane = tl.arange(0, BLOCK_N)
+        gate_row = tl.minimum(pid_n * (BLOCK_N // 2) + lane // 2, N // 2 - 1)
+        real_n = (gate_row + (lane % 2) * (N // 2)).to(tl.int64)
     w_rows = w_ptr + real_n[:, None] * stride_wn  # [BLOCK_N, 1]
     k_start = pid_k * tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
@@ -139,8 +155,11 @@ def _skinny_gemm_kernel(
         tl.store(out_ptr + pid_k * N + offs_n, acc, mask=n_mask)
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+            acc += tl.load(bias_ptr + real_n).to(tl.float32)
+        if GATED:
+            _store_gated(acc, out_ptr, pid_n, N // 2, BLOCK_N)
+        else:
+            tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def skinny_linear(
@@ -186,10 +205,11 @@ def skinny_linear(
 
 
 def launch_gemv(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue: tl.constexpr = PLAIN,
-                residual=None, summed=None, norm_weight=None, eps: float = 0.0, weight_scale=None
-                ) -> torch.Tensor:
-    """The kernel's launch, arguments unchecked (the entry points here and kernels/fp8_skinny.py check
-    them). weight_scale: an e4m3 weight's float32 scales, one a row ([N] or [N, 1], contiguous).
+                residual=None, summed=None, norm_weight=None, eps: float = 0.0, weight_scale=None,
+                gated: bool = False) -> torch.Tensor:
+    """The kernel's launch, arguments unchecked (the entry points here, in kernels/gemv_folds.py and in
+    kernels/fp8_skinny.py check them). weight_scale: an e4m3 weight's float32 scales, one a row ([N] or
+    [N, 1], contiguous). gated: out = silu(gate) * up, [1, N / 2] (no split-K: config.split_k must be 1).
     Under PDL (programmatic dependent launch, sm_90+) the kernel may start while the kernel before it
     runs: it loads its first weight tiles, waits for that kernel's results, then lets the next launch.
     Everything it reads before the wait (the weight) no kernel writes, so this is race-free; the
@@ -198,6 +218,8 @@ def launch_gemv(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue:
     split = plan_split_k(k, config.block_k, config.split_k)
     write_partial = split.splits > 1
     target = split_k_workspace(split, 1, n, x.device) if write_partial else out
+    if gated and write_partial:
+        raise ValueError("the SiLU-mul epilogue needs the whole sums: a gated launch cannot split K")
     _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split.splits)](
         x,
         weight,
@@ -224,6 +246,7 @@ def launch_gemv(x, weight, bias, out, config: SkinnyConfig, pdl: bool, prologue:
                     split.tiles_per_split),
         launch_pdl=pdl,
         SCALED=weight_scale is not None,
+        GATED=gated,
     )
     return reduce_split_k(target, bias, out) if write_partial else out
 
@@ -243,47 +266,3 @@ def check_rows(x: torch.Tensor, width: int, weight: torch.Tensor, bias: torch.Te
 def check_one_row(x: torch.Tensor, width: int, what: str) -> None:
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width or not x.is_contiguous():
         raise ValueError(f"{what} must be one contiguous row of {width}; got {tuple(x.shape)}")
-
-
-def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                       bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                       pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(s) @ weight.T (+ bias), s) for one row, s = x + residual (or x), in one kernel: the
-    norm's kernel before the GEMV is saved. s is rounded to x's dtype as a stored residual stream is;
-    the norm's 1/rms multiplies the float32 sums instead of each element, so the output can differ
-    from norm-then-linear by the rounding of the normed row. Where the shapes ask for split-K (which
-    would cut the norm's sum of squares), the norm runs on its own first."""
-    k = weight.shape[1]
-    check_one_row(x, k, "x")
-    if residual is not None:
-        check_one_row(residual, k, "residual")
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or weight.dtype != x.dtype:
-        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} and weight "
-                         f"{weight.dtype} must be ({k},) and x's dtype {x.dtype}")
-    config = skinny_config(weight.shape[0], k, x.element_size(), sm_count(x.device))
-    if config.split_k > 1:
-        from nanovllm.kernels.norm_act import add_rms_norm, rms_norm
-        if residual is None:
-            return skinny_linear(rms_norm(x, norm_weight, eps), weight, bias, config=config, pdl=pdl), x
-        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-        return skinny_linear(normed, weight, bias, config=config, pdl=pdl), summed
-    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    if residual is None:
-        return launch_gemv(x, weight, bias, out, config, pdl, RMS_NORM, norm_weight=norm_weight, eps=eps), x
-    summed = torch.empty_like(x)
-    launch_gemv(x, weight, bias, out, config, pdl, ADD_RMS_NORM, residual, summed, norm_weight, eps)
-    return out, summed
-
-
-def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       pdl: bool = False) -> torch.Tensor:
-    """(silu(gate) * up) @ weight.T (+ bias) for one row x = [gate | up] ([1, 2K]), in one kernel: the
-    SiLU-mul kernel before the GEMV is saved. The product is rounded to x's dtype as that kernel's
-    output is, so the result equals SiLU-mul-then-GEMV."""
-    k = weight.shape[1]
-    check_one_row(x, 2 * k, "x")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight {weight.dtype} must be x's dtype {x.dtype}")
-    config = skinny_config(weight.shape[0], k, x.element_size(), sm_count(x.device))
-    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    return launch_gemv(x, weight, bias, out, config, pdl, SILU_MUL)

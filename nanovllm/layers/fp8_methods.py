@@ -20,7 +20,7 @@ from torch import nn
 
 from nanovllm.layers.fp8 import Fp8LinearMethod, fp8_dequant_linear
 from nanovllm.layers.fp8_float16_rows import float16_rows_forms
-from nanovllm.layers.linear_methods import Bucket, norm_first, rms_norm_kernel, silu_first
+from nanovllm.layers.linear_methods import GATED_EPILOGUE, Bucket, norm_first, rms_norm_kernel, silu_first
 from nanovllm.layers.norm_act import silu_and_mul
 from nanovllm.utils.config_checks import Fp8Scheme
 
@@ -41,6 +41,13 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     from nanovllm.kernels.fp8_skinny import fp8_skinny_linear
     return fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl)
+
+
+def fp8_skinny_gated(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                     bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    """silu(gate) * up of fp8_skinny's product, the SiLU-mul its epilogue (linear_methods.GATED_EPILOGUE)."""
+    from nanovllm.kernels.fp8_skinny import fp8_skinny_linear
+    return fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl, gated=True)
 
 
 def fp8_gemv_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -211,7 +218,9 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     copy where the norm and quantize_rows took two, the same bits; not yet timed on its own). 128 x 128
     block scales take Fp8BlockScaledMmLinearMethod."""
 
-    BUCKETS = (Bucket(1, fp8_skinny, norm_first(fp8_skinny), silu_first(fp8_skinny)),
+    BUCKETS = (Bucket(1, fp8_skinny, norm_first(fp8_skinny), silu_first(fp8_skinny), fp8_skinny_gated,
+                      norm_first(fp8_skinny_gated)) if GATED_EPILOGUE
+               else Bucket(1, fp8_skinny, norm_first(fp8_skinny), silu_first(fp8_skinny)),
                Bucket(2, fp8_gemv_rows),
                Bucket(16, fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu) if FLOAT16_ROWS
                else Bucket(16, fp8_rows),

@@ -92,7 +92,11 @@ FOLDS = {"qkv_proj": "normed", "gate_up_proj": "normed", "down_proj": "silu"}
 UNFOLDED = {"normed": "rms_norm", "silu": "silu_and_mul"}
 
 
-def _kernels(bucket: Bucket, fold: str | None) -> str:
+def _kernels(bucket: Bucket, fold: str | None, gated: Bucket | None = None) -> str:
+    """The kernels of a projection's bucket with the fold it is handed. gated: for gate/up, its own bucket;
+    for down_proj, gate/up's at the same rows (when that bucket folds the SiLU-mul, down runs plain)."""
+    if gated is not None and gated.normed_gated is not None:
+        return bucket.normed_gated.__name__ if fold == "normed" else bucket.plain.__name__
     folded = getattr(bucket, fold) if fold else None
     if folded is not None:
         return folded.__name__
@@ -115,9 +119,14 @@ def kernel_table(model: nn.Module, attention_backend, rows: tuple[int, ...] = (1
             first.setdefault(".".join(parts), module)
     lines = [("rows", *(str(r) for r in rows))]
     for name, module in first.items():
-        fold = FOLDS.get(name.rsplit(".", 1)[-1])
+        parent, _, leaf = name.rpartition(".")
+        fold = FOLDS.get(leaf)
+        # Where the SiLU-mul goes is gate/up's to say: the MLP's two projections read its bucket
+        gate_up = first.get(f"{parent}.gate_up_proj") if leaf in ("gate_up_proj", "down_proj") else None
         label = f"{name} ({type(module.quant_method).__name__})"
-        lines.append((label, *(_kernels(module.quant_method.bucket(r), fold) for r in rows)))
+        lines.append((label, *(_kernels(module.quant_method.bucket(r), fold,
+                                        gate_up.quant_method.bucket(r) if gate_up is not None else None)
+                               for r in rows)))
     attention = (attention_backend.decode_kernels(r) for r in rows)
     lines.append((f"attention ({attention_backend.name})", *attention))
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]

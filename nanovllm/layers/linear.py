@@ -113,6 +113,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def checkpoint_shapes(self, param: nn.Parameter) -> dict[int | str | None, tuple[int, ...]]:
         return {i: (size, *param.shape[1:]) for i, size in enumerate(self.output_sizes)}
 
+    def gated(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A gated MLP's gate/up ([gate; up], two equal parts): (silu(gate) * up of self(x), None), or given
+        the norm before it (that of self(norm(x + residual)), x + residual), in one kernel where the method
+        has one for x's rows; None where it has not (then self(...) and the SiLU-mul after)."""
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
+            raise ValueError(f"a gated projection has two equal parts (gate, up); got {self.output_sizes}")
+        return self.quant_method.apply_gated(self, x, norm, residual)
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection. Query heads are split across ranks; K/V heads too, or replicated when

@@ -5,6 +5,8 @@ one declared table of row buckets (`BUCKETS`, the first that fits), with the evi
 
 The decoder's RMSNorm and SiLU-mul fold into the projection after them where the call's bucket has a
 kernel for it (`apply_normed`, `apply_silu`); elsewhere the method runs the norm or the activation first.
+Or the SiLU-mul folds into the gate/up projection before it, as its epilogue (`apply_gated`), where that
+projection's bucket has such a kernel: then down_proj runs plain.
 A quantized method (block-scaled fp8 weights, say) is another subclass of LinearMethod with its own
 weights, scales and table: the layers do not change. The GPU kernels are imported when first called, so
 this module needs no Triton."""
@@ -26,6 +28,16 @@ Kernel = Callable[..., torch.Tensor]
 NormedKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # ([gate | up] [M, 2K], *weights, bias, pdl) -> (silu(gate) * up) @ weight^T (+ bias)
 SiluKernel = Kernel
+# (x, *weights, bias, pdl) -> silu(gate) * up of x @ [gate; up]^T (+ bias): a GatedKernel; and its normed
+# form (x, norm_weight, eps, *weights, bias, residual, pdl) -> (that of rms_norm(x + residual), x + residual)
+GatedKernel = Kernel
+
+# Whether the one-row GEMV's buckets (bf16's, per-channel fp8's) fold the SiLU-mul into gate/up's kernel as
+# its epilogue (kernels/gemv_folds.py) rather than into down_proj's prologue (bf16: every program of down
+# recomputing it, 284 instructions a warp a K tile against 149 plain at Qwen3-8B's 8 x 512 tiles, sm_90
+# SASS) or its own kernel (fp8). The epilogue adds no instruction to gate/up's loop. Off until one stream
+# of Qwen3-0.6B and Qwen3-8B (bf16, fp8) is timed each way.
+GATED_EPILOGUE = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +48,10 @@ class Bucket:
     plain: Kernel
     normed: NormedKernel | None = None  # the RMSNorm folded in; None: the norm's own kernel, then plain
     silu: SiluKernel | None = None  # the SiLU-mul folded in; None: the SiLU-mul's own kernel, then plain
+    # A gate/up projection's SiLU-mul after it folded in (without and with the norm before it); None: the
+    # SiLU-mul runs with down_proj (its `silu`, or its own kernel)
+    gated: GatedKernel | None = None
+    normed_gated: NormedKernel | None = None
 
 
 # The kernels, under the names the kernel table prints (kernel_plan.kernel_table).
@@ -49,13 +65,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: 
 
 
 def gemv_norm(x, norm_weight, eps, weight, bias, residual, pdl) -> tuple[torch.Tensor, torch.Tensor]:
-    from nanovllm.kernels.skinny_gemm import skinny_norm_linear
+    from nanovllm.kernels.gemv_folds import skinny_norm_linear
     return skinny_norm_linear(x, norm_weight, eps, weight, bias, residual, pdl)
 
 
 def gemv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: bool) -> torch.Tensor:
-    from nanovllm.kernels.skinny_gemm import skinny_silu_linear
+    from nanovllm.kernels.gemv_folds import skinny_silu_linear
     return skinny_silu_linear(x, weight, bias, pdl=pdl)
+
+
+def gemv_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: bool) -> torch.Tensor:
+    from nanovllm.kernels.gemv_folds import skinny_gated_linear
+    return skinny_gated_linear(x, weight, bias, pdl)
+
+
+def gemv_norm_gated(x, norm_weight, eps, weight, bias, residual, pdl) -> tuple[torch.Tensor, torch.Tensor]:
+    from nanovllm.kernels.gemv_folds import skinny_norm_linear
+    return skinny_norm_linear(x, norm_weight, eps, weight, bias, residual, pdl, gated=True)
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: bool) -> torch.Tensor:
@@ -178,6 +204,23 @@ class LinearMethod:
             return fold(gate_up, *self.weights(layer), bias, self.pdl)
         return self.apply(layer, silu_and_mul(gate_up), bias)
 
+    def apply_gated(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm | None,
+                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(silu(gate) * up of the gated MLP's [gate | up] = apply(x), None), or given the norm before it
+        (that of apply(norm(x + residual)), x + residual) (x without a residual): one kernel, where x's
+        bucket has it. None where it has not: the caller runs apply (apply_normed), then the SiLU-mul."""
+        at, rows = self._at, x.shape[0]
+        bucket = at[rows] if rows < len(at) else at[-1]
+        if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
+            return None
+        if norm is None:
+            return None if bucket.gated is None else (bucket.gated(x, *self.weights(layer), layer.bias,
+                                                                   self.pdl), None)
+        if bucket.normed_gated is None:
+            return None
+        return bucket.normed_gated(x, norm.weight, norm.eps, *self.weights(layer), layer.bias, residual,
+                                   self.pdl)
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Dense weights in the model's dtype, every call through torch (cuBLAS on a GPU): the CPU's method,
@@ -209,7 +252,8 @@ class SkinnyLinearMethod(UnquantizedLinearMethod):
     - More rows are compute-bound enough for cuBLAS."""
 
     BUCKETS = (
-        Bucket(1, gemv, gemv_norm, gemv_silu),
+        Bucket(1, gemv, gemv_norm, gemv_silu, gemv_gated, gemv_norm_gated) if GATED_EPILOGUE
+        else Bucket(1, gemv, gemv_norm, gemv_silu),
         Bucket(2, gemv_rows, mma_rows_norm, gemv_rows_silu),
         Bucket(16, mma_rows, mma_rows_norm),
         Bucket(None, torch_linear),

@@ -83,11 +83,18 @@ class DecoderMLP(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """down(act(gate_up(x))); given the RMSNorm before the block, (self(norm(x + residual)),
         x + residual), or without a residual (self(norm(x)), x). Each projection folds in the norm or the
-        activation before it where its linear method can."""
-        if norm is None:
-            return self.down_proj(self.gate_up_proj(x), act=self.act_fn)
-        gate_up, residual = self.gate_up_proj(x, norm=norm, residual=residual)
-        return self.down_proj(gate_up, act=self.act_fn), residual
+        activation before it where its linear method can; or the activation folds into gate_up's kernel
+        after it (its epilogue) where that projection's method can, and down runs plain."""
+        gated = self.gate_up_proj.gated(x, norm, residual)
+        if gated is not None:
+            activated, residual = gated
+            down = self.down_proj(activated)
+        elif norm is None:
+            down = self.down_proj(self.gate_up_proj(x), act=self.act_fn)
+        else:
+            gate_up, residual = self.gate_up_proj(x, norm=norm, residual=residual)
+            down = self.down_proj(gate_up, act=self.act_fn)
+        return down if norm is None else (down, residual)
 
 
 class DecoderLayer(nn.Module):

@@ -6,8 +6,8 @@ section "Compilation and start-up").
   token counts of runner/inputs.py; the LM head at every sampling-row count), so cuBLAS has chosen and
   cached a kernel for each shape (a shape met first cost ~130 us of host time per call against ~15;
   commit 1c7909b), and the few-token Triton kernels of each layer's linear method
-  (layers/linear_methods.py) have built their variants with the RMSNorm or SiLU-mul folded in, which
-  decode at 1-16 rows launches (commit adbf98d).
+  (layers/linear_methods.py) have built their variants with the RMSNorm or SiLU-mul folded in (the
+  SiLU-mul after gate/up too), which decode at 1-16 rows launches (commit adbf98d).
 - the attention backend's kernel variants that eager steps pick by their shape
   (AttentionBackend.warm_up; the model runner calls it): a mixed step's decoding rows built the Triton
   decode kernel's small-batch launch mid-run (0.8 s; commit 7e7ae08).
@@ -19,7 +19,12 @@ from torch import nn
 
 from nanovllm.config import Config
 from nanovllm.layers.embed_head import ParallelLMHead
-from nanovllm.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+from nanovllm.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from nanovllm.layers.norm_act import RMSNorm
 from nanovllm.runner.inputs import token_buckets
 from nanovllm.runner.sampling import WARM_ROWS, StepSampler
@@ -59,6 +64,11 @@ def _fused_variants(module: LinearBase, dtype: torch.dtype) -> None:
         if isinstance(module, ColumnParallelLinear) and bucket.normed is not None:
             for residual in (None, first[:, k:].contiguous()):
                 module(first[:, :k].contiguous(), norm=norm, residual=residual)
+        if isinstance(module, MergedColumnParallelLinear) and bucket.normed_gated is not None:
+            for residual in (None, first[:, k:].contiguous()):
+                module.gated(first[:, :k].contiguous(), norm, residual)
+        if isinstance(module, MergedColumnParallelLinear) and bucket.gated is not None:
+            module.gated(first[:, :k].contiguous())
         if isinstance(module, RowParallelLinear) and bucket.silu is not None:
             method.apply_silu(module, first, None)  # no all-reduce: this rank's kernel alone
         if bucket.max_rows is None:  # the last bucket (per-channel fp8's folds quantize from 17 rows)

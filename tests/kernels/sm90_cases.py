@@ -202,6 +202,18 @@ def cases() -> dict:
             dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=5,
                  PROLOGUE=skinny_gemm.ADD_RMS_NORM.value, PDL=True, PRELOAD=2, SCALED=True),
             FP8_WEIGHT, dict(launch_pdl=True)),
+        # The SiLU-mul after gate/up as the GEMV's epilogue (kernels/gemv_folds.py): bf16 with the norm's
+        # prologue too, and e4m3 with a scale a row (Qwen3-8B's gate/up launch: 16 x 256 tiles).
+        "skinny-gemm-gated-add-rms-norm-pdl": (
+            skinny_gemm._skinny_gemm_kernel,
+            dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=4,
+                 PROLOGUE=skinny_gemm.ADD_RMS_NORM.value, PDL=True, PRELOAD=2, GATED=True), {},
+            dict(launch_pdl=True)),
+        "skinny-gemm-fp8-gated-pdl": (
+            skinny_gemm._skinny_gemm_kernel,
+            dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=5, PDL=True,
+                 PRELOAD=2, SCALED=True, GATED=True),
+            FP8_WEIGHT, dict(launch_pdl=True)),
         # One row of a 128 x 128 block-scaled weight in one kernel (kernels/fp8_block_gemv.py): tiles of
         # runs inside one block, a scale a run.
         "fp8-block-gemv-pdl": (

@@ -9,13 +9,8 @@ from conftest import triton_test_device
 pytest.importorskip("triton")
 
 from nanovllm.kernels import skinny_gemm  # noqa: E402
-from nanovllm.kernels.skinny_gemm import (  # noqa: E402
-    SkinnyConfig,
-    skinny_config,
-    skinny_linear,
-    skinny_norm_linear,
-    skinny_silu_linear,
-)
+from nanovllm.kernels.gemv_folds import skinny_norm_linear, skinny_silu_linear  # noqa: E402
+from nanovllm.kernels.skinny_gemm import SkinnyConfig, skinny_config, skinny_linear  # noqa: E402
 
 DEVICE = triton_test_device()
 

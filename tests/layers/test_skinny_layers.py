@@ -10,7 +10,7 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels import gemv_rows, skinny_gemm, skinny_rows  # noqa: E402
+from nanovllm.kernels import gemv_folds, gemv_rows, skinny_gemm, skinny_rows  # noqa: E402
 from nanovllm.layers.embed_head import ParallelLMHead  # noqa: E402
 from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from nanovllm.layers.linear_methods import (  # noqa: E402
@@ -39,8 +39,8 @@ def kernel_calls(monkeypatch) -> list[str]:
             return fn(*args, **kwargs)
         return spy
 
-    for module, name in ((skinny_gemm, "skinny_linear"), (skinny_gemm, "skinny_norm_linear"),
-                         (skinny_gemm, "skinny_silu_linear"), (skinny_rows, "rows_linear"),
+    for module, name in ((skinny_gemm, "skinny_linear"), (gemv_folds, "skinny_norm_linear"),
+                         (gemv_folds, "skinny_silu_linear"), (skinny_rows, "rows_linear"),
                          (skinny_rows, "rows_norm_linear"), (gemv_rows, "gemv_rows_linear"),
                          (gemv_rows, "gemv_rows_silu_linear")):
         monkeypatch.setattr(module, name, spying(module, name))

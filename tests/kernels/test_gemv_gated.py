@@ -1,0 +1,119 @@
+"""The one-row GEMV with the SiLU-mul after a gated MLP's gate/up projection folded in as its epilogue
+(kernels/gemv_folds.py; fp8_skinny_linear(gated=True)) gives the bits of the GEMV and then the SiLU-mul
+kernel: bf16-style weights with and without the RMSNorm prologue, e4m3 weights with a scale a row, ragged
+halves, a bias, shapes that ask for split-K (the two kernels then), and the argument checks. On CPU
+tensors through the Triton interpreter, or on CUDA when TRITON_INTERPRET=0."""
+
+import pytest
+import torch
+from conftest import triton_test_device
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels.fp8_skinny import fp8_skinny_linear  # noqa: E402
+from nanovllm.kernels.gemv_folds import skinny_gated_linear, skinny_norm_linear  # noqa: E402
+from nanovllm.kernels.norm_act import silu_and_mul  # noqa: E402
+from nanovllm.kernels.skinny_gemm import skinny_linear  # noqa: E402
+from nanovllm.kernels.skinny_launch import skinny_config  # noqa: E402
+from nanovllm.layers.fp8 import quantize_groups  # noqa: E402
+
+DEVICE = triton_test_device()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# (I, K), a weight of 2I rows: halves of 64 and of 52 (ragged for every column block), and 8 x 4,096,
+# so few column blocks that the shapes ask for split-K.
+SHAPES = [(64, 32), (52, 80), (8, 4096)]
+
+
+def make(inner: int, k: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=gen)
+    weight = torch.randn(2 * inner, k, generator=gen) / k**0.5
+    bias = torch.randn(2 * inner, generator=gen)
+    return x.to(DEVICE, dtype), weight.to(DEVICE, dtype), bias.to(DEVICE, dtype)
+
+
+def test_a_shape_below_asks_for_split_k():
+    assert skinny_config(16, 4096, 4).split_k > 1 and skinny_config(128, 32, 4).split_k == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inner,k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_gemv_gives_the_gemv_then_silu_mul(inner: int, k: int, dtype: torch.dtype, with_bias: bool):
+    x, weight, bias = make(inner, k, dtype)
+    bias = bias if with_bias else None
+    out = skinny_gated_linear(x, weight, bias)
+    assert out.shape == (1, inner) and out.dtype == dtype
+    assert torch.equal(out, silu_and_mul(skinny_linear(x, weight, bias)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("inner,k", SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_prologue_and_gated_epilogue_in_one_kernel(inner: int, k: int, dtype: torch.dtype,
+                                                        with_residual: bool):
+    x, weight, bias = make(inner, k, dtype, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    residual = torch.randn(1, k, generator=gen).to(DEVICE, dtype) if with_residual else None
+    norm_weight = (1 + torch.rand(k, generator=gen)).to(DEVICE, dtype)
+    out, summed = skinny_norm_linear(x, norm_weight, 1e-6, weight, bias, residual, gated=True)
+    plain, plain_summed = skinny_norm_linear(x, norm_weight, 1e-6, weight, bias, residual)
+    assert torch.equal(summed, plain_summed)
+    assert torch.equal(out, silu_and_mul(plain))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inner,k", SHAPES)
+def test_fp8_gated_gemv_gives_the_fp8_gemv_then_silu_mul(inner: int, k: int, dtype: torch.dtype):
+    x, weight, bias = make(inner, k, dtype, seed=3)
+    q, scale = quantize_groups(weight.float().cpu(), k)
+    q, scale = q.to(DEVICE), scale.to(DEVICE)
+    out = fp8_skinny_linear(x, q, scale, k, bias, gated=True)
+    assert out.shape == (1, inner)
+    assert torch.equal(out, silu_and_mul(fp8_skinny_linear(x, q, scale, k, bias)))
+
+
+def test_gated_forms_refuse_a_weight_that_does_not_halve():
+    x, weight, _ = make(8, 32, torch.float32)
+    odd = weight[:15]
+    with pytest.raises(ValueError, match="15 rows do not halve"):
+        skinny_gated_linear(x, odd)
+    with pytest.raises(ValueError, match="15 rows do not halve"):
+        skinny_norm_linear(x, torch.ones(32, device=DEVICE), 1e-6, odd, gated=True)
+    q, scale = quantize_groups(odd.cpu(), 32)
+    with pytest.raises(ValueError, match="15 rows do not halve"):
+        fp8_skinny_linear(x, q.to(DEVICE), scale.to(DEVICE), 32, gated=True)
+    with pytest.raises(ValueError, match="bias must be contiguous"):
+        skinny_gated_linear(x, weight, torch.zeros(8, device=DEVICE))
+
+
+def test_pdl_chain_with_the_gated_gemv_gives_the_same_bits_in_a_cuda_graph():
+    """On an sm_90+ GPU: norm + gate/up + SiLU-mul in one kernel, then down plain, three times over,
+    as programmatic dependents and plain launches, eagerly and from a graph: the same bits."""
+    from nanovllm.kernels.common import supports_pdl
+
+    if DEVICE != "cuda" or not supports_pdl(torch.device(DEVICE)):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU")
+    k, inner, dtype = 1024, 3072, torch.bfloat16
+    gen = torch.Generator().manual_seed(6)
+    x, residual = (torch.randn(1, k, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    norm_weight = (1 + torch.rand(k, generator=gen)).to(DEVICE, dtype)
+    gate_up_w = (torch.randn(2 * inner, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    down_w = (torch.randn(k, inner, generator=gen) / inner**0.5).to(DEVICE, dtype)
+
+    def chain(pdl: bool):
+        h = x
+        for _ in range(3):
+            activated, summed = skinny_norm_linear(h, norm_weight, 1e-6, gate_up_w, None, residual, pdl,
+                                                   gated=True)
+            h = skinny_linear(activated, down_w, pdl=pdl)
+        return h, summed
+
+    expected = chain(False)
+    assert all(torch.equal(a, b) for a, b in zip(chain(True), expected))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, expected))

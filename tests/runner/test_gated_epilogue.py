@@ -1,0 +1,121 @@
+"""The SiLU-mul folded into the gate/up projection's one-row GEMV as its epilogue (linear_methods'
+GATED_EPILOGUE buckets; kernels/gemv_folds.py): the whole engine's greedy tokens equal the plain path's
+(float32, Triton's interpreter on the CPU, as tests/runner/test_skinny_decode.py runs the few-token
+kernels), one-row decode steps launch the gated GEMV and down_proj plain, the kernel table says so, and
+per-channel fp8's one-row gate/up gives the fp8 GEMV then the SiLU-mul bit for bit."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from conftest import PROMPTS, triton_test_device
+from transformers import AutoConfig
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers import linear_methods
+from nanovllm.layers.linear_methods import SkinnyLinearMethod
+
+pytest.importorskip("triton")
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs")
+OPTIONS = dict(kvcache_block_size=4, max_model_len=128, max_num_seqs=8, dtype="float32", enforce_eager=True,
+               num_kvcache_blocks=256, attention_backend="torch")
+# Sequences leave one by one: the last runs alone, its steps through the one-row buckets.
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 12)]
+
+
+def gated(method_class) -> tuple:
+    """method_class's buckets with the first (one row) folding the SiLU-mul into gate/up's kernel."""
+    one_row = method_class.BUCKETS[0]
+    if method_class is SkinnyLinearMethod:
+        one_row = dataclasses.replace(one_row, gated=linear_methods.gemv_gated,
+                                      normed_gated=linear_methods.gemv_norm_gated)
+    else:
+        from nanovllm.layers.fp8_methods import fp8_skinny_gated
+        one_row = dataclasses.replace(one_row, gated=fp8_skinny_gated,
+                                      normed_gated=linear_methods.norm_first(fp8_skinny_gated))
+    return (one_row, *method_class.BUCKETS[1:])
+
+
+def test_one_row_steps_fold_the_silu_mul_into_gate_up_and_keep_the_tokens(qwen3_dir, monkeypatch):
+    device = triton_test_device()
+    plain = LLM(qwen3_dir, **OPTIONS)
+    expected = [o["token_ids"] for o in plain.generate(PROMPTS[:2], PARAMS, use_tqdm=False)]
+    plain.shutdown()
+
+    from nanovllm.kernels import gemv_folds, skinny_gemm
+    from nanovllm.layers import kernel_plan
+
+    monkeypatch.setattr(kernel_plan, "SKINNY_DEVICE_TYPES", (device,))
+    monkeypatch.setattr(kernel_plan, "SKINNY_DTYPES", (torch.float32,))
+    monkeypatch.setattr(SkinnyLinearMethod, "BUCKETS", gated(SkinnyLinearMethod))
+    launches = []
+
+    def spy(x, weight, *args, **kwargs):  # args: bias, out, config, pdl[, prologue, ...]
+        prologue = args[4] if len(args) > 4 else kwargs.get("prologue", skinny_gemm.PLAIN)
+        launches.append((weight.shape[0], kwargs.get("gated", False), prologue.value))
+        return skinny_gemm.launch_gemv(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_folds, "launch_gemv", spy)
+    llm = LLM(qwen3_dir, **OPTIONS)
+    assert [o["token_ids"] for o in llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)] == expected
+    llm.shutdown()
+    inner = AutoConfig.from_pretrained(qwen3_dir).intermediate_size
+    assert (2 * inner, True, skinny_gemm.ADD_RMS_NORM.value) in launches  # gate/up, its norm and SiLU-mul
+    assert all(prologue != skinny_gemm.SILU_MUL.value for _, _, prologue in launches)  # down_proj: plain
+
+
+def test_the_kernel_table_shows_the_silu_mul_in_gate_up(monkeypatch):
+    from nanovllm.attention.triton_backend import TritonBackend
+    from nanovllm.layers.fp8_methods import Fp8ScaledMmLinearMethod
+    from nanovllm.layers.kernel_plan import KernelPlan, kernel_table
+    from nanovllm.models.qwen3 import Qwen3ForCausalLM
+
+    monkeypatch.setattr(SkinnyLinearMethod, "BUCKETS", gated(SkinnyLinearMethod))
+    monkeypatch.setattr(Fp8ScaledMmLinearMethod, "BUCKETS", gated(Fp8ScaledMmLinearMethod))
+    config = AutoConfig.from_pretrained(os.path.join(CONFIGS, "Qwen3-0.6B"))
+    config.num_hidden_layers = 1
+    for quantization, gate_up, down in ((None, "gemv_norm_gated", "gemv"),
+                                        ("fp8", "fp8_skinny_gated_norm", "fp8_skinny")):
+        plan = KernelPlan.for_device(torch.device("cuda"), torch.bfloat16, True, capability=(9, 0),
+                                     quantization=quantization, hf_config=config)
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(config, plan)
+        table = kernel_table(model, TritonBackend(8, config.num_key_value_heads, torch.device("cpu")), (1, 2))
+        rows = {line.split(" (")[0]: [cell.strip() for cell in line.split("  ") if cell.strip()][1:]
+                for line in table.splitlines()}
+        assert rows["mlp.gate_up_proj"][0] == gate_up and rows["mlp.down_proj"][0] == down
+        assert "silu" in rows["mlp.down_proj"][1]  # two rows: the SiLU-mul stays with down_proj
+
+
+def test_fp8_one_row_gate_up_gives_the_gemv_then_the_silu_mul(monkeypatch):
+    """Per-channel fp8 on sm_90 (Fp8ScaledMmLinearMethod) with the gated bucket: gate/up's one row runs the
+    norm's kernel, then the fp8 GEMV with the SiLU-mul as its epilogue: the bits of the norm, the GEMV and
+    the SiLU-mul kernel."""
+    from nanovllm.kernels import norm_act
+    from nanovllm.layers.fp8 import quantize_groups
+    from nanovllm.layers.fp8_methods import Fp8ScaledMmLinearMethod
+    from nanovllm.layers.linear import MergedColumnParallelLinear
+    from nanovllm.layers.norm_act import RMSNorm
+    from nanovllm.utils.config_checks import Fp8Scheme
+
+    device = triton_test_device()
+    monkeypatch.setattr(Fp8ScaledMmLinearMethod, "BUCKETS", gated(Fp8ScaledMmLinearMethod))
+    method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
+    layer = MergedColumnParallelLinear(256, [96, 96], quant_method=method)
+    gen = torch.Generator().manual_seed(0)
+    weight, scale = quantize_groups(torch.randn(192, 256, generator=gen) / 16, 256)
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    norm = RMSNorm(256)
+    norm.weight.data.uniform_(0.5, 1.5, generator=gen)
+    layer.to(device), norm.to(device)
+    x, residual = (torch.randn(1, 256, generator=gen).to(device) for _ in range(2))
+    out, summed = layer.gated(x, norm, residual)
+    plain, expected_sum = layer(x, norm=norm, residual=residual)
+    assert out.shape == (1, 96) and torch.equal(summed, expected_sum)
+    assert torch.equal(out, norm_act.silu_and_mul(plain))
+    assert layer.gated(torch.randn(2, 256, generator=gen).to(device), norm, residual) is None  # two rows
+    with pytest.raises(ValueError, match="two equal parts"):
+        MergedColumnParallelLinear(256, [64, 128], quant_method=method).gated(x)
