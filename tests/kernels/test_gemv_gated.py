@@ -2,7 +2,8 @@
 (kernels/gemv_folds.py; fp8_skinny_linear(gated=True)) gives the bits of the GEMV and then the SiLU-mul
 kernel: bf16-style weights with and without the RMSNorm prologue, e4m3 weights with a scale a row, ragged
 halves, a bias, shapes that ask for split-K (the two kernels then), and the argument checks. On CPU
-tensors through the Triton interpreter, or on CUDA when TRITON_INTERPRET=0."""
+tensors through the Triton interpreter, or on CUDA when TRITON_INTERPRET=0 (under PDL and in a CUDA graph:
+tests/kernels/test_skinny_gemm.py)."""
 
 import pytest
 import torch
@@ -86,34 +87,3 @@ def test_gated_forms_refuse_a_weight_that_does_not_halve():
     with pytest.raises(ValueError, match="bias must be contiguous"):
         skinny_gated_linear(x, weight, torch.zeros(8, device=DEVICE))
 
-
-def test_pdl_chain_with_the_gated_gemv_gives_the_same_bits_in_a_cuda_graph():
-    """On an sm_90+ GPU: norm + gate/up + SiLU-mul in one kernel, then down plain, three times over,
-    as programmatic dependents and plain launches, eagerly and from a graph: the same bits."""
-    from nanovllm.kernels.common import supports_pdl
-
-    if DEVICE != "cuda" or not supports_pdl(torch.device(DEVICE)):
-        pytest.skip("programmatic dependent launch needs an sm_90+ GPU")
-    k, inner, dtype = 1024, 3072, torch.bfloat16
-    gen = torch.Generator().manual_seed(6)
-    x, residual = (torch.randn(1, k, generator=gen).to(DEVICE, dtype) for _ in range(2))
-    norm_weight = (1 + torch.rand(k, generator=gen)).to(DEVICE, dtype)
-    gate_up_w = (torch.randn(2 * inner, k, generator=gen) / k**0.5).to(DEVICE, dtype)
-    down_w = (torch.randn(k, inner, generator=gen) / inner**0.5).to(DEVICE, dtype)
-
-    def chain(pdl: bool):
-        h = x
-        for _ in range(3):
-            activated, summed = skinny_norm_linear(h, norm_weight, 1e-6, gate_up_w, None, residual, pdl,
-                                                   gated=True)
-            h = skinny_linear(activated, down_w, pdl=pdl)
-        return h, summed
-
-    expected = chain(False)
-    assert all(torch.equal(a, b) for a, b in zip(chain(True), expected))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain(True)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(captured, expected))

@@ -184,9 +184,11 @@ def test_prologues_with_preloaded_tiles(preload: int):
         assert torch.equal(outs[0], outs[1])
 
 
-def test_pdl_launches_give_the_same_bits_in_a_cuda_graph():
+@pytest.mark.parametrize("gated", [False, True])
+def test_pdl_launches_give_the_same_bits_in_a_cuda_graph(gated: bool):
     """On a GPU that supports programmatic dependent launch, a chain of the three kernels (each waiting on
-    the one before) gives bit-identical results with and without it, eagerly and replayed from a graph."""
+    the one before) gives bit-identical results with and without it, eagerly and replayed from a graph;
+    gated: the SiLU-mul as gate/up's epilogue (kernels/gemv_folds.py), down_proj plain."""
     from nanovllm.kernels.common import supports_pdl
 
     if DEVICE != "cuda" or not supports_pdl(torch.device(DEVICE)):
@@ -203,8 +205,9 @@ def test_pdl_launches_give_the_same_bits_in_a_cuda_graph():
     def chain(pdl: bool):
         h = x
         for _ in range(3):
-            gate_up, summed = skinny_norm_linear(h, norm_weight, 1e-6, gate_up_w, residual=residual, pdl=pdl)
-            h = skinny_linear(skinny_silu_linear(gate_up, down_w, pdl=pdl), o_w, pdl=pdl)
+            gate_up, summed = skinny_norm_linear(h, norm_weight, 1e-6, gate_up_w, None, residual, pdl, gated)
+            fold = skinny_linear if gated else skinny_silu_linear  # SiLU-mul after gate/up, or before down
+            h = skinny_linear(fold(gate_up, down_w, pdl=pdl), o_w, pdl=pdl)
         return h, summed
 
     expected = chain(False)

@@ -1,28 +1,22 @@
 """The SiLU-mul folded into the gate/up projection's one-row GEMV as its epilogue (linear_methods'
-GATED_EPILOGUE buckets; kernels/gemv_folds.py): the whole engine's greedy tokens equal the plain path's
-(float32, Triton's interpreter on the CPU, as tests/runner/test_skinny_decode.py runs the few-token
-kernels), one-row decode steps launch the gated GEMV and down_proj plain, the kernel table says so, and
-per-channel fp8's one-row gate/up gives the fp8 GEMV then the SiLU-mul bit for bit."""
+GATED_EPILOGUE buckets; kernels/gemv_folds.py): the kernel table says so (down_proj then plain), and
+per-channel fp8's one-row gate/up gives the fp8 GEMV then the SiLU-mul bit for bit. The whole engine's
+tokens with it: tests/runner/test_skinny_decode.py."""
 
 import dataclasses
 import os
 
 import pytest
 import torch
-from conftest import PROMPTS, triton_test_device
+from conftest import triton_test_device
 from transformers import AutoConfig
 
-from nanovllm import LLM, SamplingParams
 from nanovllm.layers import linear_methods
 from nanovllm.layers.linear_methods import SkinnyLinearMethod
 
 pytest.importorskip("triton")
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs")
-OPTIONS = dict(kvcache_block_size=4, max_model_len=128, max_num_seqs=8, dtype="float32", enforce_eager=True,
-               num_kvcache_blocks=256, attention_backend="torch")
-# Sequences leave one by one: the last runs alone, its steps through the one-row buckets.
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 12)]
 
 
 def gated(method_class) -> tuple:
@@ -36,34 +30,6 @@ def gated(method_class) -> tuple:
         one_row = dataclasses.replace(one_row, gated=fp8_skinny_gated,
                                       normed_gated=linear_methods.norm_first(fp8_skinny_gated))
     return (one_row, *method_class.BUCKETS[1:])
-
-
-def test_one_row_steps_fold_the_silu_mul_into_gate_up_and_keep_the_tokens(qwen3_dir, monkeypatch):
-    device = triton_test_device()
-    plain = LLM(qwen3_dir, **OPTIONS)
-    expected = [o["token_ids"] for o in plain.generate(PROMPTS[:2], PARAMS, use_tqdm=False)]
-    plain.shutdown()
-
-    from nanovllm.kernels import gemv_folds, skinny_gemm
-    from nanovllm.layers import kernel_plan
-
-    monkeypatch.setattr(kernel_plan, "SKINNY_DEVICE_TYPES", (device,))
-    monkeypatch.setattr(kernel_plan, "SKINNY_DTYPES", (torch.float32,))
-    monkeypatch.setattr(SkinnyLinearMethod, "BUCKETS", gated(SkinnyLinearMethod))
-    launches = []
-
-    def spy(x, weight, *args, **kwargs):  # args: bias, out, config, pdl[, prologue, ...]
-        prologue = args[4] if len(args) > 4 else kwargs.get("prologue", skinny_gemm.PLAIN)
-        launches.append((weight.shape[0], kwargs.get("gated", False), prologue.value))
-        return skinny_gemm.launch_gemv(x, weight, *args, **kwargs)
-
-    monkeypatch.setattr(gemv_folds, "launch_gemv", spy)
-    llm = LLM(qwen3_dir, **OPTIONS)
-    assert [o["token_ids"] for o in llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)] == expected
-    llm.shutdown()
-    inner = AutoConfig.from_pretrained(qwen3_dir).intermediate_size
-    assert (2 * inner, True, skinny_gemm.ADD_RMS_NORM.value) in launches  # gate/up, its norm and SiLU-mul
-    assert all(prologue != skinny_gemm.SILU_MUL.value for _, _, prologue in launches)  # down_proj: plain
 
 
 def test_the_kernel_table_shows_the_silu_mul_in_gate_up(monkeypatch):
