@@ -115,12 +115,12 @@ def _check_blocks(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tens
 
 
 def fp8_block_gemv_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
-                          block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False
-                          ) -> torch.Tensor:
+                          block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False,
+                          gated: bool = False) -> torch.Tensor:
     """x [1, K] @ (weight [N, K] e4m3 * block_scale [N / rows, K / inputs] a block = (rows, inputs))^T
     (+ bias) in x's dtype, float32 sums, in one kernel (kernels/fp8_block_gemv.py): each K tile runs of
     inputs inside one block, a scale a run; `inputs` a power of two. The scales' rows may be padded past
-    K / inputs, as kernels/fp8_scaled_mm.padded_block_scales pads them."""
+    K / inputs, as kernels/fp8_scaled_mm.padded_block_scales pads them. gated: as fp8_skinny_linear's."""
     n, k = weight.shape
     rows, inputs = block
     config = skinny_config(n, k, 1, sm_count(x.device))
@@ -128,8 +128,12 @@ def fp8_block_gemv_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: to
     if inputs & (inputs - 1):
         raise ValueError(f"blocks of {inputs} inputs: the block GEMV's runs take a power of two")
     _check_blocks(x, weight, block_scale, block, config.block_n, bias)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    return launch_block_gemv(x, weight, block_scale, block, bias, out, config, pdl)
+    if gated:
+        check_gated(weight)
+        if config.split_k > 1:  # the epilogue needs whole sums
+            return silu_and_mul(fp8_block_gemv_linear(x, weight, block_scale, block, bias, pdl), pdl)
+    out = torch.empty((1, n // (2 if gated else 1)), dtype=x.dtype, device=x.device)
+    return launch_block_gemv(x, weight, block_scale, block, bias, out, config, pdl, gated)
 
 
 def _rows_input(x: torch.Tensor, k: int, x_scale: torch.Tensor | None, out_dtype: torch.dtype | None

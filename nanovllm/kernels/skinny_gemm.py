@@ -66,9 +66,10 @@ def _gemv_tile(partial, squares, w, k, k_end, x_ptr, residual_ptr, sum_ptr, norm
 
 
 @triton.jit
-def _store_gated(acc, out_ptr, pid_n, half, BLOCK_N: tl.constexpr):
+def store_gated(acc, out_ptr, pid_n, half, BLOCK_N: tl.constexpr):
     """silu(gate) * up of sums interleaved [gate, up, gate, up, ...], each rounded to out's dtype first as
-    the gate/up projection's output is stored, then as norm_act's SiLU-mul kernel computes it."""
+    the gate/up projection's output is stored, then as norm_act's SiLU-mul kernel computes it (also
+    kernels/fp8_block_gemv.py's epilogue)."""
     gate, up = tl.split(tl.reshape(acc.to(out_ptr.dtype.element_ty).to(tl.float32), [BLOCK_N // 2, 2]))
     offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     out = gate / (1.0 + tl.exp(-gate)) * up
@@ -157,7 +158,7 @@ def _skinny_gemm_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + real_n).to(tl.float32)
         if GATED:
-            _store_gated(acc, out_ptr, pid_n, N // 2, BLOCK_N)
+            store_gated(acc, out_ptr, pid_n, N // 2, BLOCK_N)
         else:
             tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 

@@ -59,6 +59,17 @@ def fp8_gemv_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     return fp8_block_gemv_linear(x, weight, blocks, BLOCK_SCALED_MM_BLOCK, bias, pdl)
 
 
+def fp8_gemv_blocks_gated(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                          bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    """silu(gate) * up of fp8_gemv_blocks' product in the block GEMV's epilogue (GATED_EPILOGUE)."""
+    blocks = getattr(weight_scale, "blocks", None)
+    if blocks is None:
+        from nanovllm.kernels import norm_act
+        return norm_act.silu_and_mul(fp8_gemv(x, weight, weight_scale, group, bias, pdl), pdl)
+    from nanovllm.kernels.fp8_skinny import fp8_block_gemv_linear
+    return fp8_block_gemv_linear(x, weight, blocks, BLOCK_SCALED_MM_BLOCK, bias, pdl, gated=True)
+
+
 def fp8_rows_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                     bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     blocks = getattr(weight_scale, "blocks", None)
@@ -242,7 +253,9 @@ class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):
     fp8's do: their own kernels, chained to the GEMV as programmatic dependents; from 17 rows they write
     e4m3 and the GEMM's activation scales themselves (kernels/norm_quant.py), as per channel's do."""
 
-    BUCKETS = (Bucket(1, fp8_gemv_blocks, norm_first(fp8_gemv_blocks), silu_first(fp8_gemv_blocks)),
+    BUCKETS = (Bucket(1, fp8_gemv_blocks, norm_first(fp8_gemv_blocks), silu_first(fp8_gemv_blocks),
+                      fp8_gemv_blocks_gated, norm_first(fp8_gemv_blocks_gated)) if GATED_EPILOGUE
+               else Bucket(1, fp8_gemv_blocks, norm_first(fp8_gemv_blocks), silu_first(fp8_gemv_blocks)),
                Bucket(16, fp8_rows_blocks_f16, fp8_rows_blocks_f16_norm, fp8_rows_blocks_f16_silu)
                if FLOAT16_ROWS else Bucket(16, fp8_rows_blocks),
                Bucket(None, fp8_block_scaled_mm, fp8_block_scaled_mm_norm, fp8_block_scaled_mm_silu))

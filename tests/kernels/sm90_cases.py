@@ -221,6 +221,11 @@ def cases() -> dict:
             dict(BLOCK_N=16, GROUPS=2, WIDTH=128, ROWS=128, INPUTS=128, HAS_BIAS=False, WRITE_PARTIAL=False,
                  NUM_STAGES=5, PDL=True, PRELOAD=2),
             {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, dict(launch_pdl=True)),
+        "fp8-block-gemv-gated-pdl": (  # the SiLU-mul epilogue: a scale row a column (gate's and up's)
+            fp8_block_gemv._block_gemv_kernel,
+            dict(BLOCK_N=16, GROUPS=2, WIDTH=128, ROWS=128, INPUTS=128, HAS_BIAS=False, WRITE_PARTIAL=False,
+                 NUM_STAGES=5, PDL=True, PRELOAD=2, GATED=True),
+            {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, dict(launch_pdl=True)),
         "fp8-block-gemv-split": (
             fp8_block_gemv._block_gemv_kernel,
             dict(BLOCK_N=4, GROUPS=8, WIDTH=128, ROWS=128, INPUTS=128, HAS_BIAS=True, WRITE_PARTIAL=True,

@@ -1,6 +1,7 @@
 """The one-row GEMV with the SiLU-mul after a gated MLP's gate/up projection folded in as its epilogue
-(kernels/gemv_folds.py; fp8_skinny_linear(gated=True)) gives the bits of the GEMV and then the SiLU-mul
-kernel: bf16-style weights with and without the RMSNorm prologue, e4m3 weights with a scale a row, ragged
+(kernels/gemv_folds.py; the fp8 one-row GEMVs' gated=True) gives the bits of the GEMV and then the SiLU-mul
+kernel: bf16-style weights with and without the RMSNorm prologue, e4m3 weights with a scale a row or a
+block (gate and up rows in two block rows, or in one), ragged
 halves, a bias, shapes that ask for split-K (the two kernels then), and the argument checks. On CPU
 tensors through the Triton interpreter, or on CUDA when TRITON_INTERPRET=0 (under PDL and in a CUDA graph:
 tests/kernels/test_skinny_gemm.py)."""
@@ -11,12 +12,12 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
-from nanovllm.kernels.fp8_skinny import fp8_skinny_linear  # noqa: E402
+from nanovllm.kernels.fp8_skinny import fp8_block_gemv_linear, fp8_skinny_linear  # noqa: E402
 from nanovllm.kernels.gemv_folds import skinny_gated_linear, skinny_norm_linear  # noqa: E402
 from nanovllm.kernels.norm_act import silu_and_mul  # noqa: E402
 from nanovllm.kernels.skinny_gemm import skinny_linear  # noqa: E402
 from nanovllm.kernels.skinny_launch import skinny_config  # noqa: E402
-from nanovllm.layers.fp8 import quantize_groups  # noqa: E402
+from nanovllm.layers.fp8 import quantize_blocks, quantize_groups  # noqa: E402
 
 DEVICE = triton_test_device()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -72,6 +73,21 @@ def test_fp8_gated_gemv_gives_the_fp8_gemv_then_silu_mul(inner: int, k: int, dty
     out = fp8_skinny_linear(x, q, scale, k, bias, gated=True)
     assert out.shape == (1, inner)
     assert torch.equal(out, silu_and_mul(fp8_skinny_linear(x, q, scale, k, bias)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inner,k,block", [(128, 384, (128, 128)), (32, 96, (16, 32)), (32, 80, (64, 32)),
+                                           (64, 4096, (128, 128))])
+def test_block_scaled_gated_gemv_gives_the_block_gemv_then_silu_mul(inner, k, block, dtype):
+    """128 x 128 blocks (Qwen's FP8 layout, K's 3 groups padded to 4); 16 x 32 blocks, gate and up each
+    two block rows; 64-row blocks holding both gate and up; a long K that asks for split-K."""
+    x, weight, bias = make(inner, k, dtype, seed=4)
+    q, blocks = quantize_blocks(weight.float().cpu(), block)
+    scales = torch.nn.functional.pad(blocks, (0, -blocks.shape[1] % 4)).to(DEVICE)  # as the method keeps them
+    q = q.to(DEVICE)
+    out = fp8_block_gemv_linear(x, q, scales, block, bias, gated=True)
+    assert out.shape == (1, inner)
+    assert torch.equal(out, silu_and_mul(fp8_block_gemv_linear(x, q, scales, block, bias)))
 
 
 def test_gated_forms_refuse_a_weight_that_does_not_halve():

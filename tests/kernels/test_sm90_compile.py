@@ -74,7 +74,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "skinny-gemm", "skinny-gemm-add-rms-norm", "skinny-gemm-silu-mul", "skinny-gemm-pdl",
               "skinny-gemm-fp8-add-rms-norm-pdl", "skinny-gemm-gated-add-rms-norm-pdl",
               "skinny-gemm-fp8-gated-pdl", "skinny-gemm-fp8-split-k",
-              "fp8-block-gemv-pdl", "fp8-block-gemv-split",
+              "fp8-block-gemv-pdl", "fp8-block-gemv-gated-pdl", "fp8-block-gemv-split",
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split", "skinny-rows-fp8-pdl",
               "skinny-rows-fp8-split", "skinny-rows-fp8-f16", "skinny-rows-fp8-rows-kernel-tiles",
               "skinny-rows-fp8-blocks-f16",

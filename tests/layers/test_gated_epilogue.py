@@ -20,16 +20,17 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__)
 
 
 def gated(method_class) -> tuple:
-    """method_class's buckets with the first (one row) folding the SiLU-mul into gate/up's kernel."""
+    """method_class's buckets with the first (one row) folding the SiLU-mul into gate/up's kernel, as
+    GATED_EPILOGUE builds them."""
+    from nanovllm.layers import fp8_methods
+
+    forms = {"gemv": linear_methods.gemv_gated, "fp8_skinny": fp8_methods.fp8_skinny_gated,
+             "fp8_gemv_blocks": fp8_methods.fp8_gemv_blocks_gated}
     one_row = method_class.BUCKETS[0]
-    if method_class is SkinnyLinearMethod:
-        one_row = dataclasses.replace(one_row, gated=linear_methods.gemv_gated,
-                                      normed_gated=linear_methods.gemv_norm_gated)
-    else:
-        from nanovllm.layers.fp8_methods import fp8_skinny_gated
-        one_row = dataclasses.replace(one_row, gated=fp8_skinny_gated,
-                                      normed_gated=linear_methods.norm_first(fp8_skinny_gated))
-    return (one_row, *method_class.BUCKETS[1:])
+    form = forms[one_row.plain.__name__]
+    gemv = form is linear_methods.gemv_gated
+    normed = linear_methods.gemv_norm_gated if gemv else linear_methods.norm_first(form)
+    return (dataclasses.replace(one_row, gated=form, normed_gated=normed), *method_class.BUCKETS[1:])
 
 
 def test_the_kernel_table_shows_the_silu_mul_in_gate_up(monkeypatch):
@@ -55,32 +56,42 @@ def test_the_kernel_table_shows_the_silu_mul_in_gate_up(monkeypatch):
         assert "silu" in rows["mlp.down_proj"][1]  # two rows: the SiLU-mul stays with down_proj
 
 
-def test_fp8_one_row_gate_up_gives_the_gemv_then_the_silu_mul(monkeypatch):
-    """Per-channel fp8 on sm_90 (Fp8ScaledMmLinearMethod) with the gated bucket: gate/up's one row runs the
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_fp8_one_row_gate_up_gives_the_gemv_then_the_silu_mul(monkeypatch, block):
+    """The sm_90 fp8 methods (per channel: Fp8ScaledMmLinearMethod; 128 x 128 blocks:
+    Fp8BlockScaledMmLinearMethod, its compact scales) with the gated bucket: gate/up's one row runs the
     norm's kernel, then the fp8 GEMV with the SiLU-mul as its epilogue: the bits of the norm, the GEMV and
     the SiLU-mul kernel."""
     from nanovllm.kernels import norm_act
-    from nanovllm.layers.fp8 import quantize_groups
-    from nanovllm.layers.fp8_methods import Fp8ScaledMmLinearMethod
+    from nanovllm.layers.fp8 import quantize_blocks, quantize_groups
+    from nanovllm.layers.fp8_methods import Fp8BlockScaledMmLinearMethod, Fp8ScaledMmLinearMethod
     from nanovllm.layers.linear import MergedColumnParallelLinear
     from nanovllm.layers.norm_act import RMSNorm
     from nanovllm.utils.config_checks import Fp8Scheme
 
     device = triton_test_device()
-    monkeypatch.setattr(Fp8ScaledMmLinearMethod, "BUCKETS", gated(Fp8ScaledMmLinearMethod))
-    method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
-    layer = MergedColumnParallelLinear(256, [96, 96], quant_method=method)
+    method_class = Fp8ScaledMmLinearMethod if block is None else Fp8BlockScaledMmLinearMethod
+    monkeypatch.setattr(method_class, "BUCKETS", gated(method_class))
+    method = method_class(Fp8Scheme(block, True))
+    layer = MergedColumnParallelLinear(256, [128, 128], quant_method=method)
     gen = torch.Generator().manual_seed(0)
-    weight, scale = quantize_groups(torch.randn(192, 256, generator=gen) / 16, 256)
+    w = torch.randn(256, 256, generator=gen) / 16
+    if block is None:
+        weight, scale = quantize_groups(w, 256)
+        layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    else:  # the checkpoint's layout, then the method's compact scales
+        weight, blocks = quantize_blocks(w, block)
+        layer.weight_scale_inv.data.copy_(blocks.repeat_interleave(128, dim=0))
     layer.weight = torch.nn.Parameter(weight, requires_grad=False)
-    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
     norm = RMSNorm(256)
     norm.weight.data.uniform_(0.5, 1.5, generator=gen)
     layer.to(device), norm.to(device)
+    if block is not None:
+        method.process_weights_after_loading(layer)
     x, residual = (torch.randn(1, 256, generator=gen).to(device) for _ in range(2))
     out, summed = layer.gated(x, norm, residual)
     plain, expected_sum = layer(x, norm=norm, residual=residual)
-    assert out.shape == (1, 96) and torch.equal(summed, expected_sum)
+    assert out.shape == (1, 128) and torch.equal(summed, expected_sum)
     assert torch.equal(out, norm_act.silu_and_mul(plain))
     assert layer.gated(torch.randn(2, 256, generator=gen).to(device), norm, residual) is None  # two rows
     with pytest.raises(ValueError, match="two equal parts"):
