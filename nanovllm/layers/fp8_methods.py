@@ -20,7 +20,7 @@ from torch import nn
 
 from nanovllm.layers.fp8 import Fp8LinearMethod, fp8_dequant_linear
 from nanovllm.layers.fp8_float16_rows import float16_rows_forms
-from nanovllm.layers.linear_methods import GATED_EPILOGUE, Bucket, norm_first, rms_norm_kernel, silu_first
+from nanovllm.layers.linear_methods import Bucket, gated_forms, norm_first, rms_norm_kernel, silu_first
 from nanovllm.layers.norm_act import silu_and_mul
 from nanovllm.utils.config_checks import Fp8Scheme
 
@@ -45,7 +45,7 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def fp8_skinny_gated(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                      bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    """silu(gate) * up of fp8_skinny's product, the SiLU-mul its epilogue (linear_methods.GATED_EPILOGUE)."""
+    """silu(gate) * up of fp8_skinny's product, the SiLU-mul its epilogue (linear_methods.gated_forms)."""
     from nanovllm.kernels.fp8_skinny import fp8_skinny_linear
     return fp8_skinny_linear(x, weight, weight_scale, group, bias, pdl, gated=True)
 
@@ -61,7 +61,7 @@ def fp8_gemv_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 def fp8_gemv_blocks_gated(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                           bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    """silu(gate) * up of fp8_gemv_blocks' product in the block GEMV's epilogue (GATED_EPILOGUE)."""
+    """silu(gate) * up of fp8_gemv_blocks' product in the block GEMV's epilogue (gated_forms)."""
     blocks = getattr(weight_scale, "blocks", None)
     if blocks is None:
         from nanovllm.kernels import norm_act
@@ -229,9 +229,8 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     copy where the norm and quantize_rows took two, the same bits; not yet timed on its own). 128 x 128
     block scales take Fp8BlockScaledMmLinearMethod."""
 
-    BUCKETS = (Bucket(1, fp8_skinny, norm_first(fp8_skinny), silu_first(fp8_skinny), fp8_skinny_gated,
-                      norm_first(fp8_skinny_gated)) if GATED_EPILOGUE
-               else Bucket(1, fp8_skinny, norm_first(fp8_skinny), silu_first(fp8_skinny)),
+    BUCKETS = (Bucket(1, fp8_skinny, norm_first(fp8_skinny), silu_first(fp8_skinny),
+                      *gated_forms(fp8_skinny_gated)),
                Bucket(2, fp8_gemv_rows),
                Bucket(16, fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu) if FLOAT16_ROWS
                else Bucket(16, fp8_rows),
@@ -254,8 +253,7 @@ class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):
     e4m3 and the GEMM's activation scales themselves (kernels/norm_quant.py), as per channel's do."""
 
     BUCKETS = (Bucket(1, fp8_gemv_blocks, norm_first(fp8_gemv_blocks), silu_first(fp8_gemv_blocks),
-                      fp8_gemv_blocks_gated, norm_first(fp8_gemv_blocks_gated)) if GATED_EPILOGUE
-               else Bucket(1, fp8_gemv_blocks, norm_first(fp8_gemv_blocks), silu_first(fp8_gemv_blocks)),
+                      *gated_forms(fp8_gemv_blocks_gated)),
                Bucket(16, fp8_rows_blocks_f16, fp8_rows_blocks_f16_norm, fp8_rows_blocks_f16_silu)
                if FLOAT16_ROWS else Bucket(16, fp8_rows_blocks),
                Bucket(None, fp8_block_scaled_mm, fp8_block_scaled_mm_norm, fp8_block_scaled_mm_silu))

@@ -32,11 +32,11 @@ SiluKernel = Kernel
 # form (x, norm_weight, eps, *weights, bias, residual, pdl) -> (that of rms_norm(x + residual), x + residual)
 GatedKernel = Kernel
 
-# Whether the one-row GEMV's buckets (bf16's, per-channel fp8's) fold the SiLU-mul into gate/up's kernel as
-# its epilogue (kernels/gemv_folds.py) rather than into down_proj's prologue (bf16: every program of down
-# recomputing it, 284 instructions a warp a K tile against 149 plain at Qwen3-8B's 8 x 512 tiles, sm_90
-# SASS) or its own kernel (fp8). The epilogue adds no instruction to gate/up's loop. Off until one stream
-# of Qwen3-0.6B and Qwen3-8B (bf16, fp8) is timed each way.
+# Whether the one-row GEMVs' buckets (bf16's; fp8's per channel and in 128 x 128 blocks) fold the SiLU-mul
+# into gate/up's kernel as its epilogue (kernels/gemv_folds.py, `gated_forms`) rather than into down_proj's
+# prologue (bf16: every program of down recomputing it, 284 instructions a warp a K tile against 149 plain
+# at Qwen3-8B's 8 x 512 tiles, sm_90 SASS) or its own kernel (fp8). The epilogue adds no instruction to
+# gate/up's loop. Off until one stream of Qwen3-0.6B and Qwen3-8B (bf16, fp8) is timed each way.
 GATED_EPILOGUE = False
 
 
@@ -126,6 +126,15 @@ def norm_first(plain: Kernel) -> NormedKernel:
 
     kernel.__name__ = f"{plain.__name__}_norm"
     return kernel
+
+
+def gated_forms(gated: GatedKernel, normed_gated: NormedKernel | None = None
+                ) -> tuple[GatedKernel | None, NormedKernel | None]:
+    """A one-row bucket's (gated, normed_gated) where GATED_EPILOGUE says so, else (None, None); the normed
+    form is the norm's own kernel, then `gated` (norm_first), unless given."""
+    if not GATED_EPILOGUE:
+        return None, None
+    return gated, normed_gated or norm_first(gated)
 
 
 def silu_first(plain: Kernel) -> SiluKernel:
@@ -252,8 +261,7 @@ class SkinnyLinearMethod(UnquantizedLinearMethod):
     - More rows are compute-bound enough for cuBLAS."""
 
     BUCKETS = (
-        Bucket(1, gemv, gemv_norm, gemv_silu, gemv_gated, gemv_norm_gated) if GATED_EPILOGUE
-        else Bucket(1, gemv, gemv_norm, gemv_silu),
+        Bucket(1, gemv, gemv_norm, gemv_silu, *gated_forms(gemv_gated, gemv_norm_gated)),
         Bucket(2, gemv_rows, mma_rows_norm, gemv_rows_silu),
         Bucket(16, mma_rows, mma_rows_norm),
         Bucket(None, torch_linear),
