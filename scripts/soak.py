@@ -5,23 +5,28 @@ step and the process's memory sampled throughout.
     python scripts/soak.py                       # 2 minutes, CPU, a tiny random Qwen3 with a small cache
     python scripts/soak.py --minutes 30 --seed 7
     python scripts/soak.py --speculate           # n-gram drafts verified in the overlap loop
+    python scripts/soak.py --structured --kv-cache-dtype int8   # constrained outputs; a quantized cache
 
 Each round adds a few requests: prompts of random length built on a few shared prefixes (so the
 prefix cache is hit), token ids or text, with random sampling parameters (greedy, temperature, top-k,
-top-p, min-p, seeds, stop strings, ignore_eos, max_tokens); some bad inputs that must be refused with
-ValueError/TypeError at add time; and some aborts of queued or running requests. The KV cache is small,
-so requests are preempted. It fails (exit code 1) if:
+top-p, min-p, seeds, stop strings, ignore_eos, max_tokens), with --structured a quarter of them held to a
+choice, a regex or a JSON schema; some bad inputs that must be refused with ValueError/TypeError at add
+time; and some aborts of queued or running requests. The KV cache is small, so requests are preempted.
+It fails (exit code 1) if:
 - an invariant breaks (nanovllm.engine.invariants: ref counts, free list, prefix-cache hashes);
 - a request is lost, finishes twice, finishes after its abort, or overruns max_tokens;
 - a bad input is accepted, or a good one refused;
 - a greedy canary prompt, resent every few rounds, changes its output;
+- a constrained request stops (its constraint complete) with text its constraint does not allow;
 - the resident memory grows by more than --rss-growth-mib after the warm-up (the first quarter).
 Prints the figures at the end."""
 
 import argparse
 import gc
+import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -35,6 +40,7 @@ from conftest import make_model_dir  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.invariants import check_invariants  # noqa: E402
+from nanovllm.sampling_params import StructuredOutputsParams  # noqa: E402
 
 # A small cache (64 blocks of 4 tokens) under up to 16 running requests of up to 96 tokens: preemption.
 ENGINE = dict(kvcache_block_size=4, num_kvcache_blocks=64, max_model_len=96, max_num_seqs=16,
@@ -48,6 +54,19 @@ CANARY_EVERY = 25  # rounds
 BAD_FRACTION = 0.05
 ABORT_FRACTION = 0.05  # of the requests, aborted while queued or running
 GOOD_ERRORS = (ValueError, TypeError)
+# --structured: the share of good requests held to a constraint, and the constraints, each with the test
+# a stopped request's text must pass.
+STRUCTURED_FRACTION = 0.25
+CHOICES = ["yes", "no", "maybe so"]
+REGEX = "[a-c]{1,5}"
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+          "additionalProperties": False}
+CONSTRAINTS = {
+    "choice": (StructuredOutputsParams(choice=CHOICES), lambda text: text in CHOICES),
+    "regex": (StructuredOutputsParams(regex=REGEX), lambda text: re.fullmatch(REGEX, text) is not None),
+    "json": (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+             lambda text: isinstance(json.loads(text).get("a"), int)),
+}
 
 
 def rss_mib() -> float:
@@ -75,6 +94,15 @@ def random_params(rng: random.Random) -> SamplingParams:
     return SamplingParams(**options)
 
 
+def constrained_params(rng: random.Random, kind: str) -> SamplingParams:
+    """random_params' sampling held to CONSTRAINTS[kind], with room for the output to complete (stop
+    strings and ids left out: they would end it early)."""
+    sampling = random_params(rng)
+    return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                          min_p=sampling.min_p, seed=sampling.seed, max_tokens=32,
+                          structured_outputs=CONSTRAINTS[kind][0])
+
+
 def bad_request(rng: random.Random, vocab: int):
     """(prompt, params) that add_request must refuse; params may itself fail to construct."""
     case = rng.randrange(7)
@@ -94,14 +122,15 @@ def bad_request(rng: random.Random, vocab: int):
 
 
 class Soak:
-    def __init__(self, llm: LLM, rng: random.Random) -> None:
-        self.llm, self.rng = llm, rng
+    def __init__(self, llm: LLM, rng: random.Random, structured: bool = False) -> None:
+        self.llm, self.rng, self.structured = llm, rng, structured
         self.vocab = llm.config.hf_config.vocab_size
         self.prefixes = [[rng.randrange(1, self.vocab) for _ in range(rng.randint(4, 24))] for _ in range(6)]
         self.live: dict[int, SamplingParams] = {}  # id -> params of requests not yet finished/aborted
         self.done: set[int] = set()
         self.aborted: set[int] = set()
-        self.counts = dict(added=0, finished=0, aborted=0, refused=0, steps=0, canaries=0)
+        self.counts = dict(added=0, finished=0, aborted=0, refused=0, steps=0, canaries=0, constrained=0)
+        self.constraint: dict[int, str] = {}  # id -> CONSTRAINTS kind of the live constrained requests
         self.canary_prompt = self.prefixes[0] + [7, 8, 9]
         self.canary_ids: dict[int, None] = {}
         self.canary_output: list[int] | None = None
@@ -113,9 +142,13 @@ class Soak:
             text = self.llm.tokenizer.decode(prompt)
             if 0 < len(self.llm.tokenizer.encode(text)) <= MAX_PROMPT_TOKENS:  # re-encoding may grow it
                 prompt = text
-        params = random_params(rng)
+        constrained = self.structured and rng.random() < STRUCTURED_FRACTION
+        kind = rng.choice(list(CONSTRAINTS)) if constrained else None
+        params = constrained_params(rng, kind) if kind else random_params(rng)
         seq_id = self.llm.add_request(prompt, params)
         self.live[seq_id] = params
+        if kind:
+            self.constraint[seq_id] = kind
         self.counts["added"] += 1
 
     def add_bad(self) -> None:
@@ -131,6 +164,7 @@ class Soak:
         seq_id = self.rng.choice(list(self.live))
         if self.llm.abort_request(seq_id):
             del self.live[seq_id]
+            self.constraint.pop(seq_id, None)
             self.aborted.add(seq_id)
             self.counts["aborted"] += 1
 
@@ -153,6 +187,15 @@ class Soak:
             assert len(output["token_ids"]) <= params.max_tokens, "max_tokens overrun"
             self.done.add(seq_id)
             self.counts["finished"] += 1
+            kind = self.constraint.pop(seq_id, None)
+            if kind and output["finish_reason"] == "stop":  # complete: its text must pass the constraint
+                text = self.llm.tokenizer.decode(output["token_ids"], skip_special_tokens=True)
+                try:
+                    allowed = CONSTRAINTS[kind][1](text)
+                except ValueError:  # not JSON
+                    allowed = False
+                assert allowed, f"a {kind} constraint stopped with {text!r}"
+                self.counts["constrained"] += 1
             if seq_id in self.canary_ids:
                 self.counts["canaries"] += 1
                 if self.canary_output is None:
@@ -190,11 +233,17 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-growth-mib", type=float, default=32.0,
                         help="largest RSS growth allowed after the warm-up (the first quarter of the run)")
+    parser.add_argument("--structured", action="store_true",
+                        help="a quarter of the requests held to a choice, a regex or a JSON schema "
+                             "(needs xgrammar)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"])
     parser.add_argument("--speculate", action="store_true",
                         help="n-gram speculative decoding (k = 3) in the overlap loop (async_scheduling): "
                              "drafts taken as accepted until read, rejections voiding the next step's rows")
     args = parser.parse_args()
-    engine = dict(ENGINE, async_scheduling=True, speculative_config=SPECULATE) if args.speculate else ENGINE
+    engine = dict(ENGINE, kv_cache_dtype=args.kv_cache_dtype)
+    if args.speculate:
+        engine.update(async_scheduling=True, speculative_config=SPECULATE)
     rng = random.Random(args.seed)
     # The model is tiny: one thread computes a step in about a millisecond, and more threads only
     # contend for the cores (on a shared 2-core host, 100x slower).
@@ -202,7 +251,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as path:
         make_model_dir(path)
         llm = LLM(path, **engine)
-        soak = Soak(llm, rng)
+        soak = Soak(llm, rng, args.structured)
         start = time.monotonic()
         end, warm = start + args.minutes * 60, start + args.minutes * 15
         samples: list[tuple[float, float]] = []
@@ -226,6 +275,8 @@ def main() -> int:
     print(f"{'duration':<28}{elapsed:>10.1f} s")
     for name in ("added", "finished", "aborted", "refused", "canaries", "steps"):
         print(f"{name:<28}{c[name]:>10}")
+    if args.structured:
+        print(f"{'constrained, complete':<28}{c['constrained']:>10}")
     print(f"{'preemptions':<28}{llm.engine.scheduler.num_preemptions:>10}")
     print(f"{'prefix-cache hit tokens':<28}{llm.engine.scheduler.block_manager.num_cache_hit_tokens:>10}")
     print(f"{'steps/s':<28}{c['steps'] / elapsed:>10.1f}")

@@ -175,8 +175,9 @@ def test_fp8_quality_on_a_trained_model_as_typed():
 
     if embedded_model_path() is None:
         pytest.skip(f"SmolLM2 is not installed: {EMBEDDED_INSTALL}")
-    command = [sys.executable, "scripts/fp8_quality.py", "--model", "smollm2", "--prompts", "1", "--prompt-len",
-               "32", "--greedy-tokens", "2", "--paths", "fp8 weights", "fp8 KV cache", "int8 KV cache"]
+    command = [sys.executable, "scripts/fp8_quality.py", "--model", "smollm2", "--prompts", "1",
+               "--prompt-len", "32", "--greedy-tokens", "2", "--paths", "fp8 weights", "fp8 KV cache",
+               "int8 KV cache"]
     done = subprocess.run(command, cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {row[:18].strip(): float(row[18:].split()[0]) for row in done.stdout.strip().splitlines()[-4:]}
@@ -186,10 +187,12 @@ def test_fp8_quality_on_a_trained_model_as_typed():
     assert refused.returncode != 0 and "--model brings its own" in refused.stderr
 
 
-@pytest.mark.parametrize("extra", [[], ["--speculate"]], ids=["plain", "speculate"])
+@pytest.mark.parametrize("extra", [[], ["--speculate", "--structured", "--kv-cache-dtype", "int8"]],
+                         ids=["plain", "speculate-structured-int8"])
 def test_soak_runs_as_typed(extra):
     """`python scripts/soak.py` for a few seconds: requests, aborts, bad inputs and the invariants after
-    every step; with --speculate, n-gram drafts verified in the overlap loop."""
+    every step; with --speculate, n-gram drafts verified in the overlap loop, beside constrained requests
+    (--structured: those that complete pass their constraint) over an int8 KV cache."""
     done = subprocess.run([sys.executable, "scripts/soak.py", "--minutes", "0.1", *extra], cwd=SCRIPTS.parent,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -199,6 +202,8 @@ def test_soak_runs_as_typed(extra):
     if extra:
         accepted, drafted = map(int, re.search(r"drafts accepted\s+(\d+) of (\d+)", done.stdout).groups())
         assert drafted > 0 and accepted > 0
+        assert int(re.search(r"^constrained, complete\s+(\d+)$", done.stdout, re.MULTILINE).group(1)) > 0
+        assert "KV cache 256 tokens (int8)" in done.stderr + done.stdout
 
 
 # README's commands for scripts that run on the CPU, as typed there, and a line their output ends with.
