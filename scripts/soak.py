@@ -61,11 +61,22 @@ CHOICES = ["yes", "no", "maybe so"]
 REGEX = "[a-c]{1,5}"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
           "additionalProperties": False}
+
+
+def follows_schema(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    if not isinstance(value, dict) or value.keys() != {"a"}:
+        return False
+    return isinstance(value["a"], int) and not isinstance(value["a"], bool)  # JSON's true is no integer
+
+
 CONSTRAINTS = {
     "choice": (StructuredOutputsParams(choice=CHOICES), lambda text: text in CHOICES),
     "regex": (StructuredOutputsParams(regex=REGEX), lambda text: re.fullmatch(REGEX, text) is not None),
-    "json": (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
-             lambda text: isinstance(json.loads(text).get("a"), int)),
+    "json": (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), follows_schema),
 }
 
 
@@ -190,11 +201,7 @@ class Soak:
             kind = self.constraint.pop(seq_id, None)
             if kind and output["finish_reason"] == "stop":  # complete: its text must pass the constraint
                 text = self.llm.tokenizer.decode(output["token_ids"], skip_special_tokens=True)
-                try:
-                    allowed = CONSTRAINTS[kind][1](text)
-                except ValueError:  # not JSON
-                    allowed = False
-                assert allowed, f"a {kind} constraint stopped with {text!r}"
+                assert CONSTRAINTS[kind][1](text), f"a {kind} constraint stopped with {text!r}"
                 self.counts["constrained"] += 1
             if seq_id in self.canary_ids:
                 self.counts["canaries"] += 1
