@@ -1,7 +1,6 @@
 """The fp8 linear methods of CUDA GPUs (layers/fp8.py has the layout and the dequantizing reference,
-Fp8LinearMethod): which kernel a call takes by its row count on Ada and Hopper, for each scale layout,
-and `fp8_linear_method`, the choice for a device. The GPU kernels are imported when first called (no
-Triton here).
+Fp8LinearMethod): which kernel a call takes by its row count on Ada and Hopper, for each scale layout, and
+`fp8_linear_method`, the choice for a device. GPU kernels are imported when first called (no Triton here).
 
 - `Fp8TritonLinearMethod` (sm_89+): up to 16 rows the W8A16 GEMV (kernels/fp8_gemv.py: the weight
   streamed once in e4m3, activations unrounded), from 17 the W8A8 GEMM (kernels/fp8_gemm.py: the rounding
@@ -28,6 +27,9 @@ from nanovllm.utils.config_checks import Fp8Scheme
 # bf16 activations as float16 rows times powers of two (exact), so that e4m3 tiles widen to float16: 16
 # streams of Qwen3-8B with fp8 weights 4.97 / 4.98 ms a step against 5.27 / 5.27 (H200, 2026-12-05).
 FLOAT16_ROWS = True
+# Whether one-row buckets take the SiLU-mul as gate/up's epilogue (linear_methods.gated_forms): one stream of
+# Qwen3-8B, H100, 2026-12-05: a tie per channel (3.622 / 3.624 ms a token), a loss in blocks (3.923 / 4.173).
+FP8_GATED_EPILOGUE = False
 
 
 # The GPU kernels, under the names the kernel table prints (imported when first called: no Triton here).
@@ -230,7 +232,7 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     block scales take Fp8BlockScaledMmLinearMethod."""
 
     BUCKETS = (Bucket(1, fp8_skinny, norm_first(fp8_skinny), silu_first(fp8_skinny),
-                      *gated_forms(fp8_skinny_gated)),
+                      *gated_forms(FP8_GATED_EPILOGUE, fp8_skinny_gated)),
                Bucket(2, fp8_gemv_rows),
                Bucket(16, fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu) if FLOAT16_ROWS
                else Bucket(16, fp8_rows),
@@ -253,7 +255,7 @@ class Fp8BlockScaledMmLinearMethod(Fp8TritonLinearMethod):
     e4m3 and the GEMM's activation scales themselves (kernels/norm_quant.py), as per channel's do."""
 
     BUCKETS = (Bucket(1, fp8_gemv_blocks, norm_first(fp8_gemv_blocks), silu_first(fp8_gemv_blocks),
-                      *gated_forms(fp8_gemv_blocks_gated)),
+                      *gated_forms(FP8_GATED_EPILOGUE, fp8_gemv_blocks_gated)),
                Bucket(16, fp8_rows_blocks_f16, fp8_rows_blocks_f16_norm, fp8_rows_blocks_f16_silu)
                if FLOAT16_ROWS else Bucket(16, fp8_rows_blocks),
                Bucket(None, fp8_block_scaled_mm, fp8_block_scaled_mm_norm, fp8_block_scaled_mm_silu))

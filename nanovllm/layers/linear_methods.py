@@ -32,12 +32,13 @@ SiluKernel = Kernel
 # form (x, norm_weight, eps, *weights, bias, residual, pdl) -> (that of rms_norm(x + residual), x + residual)
 GatedKernel = Kernel
 
-# Whether the one-row GEMVs' buckets (bf16's; fp8's per channel and in 128 x 128 blocks) fold the SiLU-mul
-# into gate/up's kernel as its epilogue (kernels/gemv_folds.py, `gated_forms`) rather than into down_proj's
-# prologue (bf16: every program of down recomputing it, 284 instructions a warp a K tile against 149 plain
-# at Qwen3-8B's 8 x 512 tiles, sm_90 SASS) or its own kernel (fp8). The epilogue adds no instruction to
-# gate/up's loop. Off until one stream of Qwen3-0.6B and Qwen3-8B (bf16, fp8) is timed each way.
-GATED_EPILOGUE = False
+# Whether bf16's one-row GEMV bucket folds the SiLU-mul into gate/up's kernel as its epilogue
+# (kernels/gemv_folds.py, `gated_forms`) rather than into down_proj's prologue, where every program of down
+# recomputes it (284 instructions a warp a K tile against 149 plain at Qwen3-8B's 8 x 512 tiles, sm_90
+# SASS); the epilogue adds no instruction to gate/up's loop. One stream on an H100 (2026-12-05, engine code
+# 59fc20b with the switch flipped in the call's copy): Qwen3-0.6B 0.857 / 0.849 -> 0.827 / 0.810 ms a
+# token, Qwen3-8B 5.867 -> 5.753. fp8's one-row buckets decide apart (fp8_methods.FP8_GATED_EPILOGUE: off).
+GATED_EPILOGUE = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,11 +129,11 @@ def norm_first(plain: Kernel) -> NormedKernel:
     return kernel
 
 
-def gated_forms(gated: GatedKernel, normed_gated: NormedKernel | None = None
+def gated_forms(enabled: bool, gated: GatedKernel, normed_gated: NormedKernel | None = None
                 ) -> tuple[GatedKernel | None, NormedKernel | None]:
-    """A one-row bucket's (gated, normed_gated) where GATED_EPILOGUE says so, else (None, None); the normed
-    form is the norm's own kernel, then `gated` (norm_first), unless given."""
-    if not GATED_EPILOGUE:
+    """A one-row bucket's (gated, normed_gated) where `enabled` (a method's switch), else (None, None); the
+    normed form is the norm's own kernel, then `gated` (norm_first), unless given."""
+    if not enabled:
         return None, None
     return gated, normed_gated or norm_first(gated)
 
@@ -261,7 +262,7 @@ class SkinnyLinearMethod(UnquantizedLinearMethod):
     - More rows are compute-bound enough for cuBLAS."""
 
     BUCKETS = (
-        Bucket(1, gemv, gemv_norm, gemv_silu, *gated_forms(gemv_gated, gemv_norm_gated)),
+        Bucket(1, gemv, gemv_norm, gemv_silu, *gated_forms(GATED_EPILOGUE, gemv_gated, gemv_norm_gated)),
         Bucket(2, gemv_rows, mma_rows_norm, gemv_rows_silu),
         Bucket(16, mma_rows, mma_rows_norm),
         Bucket(None, torch_linear),

@@ -1,5 +1,5 @@
 """The SiLU-mul folded into the gate/up projection's one-row GEMV as its epilogue (linear_methods'
-GATED_EPILOGUE buckets; kernels/gemv_folds.py): the kernel table says so (down_proj then plain), and
+gated_forms; kernels/gemv_folds.py): the kernel table says so (down_proj then plain), and
 per-channel fp8's one-row gate/up gives the fp8 GEMV then the SiLU-mul bit for bit. The whole engine's
 tokens with it: tests/runner/test_skinny_decode.py."""
 
@@ -19,17 +19,16 @@ pytest.importorskip("triton")
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs")
 
 
-def gated(method_class, monkeypatch) -> tuple:
+def gated(method_class) -> tuple:
     """method_class's buckets with the first (one row) folding the SiLU-mul into gate/up's kernel, as
-    linear_methods.gated_forms gives them with GATED_EPILOGUE on."""
+    linear_methods.gated_forms gives them where a method's switch is on."""
     from nanovllm.layers import fp8_methods
 
-    monkeypatch.setattr(linear_methods, "GATED_EPILOGUE", True)
     forms = {"gemv": (linear_methods.gemv_gated, linear_methods.gemv_norm_gated),
              "fp8_skinny": (fp8_methods.fp8_skinny_gated, None),
              "fp8_gemv_blocks": (fp8_methods.fp8_gemv_blocks_gated, None)}
     one_row = method_class.BUCKETS[0]
-    form, normed = linear_methods.gated_forms(*forms[one_row.plain.__name__])
+    form, normed = linear_methods.gated_forms(True, *forms[one_row.plain.__name__])
     return (dataclasses.replace(one_row, gated=form, normed_gated=normed), *method_class.BUCKETS[1:])
 
 
@@ -39,8 +38,8 @@ def test_the_kernel_table_shows_the_silu_mul_in_gate_up(monkeypatch):
     from nanovllm.layers.kernel_plan import KernelPlan, kernel_table
     from nanovllm.models.qwen3 import Qwen3ForCausalLM
 
-    monkeypatch.setattr(SkinnyLinearMethod, "BUCKETS", gated(SkinnyLinearMethod, monkeypatch))
-    monkeypatch.setattr(Fp8ScaledMmLinearMethod, "BUCKETS", gated(Fp8ScaledMmLinearMethod, monkeypatch))
+    monkeypatch.setattr(SkinnyLinearMethod, "BUCKETS", gated(SkinnyLinearMethod))
+    monkeypatch.setattr(Fp8ScaledMmLinearMethod, "BUCKETS", gated(Fp8ScaledMmLinearMethod))
     config = AutoConfig.from_pretrained(os.path.join(CONFIGS, "Qwen3-0.6B"))
     config.num_hidden_layers = 1
     for quantization, gate_up, down in ((None, "gemv_norm_gated", "gemv"),
@@ -71,7 +70,7 @@ def test_fp8_one_row_gate_up_gives_the_gemv_then_the_silu_mul(monkeypatch, block
 
     device = triton_test_device()
     method_class = Fp8ScaledMmLinearMethod if block is None else Fp8BlockScaledMmLinearMethod
-    monkeypatch.setattr(method_class, "BUCKETS", gated(method_class, monkeypatch))
+    monkeypatch.setattr(method_class, "BUCKETS", gated(method_class))
     method = method_class(Fp8Scheme(block, True))
     layer = MergedColumnParallelLinear(256, [128, 128], quant_method=method)
     gen = torch.Generator().manual_seed(0)

@@ -73,8 +73,9 @@ def test_the_sm90_plan_for_qwen3_0_6b():
     normed = ["gemv_norm", "mma_rows_norm", "mma_rows_norm", "rms_norm, torch_linear"]
     assert rows["self_attn.qkv_proj"] == normed
     assert rows["self_attn.o_proj"] == ["gemv", "gemv_rows", "mma_rows", "torch_linear"]
-    assert rows["mlp.gate_up_proj"] == rows["self_attn.qkv_proj"]
-    assert rows["mlp.down_proj"] == ["gemv_silu", "gemv_rows_silu", "silu_and_mul, mma_rows",
+    # One row: the SiLU-mul is gate/up's epilogue (GATED_EPILOGUE), so down_proj's GEMV runs plain
+    assert rows["mlp.gate_up_proj"] == ["gemv_norm_gated", *normed[1:]]
+    assert rows["mlp.down_proj"] == ["gemv", "gemv_rows_silu", "silu_and_mul, mma_rows",
                                      "silu_and_mul, torch_linear"]
     assert rows["lm_head"] == ["gemv", "torch_linear", "torch_linear", "torch_linear"]
     assert rows["attention"] == ["cuda_decode_rope where it applies, else decode_rope",

@@ -33,11 +33,10 @@ def test_few_token_kernels_give_the_plain_tokens(qwen3_dir, monkeypatch, gated):
     # The engine plans the kernels as on a GPU, on this device and in float32 (token-exact here).
     monkeypatch.setattr(kernel_plan, "SKINNY_DEVICE_TYPES", (device,))
     monkeypatch.setattr(kernel_plan, "SKINNY_DTYPES", (torch.float32,))
-    if gated:
-        method = linear_methods.SkinnyLinearMethod
-        one_row = dataclasses.replace(method.BUCKETS[0], gated=linear_methods.gemv_gated,
-                                      normed_gated=linear_methods.gemv_norm_gated)
-        monkeypatch.setattr(method, "BUCKETS", (one_row, *method.BUCKETS[1:]))
+    method = linear_methods.SkinnyLinearMethod  # each way, whatever GATED_EPILOGUE says
+    one_row = dataclasses.replace(method.BUCKETS[0], gated=linear_methods.gemv_gated if gated else None,
+                                  normed_gated=linear_methods.gemv_norm_gated if gated else None)
+    monkeypatch.setattr(method, "BUCKETS", (one_row, *method.BUCKETS[1:]))
     rows_seen, launch_rows = [], skinny_rows.launch_rows
     folds_seen, launch_gemv = [], skinny_gemm.launch_gemv
 
