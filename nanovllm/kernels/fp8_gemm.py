@@ -210,29 +210,16 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if block_k is None:
         raise ValueError(f"scale groups of {group} inputs do not tile by {MIN_FP8_DOT_K}, the narrowest "
                          "fp8 dot")
-    if m == 0 or n == 0:
-        return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    x_q, x_scale = quantize_rows(x, group)
-    return w8a8_quantized(x_q, x_scale, weight, weight_scale, group, bias, x.dtype, config, block_k)
-
-
-def w8a8_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-                   weight_scale: torch.Tensor, group: int, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                   config: GemmConfig | None = None, block_k: int | None = None) -> torch.Tensor:
-    """w8a8_linear's product of activations quantized already: e4m3 x_q [M, K] with float32 x_scale
-    [M, ceil(K / group)] (quantize_rows' or kernels/norm_quant.py's), out_dtype out."""
-    (m, k), n = x_q.shape, weight.shape[0]
-    num_groups = triton.cdiv(k, group)
-    block_k = block_k or w8a8_block_k(group, k)
-    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    x_q, x_scale = quantize_rows(x, group)
     config = config or gemm_config(m)
     split = plan_split_k(k, block_k, config.split_k)
     write_partial = split.splits > 1
-    target = split_k_workspace(split, m, n, x_q.device) if write_partial else out
+    target = split_k_workspace(split, m, n, x.device) if write_partial else out
     _w8a8_gemm_kernel[(triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), split.splits)](
-        x_q, x_scale.contiguous(), weight, weight_scale.contiguous(), out if bias is None else bias, target,
+        x_q, x_scale, weight, weight_scale.contiguous(), bias if bias is not None else out, target,
         m, n, k, weight.stride(0), out.stride(0), num_groups, group, split.tiles_per_split,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, ONE_GROUP=num_groups == 1,
         HAS_BIAS=bias is not None, WRITE_PARTIAL=write_partial, NUM_STAGES=config.num_stages,

@@ -7,12 +7,7 @@ quantized already; what row-wise scaling cannot take goes to the Triton W8A8 GEM
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.fp8_gemm import quantize_rows, w8a8_linear, w8a8_quantized
-
-# Up to how many rows the row-wise product runs the Triton W8A8 GEMM (kernels/fp8_gemm.py, the same rounding)
-# in place of torch._scaled_mm: 0, never. At 256, bench.py on Qwen3-8B with fp8 weights and cache ran 9,215
-# tok/s against 11,160 (H100, 2026-12-05, gemm_config's launch); scripts/w8a8_sweep.py times other tiles.
-TRITON_W8A8_ROWS = 0
+from nanovllm.kernels.fp8_gemm import quantize_rows, w8a8_linear
 
 
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -38,8 +33,6 @@ def scaled_mm_quantized(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tens
                         weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
                         ) -> torch.Tensor:
     """scaled_mm_linear's product of activations quantized already: e4m3 q [M, K] with scale [M, 1]."""
-    if q.shape[0] <= TRITON_W8A8_ROWS:
-        return w8a8_quantized(q, scale, weight, weight_scale, weight.shape[1], bias, out_dtype)
     return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, weight.shape[0]),
                             bias=bias, out_dtype=out_dtype)
 

@@ -145,28 +145,6 @@ def test_scaled_mm_leaves_what_row_wise_scaling_cannot_take_to_the_triton_gemm(m
         scaled_mm_linear(x, weight, scale, 256)
 
 
-def test_row_wise_products_up_to_the_switch_run_the_triton_gemm(monkeypatch):
-    """fp8_scaled_mm.TRITON_W8A8_ROWS: up to that many rows the row-wise product (plain, or of activations
-    a norm quantized) takes the Triton W8A8 GEMM, to the bit what w8a8_linear gives; past it
-    torch._scaled_mm."""
-    from nanovllm.kernels import fp8_scaled_mm
-
-    def refused(*args, **kwargs):
-        raise AssertionError("torch._scaled_mm was called")
-
-    monkeypatch.setattr(torch, "_scaled_mm", refused)
-    monkeypatch.setattr(fp8_scaled_mm, "TRITON_W8A8_ROWS", 17)
-    for rows in (1, 17):
-        x, weight, scale, bias = make(rows, 96, 256, 256, torch.bfloat16)
-        expected = w8a8_linear(x, weight, scale, 256, bias)
-        assert torch.equal(scaled_mm_linear(x, weight, scale, 256, bias), expected)
-        q, x_scale = quantize_rows(x, 256)
-        product = fp8_scaled_mm.scaled_mm_quantized(q, x_scale, weight, scale, bias, x.dtype)
-        assert torch.equal(product, expected)
-    with pytest.raises(AssertionError, match="was called"):
-        scaled_mm_linear(*make(18, 96, 256, 256, torch.bfloat16)[:3], 256)
-
-
 def test_the_kernels_refuse_what_they_cannot_tile():
     x, weight, scale, _ = make(MAX_ROWS + 1, 64, 384, 192, torch.float32)
     with pytest.raises(ValueError, match="at most 16 rows"):
