@@ -53,10 +53,23 @@ def test_rms_norm_quant_is_the_norm_then_quantize_rows(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width", [96, norm_quant.ACT_BLOCK + 100], ids=["one-block", "two-blocks"])
+@pytest.mark.parametrize("width", [96, norm_quant.ACT_BLOCK + 100, norm_quant.ROW_BLOCK + 100],
+                         ids=["one-block", "whole-row", "two-passes"])
 def test_silu_mul_quant_is_the_silu_mul_then_quantize_rows(dtype, width):
     gate_up = rows(5, 2 * width, dtype, 3)
     assert_same_bits(norm_quant.silu_mul_quant(gate_up), quantize_rows(norm_act.silu_and_mul(gate_up), width))
+
+
+@pytest.mark.parametrize("width", [96, norm_quant.ACT_BLOCK + 100, norm_quant.ROW_BLOCK + 100],
+                         ids=["one-block", "whole-row", "two-passes"])
+def test_silu_mul_float16_rows_are_the_silu_mul_then_float16_rows(width):
+    """The float16 mode (W8A16 over float16 rows, 3-16 rows): float16_rows of the SiLU-mul's output."""
+    from nanovllm.kernels.float16_rows import float16_rows
+
+    gate_up = rows(4, 2 * width, torch.bfloat16, 5)
+    got, want = norm_quant.silu_mul_quant(gate_up, float16=True), float16_rows(norm_act.silu_and_mul(gate_up))
+    assert got[0].dtype == want[0].dtype == torch.float16
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("rows_count", [5, 8])
