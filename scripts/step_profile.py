@@ -3,9 +3,13 @@ decode or mixed), rows and tokens, the host's scheduling and bookkeeping time, a
 wall and GPU time; printed as totals per kind and decode step time by batch size.
 
     python scripts/step_profile.py [--num-seqs 1024] [--attention-backend triton] [extra LLM options]
+    python scripts/step_profile.py --model configs/Qwen3-8B --num-seqs 256 --quantization=fp8
 
 The workload is peer_variants.py's larger batch (seed 0, 100..1024 tokens in and out, temperature 0.6,
-ignore_eos) on random Qwen3-0.6B weights."""
+ignore_eos; with --num-seqs 256, bench.py's requests) on random weights of --model's config (default
+Qwen3-0.6B's). It runs the synchronous engine loop (async_scheduling=False): the overlap loop launches
+a step before the previous one's tokens are read, so a step's phases do not separate there; tok_s is
+that loop's."""
 
 import argparse
 import collections
@@ -94,13 +98,14 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=1024)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--label", default="")
+    parser.add_argument("--model", default=CONFIG, help="a folder with the model's config.json")
     args, extra = parser.parse_known_args()
     if not torch.cuda.is_available():
         parser.error("the model runner's share of each step is timed with CUDA events: run it on a CUDA GPU")
     options = dict(kv.split("=", 1) for kv in extra)
     options = {k.lstrip("-").replace("-", "_"): (int(v) if v.isdigit() else v) for k, v in options.items()}
-    llm = LLM(CONFIG, load_format="dummy", skip_tokenizer_init=True, attention_backend=args.attention_backend,
-              **options)
+    llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, async_scheduling=False,
+              attention_backend=args.attention_backend, **options)
     llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(args.num_seqs)]
