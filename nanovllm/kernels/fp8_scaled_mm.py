@@ -1,8 +1,9 @@
 """fp8 GEMMs through torch, fed by kernels/fp8_gemm.quantize_rows (or activations quantized already, as
 kernels/norm_quant.py writes them): torch._scaled_mm with row-wise scales (one a weight row, one a token:
-cuBLASLt / CUTLASS on sm_90), and torch's block-scaled GEMM (torch.nn.functional.scaled_mm with 1 x 128
-activation and 128 x 128 weight scales, cuBLASLt). Each has the `*_quantized` form for activations
-quantized already; what row-wise scaling cannot take goes to the Triton W8A8 GEMM."""
+cuBLASLt's outer-vector-scaled kernels on sm_90 with torch 2.11, CUTLASS in older torch), and torch's
+block-scaled GEMM (torch.nn.functional.scaled_mm with 1 x 128 activation and 128 x 128 weight scales,
+cuBLASLt). Each has the `*_quantized` form for activations quantized already; what row-wise scaling cannot
+take goes to the Triton W8A8 GEMM."""
 
 import torch
 import torch.nn.functional as F
