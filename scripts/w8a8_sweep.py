@@ -4,6 +4,7 @@ the engine runs there today: torch._scaled_mm per channel (x quantized first, ti
 kernel) or torch's block-scaled GEMM for 128 x 128 blocks. One CUDA GPU.
 
     python scripts/w8a8_sweep.py [--model configs/Qwen3-8B] [--rows 32 64 128 256] [--scales channel|block]
+        [--shapes o_proj down_proj]      # only these projections (default: all four)
 
 Timed as decode runs them: calls captured in a CUDA graph and replayed, each reading another copy of the
 weight so that it comes from HBM, not L2; each line beside its floor, the larger of reading the weight once
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 64, 128, 256])
     parser.add_argument("--scales", choices=("channel", "block"), default="channel",
                         help="one scale a weight row (quantization='fp8') or a 128 x 128 block (checkpoints)")
+    parser.add_argument("--shapes", nargs="+", default=None,
+                        choices=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), help="default: all four")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("it times CUDA kernels: run it on a CUDA GPU")
@@ -99,6 +102,8 @@ def main() -> None:
     torch.manual_seed(0)
     results = {}
     for name, (n, k, _) in shapes(config).items():
+        if args.shapes and name not in args.shapes:
+            continue
         print(f"{name} N={n} K={k} ({args.scales} scales)", flush=True)
         copies = weights(n, k, args.scales)
         results[name] = [sweep(m, n, k, copies) for m in args.rows]
