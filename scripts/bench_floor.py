@@ -2,6 +2,7 @@
 the model's shape (config.json) and the GPU's bandwidth and tensor-core peak alone. No model runs.
 
     python scripts/bench_floor.py --model configs/Qwen3-8B [--quantization fp8] [--kv-cache-dtype fp8]
+    python scripts/bench_floor.py --model configs/Qwen3-8B --bandwidth 3.35   # an H100 SXM (same peaks)
 
 The model of the run (the same requests as bench.py draws them, all of them resident at once, as the
 KV cache holds them on an H200):
@@ -75,20 +76,22 @@ class Shape:
         return 2 * rows * (self.active_params + self.head_params) + self.attention_flops * context
 
 
-def floor(shape: Shape, prompt_lens: np.ndarray, output_lens: np.ndarray) -> dict[str, float]:
-    """Seconds of the prefill and of the decode steps (their memory- and compute-bound parts)."""
+def floor(shape: Shape, prompt_lens: np.ndarray, output_lens: np.ndarray, bandwidth: float = BANDWIDTH
+          ) -> dict[str, float]:
+    """Seconds of the prefill and of the decode steps (their memory- and compute-bound parts), the bytes
+    moved at `bandwidth` (bytes/s)."""
     prefill_flops = (2 * shape.active_params * prompt_lens.sum() + 2 * shape.head_params * len(prompt_lens)
                      + shape.attention_flops * (prompt_lens * (prompt_lens + 1) / 2).sum())
     all_weights = shape.dense_params + shape.layers * shape.experts * shape.expert
     prefill_bytes = all_weights * shape.weight_bytes + prompt_lens.sum() * shape.kv_per_token
-    prefill = max(prefill_flops / shape.peak, prefill_bytes / BANDWIDTH)
+    prefill = max(prefill_flops / shape.peak, prefill_bytes / bandwidth)
     # Decode step s (from 0) computes token s + 2 of every request with more than s + 1 output tokens,
     # against a context of its prompt and its s + 1 tokens so far.
     steps = np.arange(output_lens.max() - 1)
     live = output_lens[None, :] - 1 > steps[:, None]  # [steps, requests]
     rows = live.sum(axis=1)
     context = (live * (prompt_lens[None, :] + steps[:, None] + 1)).sum(axis=1)
-    memory = shape.step_bytes(rows, context) / BANDWIDTH
+    memory = shape.step_bytes(rows, context) / bandwidth
     compute = shape.step_flops(rows, context) / shape.peak
     return {"prefill": prefill, "decode": float(np.maximum(memory, compute).sum()),
             "decode, memory-bound steps": float(memory[memory >= compute].sum()),
@@ -102,6 +105,8 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--quantization", choices=["fp8"], default=None, help="fp8 weights")
     parser.add_argument("--kv-cache-dtype", choices=sorted(KV_BYTES), default="auto")
+    parser.add_argument("--bandwidth", type=float, default=BANDWIDTH / 1e12,
+                        help="TB/s (the H200's copy bandwidth; an H100 SXM: 3.35)")
     args = parser.parse_args()
     with open(os.path.join(os.path.expanduser(args.model), "config.json")) as f:
         config = json.load(f)
@@ -109,7 +114,7 @@ def main() -> None:
     prompts, params = make_workload(args.num_seqs, config["vocab_size"])
     prompt_lens = np.array([len(p) for p in prompts])
     output_lens = np.array([p.max_tokens for p in params])
-    parts = floor(shape, prompt_lens, output_lens)
+    parts = floor(shape, prompt_lens, output_lens, args.bandwidth * 1e12)
     total = parts["prefill"] + parts["decode"]
     for name, seconds in parts.items():
         print(f"{name}: {seconds:.3f} s")

@@ -49,8 +49,17 @@ def test_fp8_halves_the_weights_and_an_moe_step_reads_the_experts_its_rows_route
     assert read[0] == pytest.approx(2) and read[1] == pytest.approx(16)
 
 
+def test_bytes_move_at_the_bandwidth_given():
+    shape = bench_floor.Shape(TINY, weight_bytes=2, kv_cache_dtype="auto")
+    prompts, outputs = np.array([2, 3]), np.array([3, 2])
+    h200 = bench_floor.floor(shape, prompts, outputs)
+    half = bench_floor.floor(shape, prompts, outputs, bench_floor.BANDWIDTH / 2)
+    assert half["decode, memory-bound steps"] == pytest.approx(2 * h200["decode, memory-bound steps"])
+
+
 def test_runs_as_typed():
-    """`python scripts/bench_floor.py --model configs/Qwen3-8B`, and fp8 weights and cache raise it."""
+    """`python scripts/bench_floor.py --model configs/Qwen3-8B`, and fp8 weights and cache raise it; an H100's
+    bandwidth (--bandwidth 3.35) lowers it."""
     def tok_s(*extra):
         command = [sys.executable, "scripts/bench_floor.py", "--model", "configs/Qwen3-8B", *extra]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -60,3 +69,4 @@ def test_runs_as_typed():
 
     bf16 = tok_s()
     assert 5_000 < bf16 < tok_s("--quantization", "fp8", "--kv-cache-dtype", "fp8") < 4 * bf16
+    assert tok_s("--bandwidth", "3.35") < bf16
