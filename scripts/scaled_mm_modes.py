@@ -1,11 +1,11 @@
-"""torch._scaled_mm's modes at Qwen3-8B's projection shapes, one CUDA GPU: microseconds a call of the
-W8A8 product alone (activations quantized already, as the norm or SiLU-mul before it writes them) with
-row-wise scales (a scale a token and a weight row: CUTLASS on sm_90), row-wise with fast accumulation
-(the tensor cores' own accumulator for the whole K loop, not promoted to float32 every few MMAs),
-tensor-wise scales (one scalar each: cuBLASLt's heuristics, split-K included) with and without fast
-accumulation, and bf16 F.linear; each beside its floor. Then, for each mode, its error against the
-float32 product of the same e4m3 operands (largest absolute error over the largest magnitude, and the
-mean), which is what fast accumulation costs.
+"""torch._scaled_mm's modes at Qwen3-8B's projection shapes, one CUDA GPU: microseconds a call of the W8A8
+product alone (activations quantized already, as the norm or SiLU-mul before it writes them) with row-wise
+scales (a scale a token and a weight row: cuBLASLt's outer-vector-scaled kernels with torch 2.11), row-wise
+with fast accumulation (the tensor cores' own accumulator for the whole K loop, not promoted to float32
+every few MMAs), tensor-wise scales (one scalar each: cuBLASLt's own heuristics) with and without fast
+accumulation, and bf16 F.linear; each beside its floor. Then, for each mode, its error against the float32
+product of the same e4m3 operands (largest absolute error over the largest magnitude, and the mean), which
+is what fast accumulation costs.
 
     python scripts/scaled_mm_modes.py [--rows 17 32 64 128 256 1024 4096]
 
@@ -13,6 +13,7 @@ Timed as fp8_gemm_bench.py times: the calls captured in a CUDA graph and replaye
 one of four copies of the weight so that it comes from HBM."""
 
 import argparse
+import functools
 import os
 import sys
 
@@ -46,9 +47,15 @@ def product(mode: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, w1
     if mode.startswith("rowwise"):
         return torch._scaled_mm(q, wq.t(), scale_a=scale, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16,
                                 use_fast_accum=fast)
-    one = torch.ones((), device=x.device, dtype=torch.float32)
+    one = unit(x.device)
     return torch._scaled_mm(q, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
                             use_fast_accum=fast)
+
+
+@functools.cache
+def unit(device: torch.device) -> torch.Tensor:
+    """The tensor-wise modes' scale, made once (not a fill kernel inside every timed call)."""
+    return torch.ones((), device=device, dtype=torch.float32)
 
 
 def errors(mode: str, x, q, scale, w16, w_scale) -> str:
