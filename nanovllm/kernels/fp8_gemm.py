@@ -19,6 +19,7 @@ Seen on an H200: within 1.5e-2 of the float32 reference on O(1) outputs (128-ele
 fp8 GEMMs, fed by the same quantize_rows, are in kernels/fp8_scaled_mm.py."""
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,14 +44,17 @@ GEMM_NUM_STAGES = 3
 MIN_FP8_DOT_K = 32
 # float32 values whose units are integers are rounded to nearest-even by adding and subtracting this.
 ROUND_MAGIC = tl.constexpr(1.5 * 2**23)
+# Triton's interpreter (CPU tensors) fuses no fma and truncates a mantissa carry in its e4m3 cast: there
+# `quantized` divides and rounds in plain float32 arithmetic instead.
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
 def round_to_e4m3_grid(v):
     """v (float32, |v| <= 448) rounded to nearest-even e4m3 in float32 arithmetic, so that the cast after
-    it is exact. The cast alone would do on the GPU (cvt.rn); Triton's interpreter truncates a mantissa
-    carry (127 -> 64, not 128), and one code path keeps the tests and the GPU in step. The e4m3 step
-    of v is 2^(e - 3) for its exponent e, and 2^-9 below the normal range (e < -6)."""
+    it is exact: what the GPU's cast does (cvt.rn), for Triton's interpreter, whose cast truncates a
+    mantissa carry (127 -> 64, not 128). The e4m3 step of v is 2^(e - 3) for its exponent e, and 2^-9
+    below the normal range (e < -6)."""
     bits = v.to(tl.uint32, bitcast=True)
     step_exp = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32), 127 - 6) - 3  # biased exponent of the step
     step = (step_exp << 23).to(tl.float32, bitcast=True)
@@ -58,6 +62,22 @@ def round_to_e4m3_grid(v):
     rounded = ((tl.abs(v) * inv_step + ROUND_MAGIC) - ROUND_MAGIC) * step
     # v's sign put back: a negative value rounded to zero stays -0, as the cast makes it.
     return (rounded.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantized(x, scale):
+    """x / scale (float32) clamped to +-448, ready for the e4m3 cast: the quotient rounded as IEEE
+    division (torch's x / scale) rounds it, and the cast then rounds to nearest-even e4m3 as torch's does.
+    On the GPU the quotient is x times 1 / scale with one residual correction (Markstein's: two fmas;
+    exact where it can matter, quotients of 2^-11 and up) instead of a division's subroutine an element,
+    and the cast rounds; x = -0 keeps its sign as the division keeps it. The interpreter divides and
+    rounds in float32 arithmetic (round_to_e4m3_grid), so the cast after it is exact there too."""
+    if INTERPRETING:
+        return round_to_e4m3_grid(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+    inverse = tl.math.div_rn(1.0, scale)
+    q = x * inverse
+    q = tl.fma(tl.fma(-q, scale, x), inverse, q)
+    return tl.clamp(tl.where(x == 0, x, q), -FP8_MAX, FP8_MAX)
 
 
 @triton.jit
@@ -77,8 +97,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, num_groups, GRO
     for k in range(start, end, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(row + offs, mask=offs < end, other=0.0).to(tl.float32)
-        # div_rn: IEEE division as torch's reference does (the default '/' is approximate on the GPU).
-        q = round_to_e4m3_grid(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+        q = quantized(x, scale)
         tl.store(q_ptr + m.to(tl.int64) * K + offs, q.to(q_ptr.dtype.element_ty), mask=offs < end)
 
 

@@ -55,6 +55,21 @@ def test_quantize_rows_is_the_reference_bit_for_bit(group):
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
+def test_quantize_rows_rounds_every_bfloat16_value_as_dividing_does():
+    """Every bfloat16 value of magnitude up to 1 (both zeros among them), a row each of largest magnitudes
+    spread over [1, 2): bit for bit the reference's x / scale rounded to e4m3. On the GPU the kernel
+    multiplies by 1 / scale and corrects the product instead of dividing; more rows (scales) there."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = bits[bits.float().abs() <= 1.0]
+    rows = 512 if DEVICE == "cuda" else 3
+    anchors = 1.0 + torch.rand(rows, generator=torch.Generator().manual_seed(5))
+    x = torch.cat([values.expand(rows, -1), anchors.to(torch.bfloat16)[:, None]], dim=1).to(DEVICE)
+    q, scale = quantize_rows(x, x.shape[1])
+    ref_q, ref_scale = quantize_groups(x, x.shape[1])
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k, group", LAYOUTS)
 @pytest.mark.parametrize("m", [1, 3, 17, 64])
