@@ -6,9 +6,12 @@ graphs as in a real run.
     python scripts/kernel_profile.py --batch 1 --batch 256 [--context 512] [--steps 32] [--option=value ...]
     python scripts/kernel_profile.py --mixed [--steps 32]      # mid-run steps of the 1024-request run
     python scripts/kernel_profile.py --model configs/Qwen3-30B-A3B --quantization=fp8 --batch 256 [--host]
+    python scripts/kernel_profile.py --prefill 32 [--context 512]   # the prefill of 32 prompts
 
 Each batch size adds `batch` prompts of `context` random tokens, steps the engine past their prefill,
 and profiles the next `steps` decode steps (twice: the first pass compiles and captures what it needs).
+--prefill N profiles the steps that prefill N prompts of `context` tokens (one generated token each;
+chunked under max_num_batched_tokens as a run chunks them), per prefill step.
 --mixed runs step_profile.py's 1024-request workload through llm.step() and profiles `steps` steps
 from step MIXED_WARM_STEPS on, when running requests finish and waiting ones join (mixed steps); before
 the profile, as many steps again are timed by phase on the host (host_phases), mixed and decode apart.
@@ -167,6 +170,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, action="append", default=[])
     parser.add_argument("--mixed", action="store_true")
+    parser.add_argument("--prefill", type=int, default=0, help="profile the prefill of this many prompts")
     parser.add_argument("--cprofile", action="store_true",
                         help="with --mixed: the host phases under cProfile")
     parser.add_argument("--context", type=int, default=512)
@@ -176,8 +180,8 @@ def main() -> None:
     args, extra = parser.parse_known_args()
     if not torch.cuda.is_available():
         parser.error("it profiles GPU kernels: run it on a CUDA GPU")
-    if args.mixed == bool(args.batch):
-        parser.error("give --mixed or one or more --batch sizes")
+    if args.mixed + bool(args.batch) + bool(args.prefill) != 1:
+        parser.error("give --mixed, --prefill N, or one or more --batch sizes")
     if bad := [kv for kv in extra if not kv.startswith("--") or "=" not in kv]:
         parser.error(f"LLM options are given as --name=value; got {bad}")
     options = dict(kv.split("=", 1) for kv in extra)
@@ -188,6 +192,14 @@ def main() -> None:
         profile_mixed(llm, args.steps, args.cprofile)
         return
     seed(0)
+    if args.prefill:
+        profile_prefill(llm, args.prefill, args.context)  # compiles what it needs
+        steps, wall, prof = profile_prefill(llm, args.prefill, args.context)
+        rows, kernels, gpu_us = kernel_table(prof, steps)
+        print(json.dumps(dict(prefill=args.prefill, context=args.context, steps=steps,
+                              wall_ms_per_step=round(wall * 1e3 / steps, 3),
+                              kernels_per_step=round(kernels, 1), gpu_us_per_step=round(gpu_us, 1),
+                              top=rows)))
     for batch in args.batch:
         profile_decode(llm, batch, args.context, args.steps)  # compiles and captures what it needs
         wall, prof = profile_decode(llm, batch, args.context, args.steps, args.host)
@@ -198,6 +210,23 @@ def main() -> None:
         print(json.dumps(dict(batch=batch, context=args.context, wall_ms_per_step=per_step_ms,
                               kernels_per_step=round(kernels, 1), gpu_us_per_step=round(gpu_us, 1),
                               top=rows)))
+
+
+def profile_prefill(llm: LLM, prompts: int, context: int):
+    """(steps, wall seconds, profile) of the steps that prefill `prompts` requests of `context` random
+    tokens, each sampling its one token in its last prefill step."""
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
+    for _ in range(prompts):
+        llm.add_request([randint(0, 10000) for _ in range(context)], params)
+    steps = 0
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        while not llm.is_finished():
+            llm.step()
+            steps += 1
+        torch.cuda.synchronize()
+    return steps, time.perf_counter() - start, prof
 
 
 def profile_decode(llm: LLM, batch: int, context: int, steps: int, host: bool = False):
