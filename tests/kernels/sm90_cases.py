@@ -84,7 +84,7 @@ def cases() -> dict:
         skinny_rows,
         split_k,
     )
-
+    silu_quant_warps = dict(num_warps=norm_quant.silu_mul_warps(norm_quant.ROW_BLOCK))  # 8B's whole rows
     return {
         "prefill": (prefill_attention._prefill_kernel,
                     dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64,
@@ -294,15 +294,13 @@ def cases() -> dict:
                                {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, dict(num_warps=8)),
         "silu-mul-quant": (norm_quant._silu_mul_quant_kernel,
                            dict(GROUP=0, BLOCK=norm_quant.ROW_BLOCK, WHOLE_ROW=True),
-                           {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
-                           dict(num_warps=norm_quant.silu_mul_warps(norm_quant.ROW_BLOCK))),
+                           {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, silu_quant_warps),
         "add-rms-norm-float16": (norm_quant._rms_norm_quant_kernel,
                                  dict(HAS_RESIDUAL=True, GROUP=0, BLOCK=4096, FLOAT16=True),
                                  {"q_ptr": "*fp16", "scale_ptr": "*fp32"}, dict(num_warps=8)),
         "silu-mul-float16": (norm_quant._silu_mul_quant_kernel,
                              dict(GROUP=0, BLOCK=norm_quant.ROW_BLOCK, WHOLE_ROW=True, FLOAT16=True),
-                             {"q_ptr": "*fp16", "scale_ptr": "*fp32"},
-                             dict(num_warps=norm_quant.silu_mul_warps(norm_quant.ROW_BLOCK))),
+                             {"q_ptr": "*fp16", "scale_ptr": "*fp32"}, silu_quant_warps),
         "add-rms-norm-quant-groups": (norm_quant._rms_norm_quant_kernel,
                                       dict(HAS_RESIDUAL=True, GROUP=128, BLOCK=4096),
                                       {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, dict(num_warps=8)),
