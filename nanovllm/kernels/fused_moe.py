@@ -37,11 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.common import dot_precision
+from nanovllm.kernels.common import dot_precision, max_shared_memory
 from nanovllm.kernels.float16_rows import float16_rows
 from nanovllm.kernels.fp8_gemm import MIN_FP8_DOT_K, quantize_rows
 from nanovllm.kernels.moe_align import MoeAlignment, max_num_blocks, moe_align  # noqa: F401 (re-exported)
-from nanovllm.kernels.moe_launch import MoeConfig, moe_config  # noqa: F401 (re-exported)
+from nanovllm.kernels.moe_launch import MoeConfig, fit_shared_memory, moe_config  # noqa: F401 (re-exported)
 
 
 @triton.jit
@@ -228,8 +228,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return torch.zeros_like(x)
     # one config for both GEMMs: its K tiles split both scale groups (a group >= K is one a row)
     groups = [g for g, k in zip(scale_groups, (hidden, two_i // 2)) if 0 < g < k]
-    config = config or moe_config(num_slots, num_experts, x.dtype, fp8_weights=w13.element_size() == 1,
-                                  k_group=math.gcd(*groups) if groups else 0, w8a8=w8a8)
+    if config is None:
+        config = moe_config(num_slots, num_experts, x.dtype, fp8_weights=w13.element_size() == 1,
+                            k_group=math.gcd(*groups) if groups else 0, w8a8=w8a8)
+        a_bytes = 1 if config.w8a8 else 2 if config.f16 else x.element_size()
+        config = fit_shared_memory(config, a_bytes, w13.element_size(), max_shared_memory(x.device))
     if (config.w8a8 or config.f16) and w13_scale is None:
         raise ValueError("a w8a8 or f16 config multiplies fp8 experts; these expert weights are not fp8")
     if config.f16 and (config.w8a8 or x.dtype != torch.bfloat16):

@@ -1,6 +1,7 @@
 """How the fused MoE's grouped GEMMs (kernels/fused_moe.py) are launched: tile sizes, warps and pipeline
 depth, picked from the number of slots (token x top-k pairs) per expert and the weights' dtype alone (no
-autotuning, so a CUDA-graph capture never compiles or times anything)."""
+autotuning, so a CUDA-graph capture never compiles or times anything), then shrunk where the device's
+shared memory cannot hold their pipeline (`fit_shared_memory`: the choices are Hopper's)."""
 
 import math
 from dataclasses import dataclass, replace
@@ -38,6 +39,12 @@ SOME_SLOTS_PER_EXPERT = 32
 # Below this many slots (decode batch < 8 at top-8) few experts are hit: 32-column tiles make twice
 # as many programs as 64-column ones, to keep every SM streaming weights.
 NARROW_TILE_MAX_SLOTS = 64
+# Column tiles of the many-slot (prefill) GEMMs (_prefill_tiles).
+PREFILL_BLOCK_N = 256
+# fit_shared_memory: what a program's shared memory holds beyond the pipelined tiles (the sm_90 builds
+# show 1 KB), and the narrowest column tile it goes down to.
+SHARED_MEMORY_HEADROOM = 4 * 1024
+MIN_BLOCK_N = 32
 # Whether fp8 experts run W8A8 (MoeConfig.w8a8, with swap_ab below 64-row blocks): x and the intermediate
 # rounded to e4m3 with a scale a row (or a 128-group), as vLLM's fp8 experts and the dense fp8 GEMMs from 17
 # rows do. Its sm_90 builds (wgmma e4m3) issue a quarter to a third of the widening builds' instructions a K
@@ -78,4 +85,37 @@ def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights
         config = replace(config, w8a8=True, swap_ab=config.block_m < 64)
     elif fp8_weights and F16_EXPERTS and dtype == torch.bfloat16:
         config = replace(config, f16=True, swap_ab=config.block_m < 64)
+    if per_expert >= SOME_SLOTS_PER_EXPERT:
+        config = _prefill_tiles(config, fp8_weights, k_group)
     return config
+
+
+def _prefill_tiles(config: MoeConfig, fp8_weights: bool, k_group: int) -> MoeConfig:
+    """Many slots an expert: 256-column tiles for bf16 experts and W8A8 ones with one scale a row, W8A8's K
+    tiles as many bytes wide as bf16's (128 inputs where the scale group allows it). At a 16,384-token
+    prefill of Qwen3-30B-A3B's layer, against 64 x 128 tiles 64 inputs wide: W8A8 3,734 -> 2,518 us, bf16
+    4,007 -> 3,292 (4,096 tokens: 1,071 -> 749, 1,214 -> 1,041; `moe_bench.py --batches 16384 4096`, H100,
+    2026-12-05). W8A8 with scale groups along K keeps 128 columns (at 256 its fresh product a tile spills
+    registers in the sm_90 build; 128 x 128 tiles took 2,844 us per channel); widened fp8 (W8A16) keeps
+    its tiles (256 columns of them overflow Hopper's shared memory at 3 stages; not timed)."""
+    if config.w8a8:
+        block_k = 128 if not k_group or k_group % 128 == 0 else config.block_k
+        return replace(config, block_n=128 if k_group else PREFILL_BLOCK_N, block_k=block_k)
+    if fp8_weights:
+        return config
+    return replace(config, block_n=PREFILL_BLOCK_N)
+
+
+def fit_shared_memory(config: MoeConfig, a_bytes: int, w_bytes: int, limit: int) -> MoeConfig:
+    """config with fewer pipeline stages (down to 2), then narrower column tiles, until the gate/up GEMM's
+    tiles (the larger GEMM's: a block of activation rows and the gate's and the up's weight tiles, every
+    stage) fit `limit` bytes of shared memory a program (Hopper 227 KB; A100 163 KB; Ada 99 KB). a_bytes:
+    an activation element as the GEMM reads it (1 for W8A8, 2 for float16 rows)."""
+    while True:
+        stage = config.block_m * config.block_k * a_bytes + 2 * config.block_n * config.block_k * w_bytes
+        if config.num_stages * stage + SHARED_MEMORY_HEADROOM <= limit or config.block_n <= MIN_BLOCK_N:
+            return config
+        if config.num_stages > 2:
+            config = replace(config, num_stages=config.num_stages - 1)
+        else:
+            config = replace(config, block_n=config.block_n // 2)

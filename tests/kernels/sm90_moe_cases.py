@@ -14,6 +14,8 @@ E4M3_ROWS = {"w_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32"}
 # scale a row, 64-column tiles, unless a case says otherwise.
 GEMM = dict(W_FP8=True, A_FP8=False, GROUP=0, BLOCK_N=64, SWAP_AB=False, DOT_PRECISION="tf32")
 F16_256_ROWS = dict(A_F16=True, BLOCK_M=32, BLOCK_K=128, SWAP_AB=True)
+PREFILL = dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128)
+PREFILL_LAUNCH = dict(num_warps=8, num_stages=3)
 
 
 def gate_up(**changes) -> dict:
@@ -32,6 +34,7 @@ def moe_cases() -> dict:
         "moe-topk-softmax": (moe_routing._topk_softmax_kernel,
                              dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=32, RENORMALIZE=True)),
         "moe-count": (moe_align._count_kernel, dict(E_PAD=128, BLOCK_S=32)),
+        "moe-chunk-scan": (moe_align._chunk_scan_kernel, dict(E_PAD=128, BLOCK=1024)),
         "moe-scatter": (moe_align._scatter_kernel,
                         dict(E_PAD=128, BLOCK_M=16, BLOCK_S=32, LABEL_ROWS=32, COUNT_HERE=False,
                              SUM_HERE=False, CHUNKS_PAD=128)),
@@ -64,4 +67,13 @@ def moe_cases() -> dict:
                                    E4M3_ROWS),
         "moe-down-w8a8-channel": (fused_moe._grouped_gemm_kernel,
                                   down(A_FP8=True, BLOCK_M=16, BLOCK_K=128, SWAP_AB=True), E4M3_ROWS),
+        # moe_launch's prefill tiles (_prefill_tiles): 256 columns for bf16 and W8A8 with a scale a row, 128
+        # for W8A8 with 128 x 128 blocks (256 spill there).
+        "moe-gate-up-prefill": (fused_moe._grouped_gemm_kernel,
+                                gate_up(W_FP8=False, **{**PREFILL, "BLOCK_K": 64}), {}, PREFILL_LAUNCH),
+        "moe-gate-up-w8a8-prefill": (fused_moe._grouped_gemm_kernel, gate_up(A_FP8=True, **PREFILL),
+                                     E4M3_ROWS, PREFILL_LAUNCH),
+        "moe-gate-up-w8a8-block-prefill": (fused_moe._grouped_gemm_kernel,
+                                           gate_up(A_FP8=True, GROUP=128, **{**PREFILL, "BLOCK_N": 128}),
+                                           E4M3_ROWS, PREFILL_LAUNCH),
     }

@@ -9,6 +9,7 @@ from conftest import triton_test_device
 
 pytest.importorskip("triton")
 
+from nanovllm.kernels import moe_align as moe_align_module  # noqa: E402
 from nanovllm.kernels.fused_moe import MoeConfig, fused_moe, max_num_blocks, moe_align  # noqa: E402
 from nanovllm.kernels.moe_align import MAX_SUMMED_CHUNKS  # noqa: E402
 from nanovllm.kernels.moe_routing import topk_softmax  # noqa: E402
@@ -48,11 +49,15 @@ def random_routing(num_tokens: int, top_k: int, seed: int = 0) -> tuple[torch.Te
 
 # block_s None: one launch; 16: 37 tokens x top-2 = 74 slots in 5 chunks, 13 programs labelling rows,
 # each scatter program summing the chunks before its own; 600 tokens: 75 chunks, more than
-# MAX_SUMMED_CHUNKS, offset by a cumsum first.
-@pytest.mark.parametrize(("block_s", "num_tokens"), [(None, 37), (16, 37), (16, 600)],
-                         ids=["one-launch", "chunked", "many-chunks"])
+# MAX_SUMMED_CHUNKS, offset by a scan first (in one tile, or in 16-chunk tiles carrying their sums).
+@pytest.mark.parametrize(("block_s", "num_tokens", "scan_block"),
+                         [(None, 37, None), (16, 37, None), (16, 600, None), (16, 600, 16)],
+                         ids=["one-launch", "chunked", "many-chunks", "many-chunks-scan-tiles"])
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_alignment_groups_slots_by_expert_in_order(block_s: int | None, num_tokens: int, block_m: int):
+def test_alignment_groups_slots_by_expert_in_order(block_s: int | None, num_tokens: int,
+                                                   scan_block: int | None, block_m: int, monkeypatch):
+    if scan_block:
+        monkeypatch.setattr(moe_align_module, "SCAN_BLOCK", scan_block)
     # Experts 1 and 6 get no slot.
     gen = torch.Generator().manual_seed(3)
     used = torch.tensor([0, 2, 3, 4, 5, 7])
@@ -84,8 +89,9 @@ def test_matches_torch_path(num_tokens: int):
 
 @pytest.mark.parametrize("config", [MoeConfig(32, 16, 16, num_warps=2, num_stages=2),
                                     MoeConfig(64, 32, 32, num_warps=4, num_stages=3),
-                                    MoeConfig(16, 32, 16, swap_ab=True)],
-                         ids=["m32", "m64", "swap-ab"])
+                                    MoeConfig(16, 32, 16, swap_ab=True),
+                                    MoeConfig(64, 256, 32, num_warps=8, num_stages=3)],
+                         ids=["m32", "m64", "swap-ab", "prefill-tiles"])
 def test_larger_blocks_and_several_k_tiles(config: MoeConfig):
     check(*random_routing(40, top_k=3, seed=1), config=config)
 

@@ -6,6 +6,8 @@ checkpoint's) and one scale a row (per channel), few and many tokens, either ope
 f16, the same outputs as widening to bf16; the launch parameters it picks for fp8 experts; and the misuse
 it refuses."""
 
+from dataclasses import astuple
+
 import pytest
 import torch
 from conftest import triton_test_device
@@ -13,7 +15,7 @@ from conftest import triton_test_device
 pytest.importorskip("triton")
 
 from nanovllm.kernels import moe_launch  # noqa: E402
-from nanovllm.kernels.fused_moe import MoeConfig, fused_moe, moe_config  # noqa: E402
+from nanovllm.kernels.fused_moe import MoeConfig, fit_shared_memory, fused_moe, moe_config  # noqa: E402
 from nanovllm.layers.fp8 import dequantize, fp8_dequant_linear, quantize_groups  # noqa: E402
 from nanovllm.layers.fused_moe import route, torch_moe  # noqa: E402
 
@@ -75,10 +77,13 @@ def test_fp8_experts_match_the_dequantized_weights(num_tokens, grouping, dtype):
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("swap_ab", [False, True], ids=["a-w", "w-a"])
+@pytest.mark.parametrize("config", [MoeConfig(16, 64, 64, w8a8=True),
+                                    MoeConfig(16, 64, 64, swap_ab=True, w8a8=True),
+                                    MoeConfig(64, 256, 128, num_warps=8, num_stages=3, w8a8=True)],
+                         ids=["a-w", "w-a", "prefill-tiles"])
 @pytest.mark.parametrize("grouping", ["block-128", "per-channel"])
 @pytest.mark.parametrize("num_tokens", [1, 40])
-def test_w8a8_experts_round_the_activations_as_the_reference(num_tokens, grouping, swap_ab):
+def test_w8a8_experts_round_the_activations_as_the_reference(num_tokens, grouping, config):
     """float32 in and out: the kernel lands on the reference's rounding of x and of the intermediate, far
     from the unrounded (W8A16) result that rounding moves it from. In the interpreter the e4m3 products
     are exact and summed in float32, so only where an intermediate value, summed in another order, falls
@@ -89,8 +94,8 @@ def test_w8a8_experts_round_the_activations_as_the_reference(num_tokens, groupin
     groups = scale_groups(grouping)
     q13, s13, q2, s2 = fp8_experts(*groups)
     x, topk_weights, topk_ids = routed_tokens(num_tokens, torch.float32)
-    out = fused_moe(x, q13, q2, topk_weights, topk_ids, MoeConfig(16, 64, 64, swap_ab=swap_ab, w8a8=True),
-                    w13_scale=s13, w2_scale=s2, scale_groups=groups)
+    out = fused_moe(x, q13, q2, topk_weights, topk_ids, config, w13_scale=s13, w2_scale=s2,
+                    scale_groups=groups)
     ref = w8a8_reference(x, q13, s13, q2, s2, groups, topk_weights, topk_ids)
     unrounded = torch_moe(x, dequantize(q13, s13, groups[0]), dequantize(q2, s2, groups[1]), topk_weights,
                           topk_ids)
@@ -153,6 +158,29 @@ def test_fp8_experts_take_k_tiles_that_split_their_scale_groups():
     # a checkpoint's narrower blocks narrow the tiles to split them
     assert moe_config(8, 128, bf16, fp8_weights=True, k_group=64).block_k == 64
     assert moe_config(8, 128, bf16, fp8_weights=True, k_group=96).block_k == 32
+
+
+def test_prefill_takes_256_column_tiles_where_they_were_timed():
+    bf16, prefill = torch.bfloat16, 65536  # 8,192 tokens at top-8 of 128 experts
+    assert astuple(moe_config(prefill, 128, bf16))[:5] == (64, 256, 64, 8, 3)
+    per_channel = moe_config(prefill, 128, bf16, fp8_weights=True)
+    assert per_channel.w8a8 and astuple(per_channel)[:6] == (64, 256, 128, 8, 3, False)
+    blocks = moe_config(prefill, 128, bf16, fp8_weights=True, k_group=128)  # 256 columns spill registers
+    assert blocks.w8a8 and (blocks.block_n, blocks.block_k) == (128, 128)
+    assert moe_config(prefill, 128, bf16, fp8_weights=True, k_group=64).block_k == 64
+    widened = moe_config(prefill, 128, bf16, fp8_weights=True, w8a8=False)  # a static checkpoint's experts
+    assert not widened.w8a8 and (widened.block_n, widened.block_k) == (128, 64)
+
+
+def test_tiles_shrink_to_the_devices_shared_memory():
+    prefill = moe_config(65536, 128, torch.bfloat16)  # 3 stages of 72 KB
+    assert fit_shared_memory(prefill, 2, 2, 232448) == prefill  # Hopper's 227 KB
+    a100 = fit_shared_memory(prefill, 2, 2, 166912)
+    assert (a100.num_stages, a100.block_n) == (2, 256)
+    ada = fit_shared_memory(prefill, 2, 2, 101376)
+    assert (ada.num_stages, ada.block_n) == (2, 128)
+    decode = moe_config(8, 128, torch.bfloat16)  # 4 stages of 16 x 128 activations, 2 x 32 x 128 weights
+    assert fit_shared_memory(decode, 2, 2, 101376) == decode
 
 
 def test_w8a8_is_the_configs_choice_for_fp8_experts_only(monkeypatch):
