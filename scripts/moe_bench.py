@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels.fused_moe import MoeConfig, fused_moe, moe_config  # noqa: E402
+from nanovllm.kernels.moe_launch import SOME_SLOTS_PER_EXPERT  # noqa: E402
 from nanovllm.layers.fp8 import dequantize, quantize_groups  # noqa: E402
 from nanovllm.layers.fused_moe import route, torch_moe  # noqa: E402
 
@@ -66,6 +67,15 @@ F16_ALTERNATIVES = [MoeConfig(16, 64, 128, 4, 4, True, f16=True), MoeConfig(32, 
                                                                                   f16=True),
                     MoeConfig(16, 128, 128, 4, 4, True, f16=True), MoeConfig(32, 64, 128, 4, 4, f16=True),
                     MoeConfig(64, 128, 128, 4, 3, f16=True)]
+# Prefill-sized batches (as many slots an expert as moe_config's 64-row blocks take): larger tiles.
+PREFILL_ALTERNATIVES = [MoeConfig(64, 128, 64, 4, 4), MoeConfig(128, 128, 64, 8, 3),
+                        MoeConfig(128, 128, 64, 8, 4), MoeConfig(128, 64, 64, 4, 4),
+                        MoeConfig(64, 256, 64, 8, 3)]
+PREFILL_W8A8_ALTERNATIVES = [
+    MoeConfig(64, 128, 64, 8, 3, w8a8=True), MoeConfig(64, 128, 128, 8, 3, w8a8=True),
+    MoeConfig(64, 128, 128, 4, 4, w8a8=True), MoeConfig(128, 128, 128, 8, 3, w8a8=True),
+    MoeConfig(128, 128, 128, 8, 4, w8a8=True), MoeConfig(128, 64, 128, 4, 4, w8a8=True),
+    MoeConfig(64, 256, 128, 8, 3, w8a8=True)]
 # --fp8's scale group along K: one a row (the whole K), or 128 inputs (block-scaled checkpoints).
 FP8_GROUPS = {"channel": (HIDDEN, INTERMEDIATE), "block": (128, 128)}
 
@@ -177,6 +187,10 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fp8", choices=sorted(FP8_GROUPS), default=None,
                         help="fp8 experts, scaled per row (channel) or per row and 128 inputs (block)")
+    parser.add_argument("--batches", type=int, nargs="+", default=BATCHES,
+                        help="tokens a call (default: 1 64 256); from 32 slots an expert (512 tokens: "
+                             "prefill) the alternatives are prefill tiles")
+    parser.add_argument("--no-engine-check", action="store_true", help="skip the tiny-model engine check")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_bench.py needs a CUDA GPU")
@@ -197,7 +211,7 @@ def main() -> None:
           f"{'torch us':>9} {'GB/s':>6} | {'+routing us':>11} | {'max |diff|':>10}  config")
     router = torch.randn(NUM_EXPERTS, HIDDEN, **gen) * 0.02
     rows, inputs = [], {}
-    for batch in BATCHES:
+    for batch in args.batches:
         x = torch.randn(batch, HIDDEN, **gen)
         topk_weights, topk_ids = route(torch.randn(batch, NUM_EXPERTS, device="cuda"), TOP_K, True)
         inputs[batch] = x, topk_weights, topk_ids
@@ -224,17 +238,22 @@ def main() -> None:
     for row in rows:
         batch = row["batch"]
         x, topk_weights, topk_ids = inputs[batch]
-        candidates = ALTERNATIVES + SWAP_AB_ALTERNATIVES + (
-            FP8_ALTERNATIVES + W8A8_ALTERNATIVES + F16_ALTERNATIVES if args.fp8 else [])
+        if batch * TOP_K / NUM_EXPERTS >= SOME_SLOTS_PER_EXPERT:
+            candidates = PREFILL_W8A8_ALTERNATIVES if args.fp8 else PREFILL_ALTERNATIVES
+        else:
+            candidates = ALTERNATIVES + SWAP_AB_ALTERNATIVES + (
+                FP8_ALTERNATIVES + W8A8_ALTERNATIVES + F16_ALTERNATIVES if args.fp8 else [])
         group = FP8_GROUPS["block"][0] if args.fp8 == "block" else None  # K tiles must split a group
         row["alternatives"] = {str(astuple(c)): triton_us(x, layers, topk_weights, topk_ids, c)
                                for c in candidates if group is None or group % c.block_k == 0}
         best = min(row["alternatives"].items(), key=lambda kv: kv[1])
+        tflops = 2 * batch * TOP_K * 3 * INTERMEDIATE * HIDDEN / 1e6  # TFLOP/s at 1 us
         print(f"batch {batch:>3}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["alternatives"].items())
-              + f"  -> best {best[0]} {best[1]:.1f} us (default {row['triton_us']:.1f})")
+              + f"  -> best {best[0]} {best[1]:.1f} us, {tflops / best[1]:.0f} TFLOP/s (default "
+              f"{row['triton_us']:.1f}, {tflops / row['triton_us']:.0f})")
     del layers
     torch.cuda.empty_cache()
-    engine = engine_check()
+    engine = None if args.no_engine_check else engine_check()
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_bench.json"), "w") as f:
             json.dump({"experts": args.fp8 or "bf16", "layer": rows, "engine": engine}, f, indent=1)
