@@ -19,10 +19,10 @@ transformers' greedy tokens. Writes the results as JSON to $OUT/moe_bench.json w
 --fp8: the same table for fp8 experts (W8A16: read as e4m3, widened in registers), bytes counted at one a
 weight plus the scales; max |diff| against the torch path on the dequantized weights. The alternatives
 then include K tiles as wide in bytes as bf16's (where the scale group allows) and W8A8 (x and the
-intermediate quantized to e4m3 per token and group, e4m3 dots: `MoeConfig(..., w8a8=True)`) and W8A16 over
-float16 rows (`MoeConfig(..., f16=True)`: the weights widen to float16, cheaper on sm_90 than to bf16, the
-activations as float16 times a power of two a row, exactly); every run also tries swap_ab (the weight
-tile as the tensor cores' 64-row operand).
+intermediate quantized to e4m3 per token and group, e4m3 dots: `MoeConfig(..., w8a8=True)`; per channel
+also chained over the whole K: `fast_accum=True`) and W8A16 over float16 rows (`MoeConfig(..., f16=True)`:
+the weights widen to float16, cheaper on sm_90 than to bf16, the activations as float16 times a power of
+two a row, exactly); every run also tries swap_ab (the weight tile as the tensor cores' 64-row operand).
 """
 
 import argparse
@@ -60,7 +60,9 @@ FP8_ALTERNATIVES = [MoeConfig(16, 64, 256, 4, 4), MoeConfig(32, 64, 128, 4, 4), 
 # fp8 experts W8A8 (x and the intermediate quantized, e4m3 dots).
 W8A8_ALTERNATIVES = [MoeConfig(16, 64, 128, 4, 4, True, True), MoeConfig(32, 64, 128, 4, 4, True, True),
                      MoeConfig(16, 128, 128, 4, 4, True, True), MoeConfig(32, 128, 128, 4, 3, True, True),
-                     MoeConfig(32, 64, 128, 4, 4, w8a8=True), MoeConfig(64, 128, 128, 4, 3, w8a8=True)]
+                     MoeConfig(32, 64, 128, 4, 4, w8a8=True), MoeConfig(64, 128, 128, 4, 3, w8a8=True),
+                     MoeConfig(16, 64, 128, 4, 4, True, True, fast_accum=True),
+                     MoeConfig(32, 64, 128, 4, 4, True, True, fast_accum=True)]
 # fp8 experts W8A16 over float16 rows (x and the intermediate as float16 times a power of two a row, the
 # weight tiles widened to float16: the same products as widening to bf16).
 F16_ALTERNATIVES = [MoeConfig(16, 64, 128, 4, 4, True, f16=True), MoeConfig(32, 64, 128, 4, 4, True,
@@ -75,7 +77,8 @@ PREFILL_W8A8_ALTERNATIVES = [
     MoeConfig(64, 128, 64, 8, 3, w8a8=True), MoeConfig(64, 128, 128, 8, 3, w8a8=True),
     MoeConfig(64, 128, 128, 4, 4, w8a8=True), MoeConfig(128, 128, 128, 8, 3, w8a8=True),
     MoeConfig(128, 128, 128, 8, 4, w8a8=True), MoeConfig(128, 64, 128, 4, 4, w8a8=True),
-    MoeConfig(64, 256, 128, 8, 3, w8a8=True)]
+    MoeConfig(64, 256, 128, 8, 3, w8a8=True), MoeConfig(64, 256, 128, 8, 3, w8a8=True, fast_accum=True),
+    MoeConfig(128, 128, 128, 8, 4, w8a8=True, fast_accum=True)]
 # --fp8's scale group along K: one a row (the whole K), or 128 inputs (block-scaled checkpoints).
 FP8_GROUPS = {"channel": (HIDDEN, INTERMEDIATE), "block": (128, 128)}
 
@@ -233,8 +236,8 @@ def main() -> None:
         print(f"{batch:>5} {row['experts']:>7} {row['mb']:>6.0f} | {t_us:>9.1f} {row['triton_gbps']:>6.0f} "
               f"{row['triton_gbps'] / copy:>7.0%} | {r_us:>9.1f} {row['torch_gbps']:>6.0f} | "
               f"{block_us:>11.1f} | {diff:>10.2e}  {astuple(config)}")
-    print("\nalternative configs (block_m, block_n, block_k, num_warps, num_stages, swap_ab, w8a8, f16): us "
-          "per layer")
+    print("\nalternative configs (block_m, block_n, block_k, num_warps, num_stages, swap_ab, w8a8, f16, "
+          "fast_accum): us per layer")
     for row in rows:
         batch = row["batch"]
         x, topk_weights, topk_ids = inputs[batch]
@@ -245,7 +248,8 @@ def main() -> None:
                 FP8_ALTERNATIVES + W8A8_ALTERNATIVES + F16_ALTERNATIVES if args.fp8 else [])
         group = FP8_GROUPS["block"][0] if args.fp8 == "block" else None  # K tiles must split a group
         row["alternatives"] = {str(astuple(c)): triton_us(x, layers, topk_weights, topk_ids, c)
-                               for c in candidates if group is None or group % c.block_k == 0}
+                               for c in candidates
+                               if group is None or (group % c.block_k == 0 and not c.fast_accum)}
         best = min(row["alternatives"].items(), key=lambda kv: kv[1])
         tflops = 2 * batch * TOP_K * 3 * INTERMEDIATE * HIDDEN / 1e6  # TFLOP/s at 1 us
         print(f"batch {batch:>3}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["alternatives"].items())

@@ -29,7 +29,9 @@ half the weight bytes of bf16, in one of three ways:
   products and float32 sums as W8A16's;
 - W8A8 (MoeConfig.w8a8): x and the intermediate quantized per row and scale group first (kernels/fp8_gemm's
   quantize_rows, the rounding of layers/fp8.py's reference), both operands multiplied on fp8 tensor cores
-  without widening anything, each K tile's sum added in float32 times its two scales."""
+  without widening anything, each K tile's sum added in float32 times its two scales (or, with one scale a
+  row and MoeConfig.fast_accum, the dots chained in the tensor cores' accumulator, the scales applied to
+  the finished sums)."""
 
 import math
 
@@ -76,6 +78,7 @@ def _grouped_gemm_kernel(
     SWAP_AB: tl.constexpr,  # products as w @ a^T: the weight tile on the tensor cores' 64-row side
     DOT_PRECISION: tl.constexpr,
     A_F16: tl.constexpr = False,  # W8A16, a as float16 times a power of two a row (kernels/float16_rows.py)
+    FAST_ACCUM: tl.constexpr = False,  # A_FP8 with GROUP 0: MoeConfig.fast_accum
 ):
     pid_m = tl.program_id(0)  # fastest: neighbouring blocks of one expert share its weight tiles in L2
     pid_n = tl.program_id(1)
@@ -103,11 +106,12 @@ def _grouped_gemm_kernel(
         k_mask = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        acc = _accumulated(acc, a, w, s_rows, as_rows, valid, k, A_FP8, W_FP8, GROUP, SWAP_AB, DOT_PRECISION)
+        acc = _accumulated(acc, a, w, s_rows, as_rows, valid, k, A_FP8, W_FP8, GROUP, SWAP_AB, DOT_PRECISION,
+                           FAST_ACCUM)
         if GATED:
             w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=k_mask[None, :], other=0.0)
             acc_up = _accumulated(acc_up, a, w_up, s_rows + N * stride_sn, as_rows, valid, k, A_FP8, W_FP8,
-                                  GROUP, SWAP_AB, DOT_PRECISION)
+                                  GROUP, SWAP_AB, DOT_PRECISION, FAST_ACCUM)
     if SWAP_AB:  # back to [BLOCK_M, BLOCK_N], once a program
         acc = tl.trans(acc)
         if GATED:
@@ -134,12 +138,18 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _accumulated(acc, a, w, s_rows, as_rows, valid, k, A_FP8: tl.constexpr, W_FP8: tl.constexpr,
-                 GROUP: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 GROUP: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 FAST_ACCUM: tl.constexpr):
     """acc plus a [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T ([BLOCK_M, BLOCK_N]; transposed with
     SWAP_AB), the tile inside one scale group (BLOCK_K divides GROUP) where the scales vary along K."""
-    if A_FP8:
+    if FAST_ACCUM:  # W8A8, one scale a row: the e4m3 dots chain in the tensor cores' accumulator
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    elif A_FP8:
         # A fresh e4m3 dot a tile, added in float32: sm_90's fp8 tensor cores keep ~14 bits while they
-        # accumulate (kernels/fp8_gemm.py), so they never chain over the whole K.
+        # accumulate (kernels/fp8_gemm.py), so without FAST_ACCUM they never chain over the whole K.
         if SWAP_AB:
             part = tl.dot(w, tl.trans(a))
         else:
@@ -180,6 +190,9 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Mo
         raise ValueError(f"fp8 experts' scales {tuple(scale.shape)} do not have one column per {group} of "
                          f"the {k} inputs")
     group = 0 if group >= k else group  # 0: one scale a row (per channel, or a single group)
+    if config.fast_accum and (group or not config.w8a8):
+        raise ValueError("a fast_accum config chains W8A8 dots over the whole K: it takes fp8 experts with "
+                         "one scale a row and w8a8")
     if group and group % config.block_k:
         raise ValueError(f"fp8 experts' scale groups of {group} inputs do not split into the GEMM's "
                          f"{config.block_k}-wide K tiles")
@@ -195,7 +208,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Mo
         scale.stride(0) if scale is not None else 0, scale.stride(1) if scale is not None else 0,
         a_scale.stride(0) if config.w8a8 or config.f16 else 0,
         A_ROWS_PER_SLOT_DIV=top_k, GATED=gated, MUL_ROUTED_WEIGHT=not gated, W_FP8=scale is not None,
-        A_FP8=config.w8a8, A_F16=config.f16, GROUP=group,
+        A_FP8=config.w8a8, A_F16=config.f16, GROUP=group, FAST_ACCUM=config.fast_accum,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWAP_AB=config.swap_ab,
         DOT_PRECISION=dot_precision(a.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )

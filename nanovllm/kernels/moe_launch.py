@@ -31,6 +31,10 @@ class MoeConfig:
     # fp8 experts with bf16 activations, W8A16: x and the intermediate as float16 rows times a power of two
     # (exact), so the weight tiles widen to float16, the cheap conversion on sm_90.
     f16: bool = False
+    # W8A8 with one scale a row: the e4m3 dots chain their sums in the fp8 tensor cores' accumulator over
+    # the whole K (~14 bits kept while they sum, as torch._scaled_mm's use_fast_accum, which the dense fp8
+    # GEMMs run: kernels/fp8_scaled_mm.FAST_ACCUM), rather than a fresh dot a K tile added in float32.
+    fast_accum: bool = False
 
 
 # Slots per expert (on average) below which the GEMMs take 16-row, then 32-row blocks; above, 64.
@@ -57,6 +61,11 @@ W8A8_EXPERTS = True
 # bf16's widening gone; bench.py as above 6,927 tok/s against 6,487. A float16-rows launch
 # (kernels/float16_rows.py) comes before each of the two GEMMs.
 F16_EXPERTS = True
+# Whether W8A8 experts with one scale a row chain their dots (MoeConfig.fast_accum). The prefill config's
+# gate/up K loop issues 140 instructions a warp instead of 276 (sm_90, Triton 3.6: the 128 float32 adds of
+# the fresh products gone, and one warpgroup wait fewer); not yet timed, so off until moe_bench's fast_accum
+# alternatives, bench.py and the fused MoE's GPU tests run it.
+FAST_ACCUM_EXPERTS = False
 
 
 def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights: bool = False,
@@ -87,6 +96,8 @@ def moe_config(num_slots: int, num_experts: int, dtype: torch.dtype, fp8_weights
         config = replace(config, f16=True, swap_ab=config.block_m < 64)
     if per_expert >= SOME_SLOTS_PER_EXPERT:
         config = _prefill_tiles(config, fp8_weights, k_group)
+    if config.w8a8 and not k_group and FAST_ACCUM_EXPERTS:
+        config = replace(config, fast_accum=True)
     return config
 
 

@@ -73,6 +73,10 @@ def moe_cases() -> dict:
                                 gate_up(W_FP8=False, **{**PREFILL, "BLOCK_K": 64}), {}, PREFILL_LAUNCH),
         "moe-gate-up-w8a8-prefill": (fused_moe._grouped_gemm_kernel, gate_up(A_FP8=True, **PREFILL),
                                      E4M3_ROWS, PREFILL_LAUNCH),
+        # the same with MoeConfig.fast_accum: the e4m3 dots chained over the whole K
+        "moe-gate-up-w8a8-prefill-fast-accum": (fused_moe._grouped_gemm_kernel,
+                                                gate_up(A_FP8=True, FAST_ACCUM=True, **PREFILL), E4M3_ROWS,
+                                                PREFILL_LAUNCH),
         "moe-gate-up-w8a8-block-prefill": (fused_moe._grouped_gemm_kernel,
                                            gate_up(A_FP8=True, GROUP=128, **{**PREFILL, "BLOCK_N": 128}),
                                            E4M3_ROWS, PREFILL_LAUNCH),

@@ -160,6 +160,37 @@ def test_fp8_experts_take_k_tiles_that_split_their_scale_groups():
     assert moe_config(8, 128, bf16, fp8_weights=True, k_group=96).block_k == 32
 
 
+def test_fast_accumulation_chains_the_w8a8_dots_of_per_channel_experts():
+    """MoeConfig.fast_accum: the interpreter sums e4m3 products in float32 either way, so the chained dots
+    give the fresh-dot-a-tile outputs exactly; on the GPU the fp8 tensor cores' narrower accumulator may
+    move them, as far as the W8A8 test allows. 128-input scale groups need a fresh dot a tile: refused."""
+    groups = scale_groups("per-channel")
+    q13, s13, q2, s2 = fp8_experts(*groups)
+    x, topk_weights, topk_ids = routed_tokens(40, torch.float32)
+    outs = [fused_moe(x, q13, q2, topk_weights, topk_ids, MoeConfig(16, 64, 64, w8a8=True, fast_accum=fast),
+                      w13_scale=s13, w2_scale=s2, scale_groups=groups) for fast in (False, True)]
+    if DEVICE == "cpu":
+        assert torch.equal(outs[1], outs[0])
+    else:
+        ref = w8a8_reference(x, q13, s13, q2, s2, groups, topk_weights, topk_ids)
+        torch.testing.assert_close(outs[1], ref, atol=3e-2, rtol=0)
+    b13, bs13, b2, bs2 = fp8_experts(128, 128)
+    with pytest.raises(ValueError, match="fast_accum config chains"):
+        fused_moe(x, b13, b2, topk_weights, topk_ids, MoeConfig(16, 64, 64, w8a8=True, fast_accum=True),
+                  w13_scale=bs13, w2_scale=bs2, scale_groups=(128, 128))
+
+
+def test_fast_accumulation_is_the_configs_choice_only_where_its_switch_and_scales_allow(monkeypatch):
+    bf16 = torch.bfloat16
+    assert not moe_config(65536, 128, bf16, fp8_weights=True).fast_accum  # the switch is off until timed
+    monkeypatch.setattr(moe_launch, "FAST_ACCUM_EXPERTS", True)
+    for slots in (8, 2048, 65536):
+        assert moe_config(slots, 128, bf16, fp8_weights=True).fast_accum
+    assert not moe_config(2048, 128, bf16, fp8_weights=True, k_group=128).fast_accum  # block scales
+    assert not moe_config(2048, 128, bf16, fp8_weights=True, w8a8=False).fast_accum  # W8A16
+    assert not moe_config(2048, 128, bf16).fast_accum
+
+
 def test_prefill_takes_256_column_tiles_where_they_were_timed():
     bf16, prefill = torch.bfloat16, 65536  # 8,192 tokens at top-8 of 128 experts
     assert astuple(moe_config(prefill, 128, bf16))[:5] == (64, 256, 64, 8, 3)

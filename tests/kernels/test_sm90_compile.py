@@ -87,7 +87,8 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "moe-align-one-launch",
               "moe-gate-up-fp8-block", "moe-down-fp8-channel", "moe-gate-up-w8a8-block",
               "moe-down-w8a8-channel", "moe-gate-up-prefill", "moe-gate-up-w8a8-prefill",
-              "moe-gate-up-w8a8-block-prefill", "moe-gate-up-fp8-channel-swap-ab",
+              "moe-gate-up-w8a8-block-prefill", "moe-gate-up-w8a8-prefill-fast-accum",
+              "moe-gate-up-fp8-channel-swap-ab",
               "moe-gate-up-fp8-f16-channel",
               "moe-gate-up-fp8-f16-block", "moe-down-fp8-f16-channel", "float16-rows",
               "moe-topk-softmax", "race-chunk", "race-chunk-greedy", "race-pick", "race-pick-scatter",
@@ -134,7 +135,8 @@ def test_every_kernel_has_a_case(compiled):
 WGMMA_CASES = ("prefill", "skinny-rows-fp8-pdl", "fp8-gemv-channel", "fp8-w8a8-gemm-block",
                "fp8-w8a8-gemm-split", "moe-down",
                "moe-gate-up-fp8-channel-swap-ab", "moe-gate-up-w8a8-block", "moe-down-w8a8-channel",
-               "moe-gate-up-fp8-f16-channel", "moe-gate-up-fp8-f16-block", "moe-down-fp8-f16-channel")
+               "moe-gate-up-fp8-f16-channel", "moe-gate-up-fp8-f16-block", "moe-down-fp8-f16-channel",
+               "moe-gate-up-w8a8-prefill", "moe-gate-up-w8a8-prefill-fast-accum")
 
 
 def test_weight_tiles_on_the_wide_side_take_wgmma(compiled):
