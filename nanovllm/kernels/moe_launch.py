@@ -43,8 +43,9 @@ SOME_SLOTS_PER_EXPERT = 32
 # Below this many slots (decode batch < 8 at top-8) few experts are hit: 32-column tiles make twice
 # as many programs as 64-column ones, to keep every SM streaming weights.
 NARROW_TILE_MAX_SLOTS = 64
-# Column tiles of the many-slot (prefill) GEMMs (_prefill_tiles).
+# Column tiles of the many-slot (prefill) GEMMs, and W8A8's K tiles there (_prefill_tiles).
 PREFILL_BLOCK_N = 256
+W8A8_PREFILL_BLOCK_K = 128
 # fit_shared_memory: what a program's shared memory holds beyond the pipelined tiles (the sm_90 builds
 # show 1 KB), and the narrowest column tile it goes down to.
 SHARED_MEMORY_HEADROOM = 4 * 1024
@@ -107,11 +108,12 @@ def _prefill_tiles(config: MoeConfig, fp8_weights: bool, k_group: int) -> MoeCon
     prefill of Qwen3-30B-A3B's layer, against 64 x 128 tiles 64 inputs wide: W8A8 3,734 -> 2,518 us, bf16
     4,007 -> 3,292 (4,096 tokens: 1,071 -> 749, 1,214 -> 1,041; `moe_bench.py --batches 16384 4096`, H100,
     2026-12-05). W8A8 with scale groups along K keeps 128 columns (at 256 its fresh product a tile spills
-    registers in the sm_90 build; 128 x 128 tiles took 2,844 us per channel); widened fp8 (W8A16) keeps
-    its tiles (256 columns of them overflow Hopper's shared memory at 3 stages; not timed)."""
+    registers in the sm_90 build; 64 x 128 x 128 tiles took 2,844 us per channel); widened fp8 (W8A16)
+    keeps its tiles (256 columns of them overflow Hopper's shared memory at 3 stages; not timed)."""
     if config.w8a8:
-        block_k = 128 if not k_group or k_group % 128 == 0 else config.block_k
-        return replace(config, block_n=128 if k_group else PREFILL_BLOCK_N, block_k=block_k)
+        split = not k_group or k_group % W8A8_PREFILL_BLOCK_K == 0
+        return replace(config, block_n=PREFILL_BLOCK_N // 2 if k_group else PREFILL_BLOCK_N,
+                       block_k=W8A8_PREFILL_BLOCK_K if split else config.block_k)
     if fp8_weights:
         return config
     return replace(config, block_n=PREFILL_BLOCK_N)
