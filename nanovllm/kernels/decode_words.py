@@ -26,8 +26,8 @@ so the result equals "cast"'s up to float32 summation order (an int8 cache's per
 key's scores and a value's weights, as in common.online_softmax_step). Measured on an H200 (fp8): one
 layer's decode at 256 and 512 rows 1.12-1.13x "cast" (1.16x with decode_launch.WORDS_MAXNREG), batch
 1 and 8 1.08-1.11x; bench.py with an fp8 cache 34.9k tok/s against 32.4k (docs/performance-notes.md,
-section "fp8 KV cache"; commit df71aea, 2026-11-30). An int8 cache's words are not yet timed on a GPU:
-INT8_WORDS keeps it on "cast" until they are.
+section "fp8 KV cache"; commit df71aea, 2026-11-30). An int8 cache's words (INT8_WORDS): bench.py on
+Qwen3-8B on an H100 9,639 tok/s against "cast"'s 8,961 (2026-12-05).
 """
 
 import os
@@ -40,12 +40,11 @@ from nanovllm.kernels.common import FP8_DTYPE, paged_slots, slot_offsets
 
 # The Triton interpreter runs no inline PTX: there the widen_* functions convert with plain Triton ops.
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-# Whether an int8 cache read by 16-bit queries takes "words" tiles. Off until they have run on a GPU and
-# been timed: their sm_90 build (Triton 3.6, FP8_LARGE_BATCH at one chunk a context) issues 566
-# instructions a 64-key tile against "cast"'s 972 (fp8's words: 381), in 126 registers against 153, and
-# bench.py on Qwen3-8B ran 10,797 tok/s with the int8 cache's "cast" tiles against 12,761 with an fp8
-# cache (docs/performance-notes.md, "fp8 KV cache").
-INT8_WORDS = False
+# Whether an int8 cache read by 16-bit queries takes "words" tiles: their sm_90 build (Triton 3.6,
+# FP8_LARGE_BATCH at one chunk a context) issues 566 instructions a 64-key tile against "cast"'s 972 (fp8's
+# words: 381), in 126 registers against 153. bench.py on Qwen3-8B (bf16 weights, H100, 2026-12-05): int8
+# cache "cast" 8,961 tok/s, words 9,639, an fp8 cache 9,724 (docs/performance-notes.md, "fp8 KV cache").
+INT8_WORDS = True
 
 
 def tile_form(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> str:

@@ -182,7 +182,8 @@ def test_fast_accumulation_chains_the_w8a8_dots_of_per_channel_experts():
 
 def test_fast_accumulation_is_the_configs_choice_only_where_its_switch_and_scales_allow(monkeypatch):
     bf16 = torch.bfloat16
-    assert not moe_config(65536, 128, bf16, fp8_weights=True).fast_accum  # the switch is off until timed
+    monkeypatch.setattr(moe_launch, "FAST_ACCUM_EXPERTS", False)
+    assert not moe_config(65536, 128, bf16, fp8_weights=True).fast_accum
     monkeypatch.setattr(moe_launch, "FAST_ACCUM_EXPERTS", True)
     for slots in (8, 2048, 65536):
         assert moe_config(slots, 128, bf16, fp8_weights=True).fast_accum
