@@ -12,6 +12,15 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
+# A child that sees no GPU: the scripts' CPU paths (float32, the fp8 references), whatever the machine has.
+CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def run_on_cpu(command: list[str]) -> subprocess.CompletedProcess:
+    """command from the checkout's root, as typed there, with the GPU hidden."""
+    return subprocess.run(command, cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300,
+                          env=CPU_ONLY)
+
 
 # One child process imports every script as `python scripts/NAME.py` would (scripts/ first on sys.path,
 # main() not run), so that what they put on sys.path and in sys.modules stays out of the test session.
@@ -125,9 +134,8 @@ def test_fp8_quality_runs_as_typed(tmp_path):
     Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 max_position_embeddings=256).save_pretrained(tmp_path)
-    done = subprocess.run([sys.executable, "scripts/fp8_quality.py", "--config", str(tmp_path),
-                           "--prompts", "2", "--prompt-len", "24", "--greedy-tokens", "4"],
-                          cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    done = run_on_cpu([sys.executable, "scripts/fp8_quality.py", "--config", str(tmp_path), "--prompts", "2",
+                       "--prompt-len", "24", "--greedy-tokens", "4"])
     assert done.returncode == 0, done.stderr[-2000:]
     header, *rows = done.stdout.strip().splitlines()[-9:]
     assert header.startswith("path") and "greedy equal of 4" in header
@@ -153,16 +161,15 @@ def test_fp8_quality_shrinks_a_config_with_overrides_as_typed():
             "num_experts_per_tok=2", "max_position_embeddings=256"]
     command = [sys.executable, "scripts/fp8_quality.py", "--config", "configs/Qwen3-30B-A3B", "--prompts",
                "2", "--prompt-len", "24", "--greedy-tokens", "4", "--paths", "fp8 weights", "--override"]
-    done = subprocess.run(command + tiny, cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    done = run_on_cpu(command + tiny)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = done.stdout.strip().splitlines()[-2:]
     assert [row[:18].strip() for row in rows] == ["bf16", "fp8 weights"]
     assert float(rows[1].split()[2]) > 0  # fp8 experts and projections err above the exact path
-    refused = subprocess.run(command + ["num_expertz=8"], cwd=SCRIPTS.parent, capture_output=True, text=True,
-                             timeout=300)
+    refused = run_on_cpu(command + ["num_expertz=8"])
     assert refused.returncode != 0 and "no field 'num_expertz'" in refused.stderr
     static = [*command[:-2], "fp8 static ckpt", "--override", *tiny]  # each expert calibrated on its rows
-    done = subprocess.run(static, cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    done = run_on_cpu(static)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.strip().splitlines()[-1].split()[3]) > 0
 
@@ -178,12 +185,11 @@ def test_fp8_quality_on_a_trained_model_as_typed():
     command = [sys.executable, "scripts/fp8_quality.py", "--model", "smollm2", "--prompts", "1",
                "--prompt-len", "32", "--greedy-tokens", "2", "--paths", "fp8 weights", "fp8 KV cache",
                "int8 KV cache"]
-    done = subprocess.run(command, cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    done = run_on_cpu(command)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {row[:18].strip(): float(row[18:].split()[0]) for row in done.stdout.strip().splitlines()[-4:]}
     assert rows["bf16"] == 0 and rows["fp8 weights"] > 0 and 0 < rows["int8 KV cache"] < rows["fp8 KV cache"]
-    refused = subprocess.run(command + ["--override", "num_hidden_layers=2"], cwd=SCRIPTS.parent,
-                             capture_output=True, text=True, timeout=300)
+    refused = run_on_cpu(command + ["--override", "num_hidden_layers=2"])
     assert refused.returncode != 0 and "--model brings its own" in refused.stderr
 
 
@@ -230,7 +236,7 @@ GPU_ONLY = ["fp8_gemm_bench.py", "kernel_profile.py --batch 1 --batch 256", "rac
 def test_gpu_scripts_say_they_need_a_gpu_as_typed():
     """On a machine without a CUDA GPU each says so and exits, before it loads a model (tp_check's 8B in
     float32 would not fit this machine's memory): no traceback. Run side by side: each only starts up."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env = CPU_ONLY
     running = {command: subprocess.Popen([sys.executable, *("scripts/" + command).split()],
                                          cwd=SCRIPTS.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          text=True, env=env)
@@ -247,16 +253,16 @@ def test_gpu_only_benchmarks_refuse_the_cpu_and_bad_options_as_typed():
     cycle = subprocess.run([sys.executable, "scripts/spec_cycle.py", "--model", "configs/Qwen3-8B", "--draft",
                             "configs/Qwen3-0.6B", "--load-format", "dummy", "--repeating", "--k", "4"],
                            cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                           env=CPU_ONLY)
     assert cycle.returncode == 2 and "run it on a CUDA GPU" in cycle.stderr
     plain = subprocess.run([sys.executable, "scripts/spec_cycle.py", "--model", "configs/Qwen3-8B",
                             "--load-format", "dummy", "--streams", "5"], cwd=SCRIPTS.parent,
                            capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                           env=CPU_ONLY)
     assert plain.returncode == 2 and "run it on a CUDA GPU" in plain.stderr
     run = [sys.executable, "scripts/moe_bench.py"]
     done = subprocess.run(run + ["--fp8", "block"], cwd=SCRIPTS.parent, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                          timeout=120, env=CPU_ONLY)
     assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
     bad = subprocess.run(run + ["--fp8", "tensor"], cwd=SCRIPTS.parent, capture_output=True, text=True,
                          timeout=120)
