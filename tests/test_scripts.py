@@ -236,10 +236,9 @@ GPU_ONLY = ["fp8_gemm_bench.py", "kernel_profile.py --batch 1 --batch 256", "rac
 def test_gpu_scripts_say_they_need_a_gpu_as_typed():
     """On a machine without a CUDA GPU each says so and exits, before it loads a model (tp_check's 8B in
     float32 would not fit this machine's memory): no traceback. Run side by side: each only starts up."""
-    env = CPU_ONLY
     running = {command: subprocess.Popen([sys.executable, *("scripts/" + command).split()],
                                          cwd=SCRIPTS.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True, env=env)
+                                         text=True, env=CPU_ONLY)
                for command in GPU_ONLY}
     for command, process in running.items():
         _, stderr = process.communicate(timeout=300)
