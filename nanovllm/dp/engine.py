@@ -9,20 +9,19 @@ Everything is checked here, in the caller's process, before a request leaves it:
 replica's KV cache), so bad input raises ValueError/TypeError and the replicas never see it. Each
 request goes to the replica with the fewest tokens outstanding (prompt + max_tokens).
 
-`step()` waits for the replicas' next step messages (each replica steps on its own, as fast as it
-can) and takes in their new tokens and finished outputs. A replica that dies or fails makes the call
-in progress raise DataParallelError (a RuntimeError) naming it, its pid and devices and how it ended;
-every replica is then shut down. `shutdown()`, garbage collection and interpreter exit stop them all
-and remove what they held."""
+Each replica steps on its own, as fast as it can; a thread of the caller's process (receiver.py)
+takes in their new tokens and finished outputs as they come, and `step()` waits for the next of them. A
+replica that dies or fails makes the call in progress raise DataParallelError (a RuntimeError) naming
+it, its pid and devices and how it ended; every replica is then shut down. `shutdown()`, garbage
+collection and interpreter exit stop them all and remove what they held."""
 
 import weakref
 from collections.abc import Container, Iterable
-from dataclasses import dataclass
 from itertools import count, zip_longest
-from multiprocessing.connection import wait
 
 from nanovllm.config import Config
 from nanovllm.dp.engine_process import EngineProcess, EngineStartError
+from nanovllm.dp.receiver import Receiver, Remote
 from nanovllm.dp.replica import placements
 from nanovllm.engine.llm_engine import SchedulerStats, StepResult
 from nanovllm.engine.validation import Prompt, check_request
@@ -39,14 +38,8 @@ class DataParallelError(RuntimeError):
     """A data-parallel replica died or failed; every replica is shut down."""
 
 
-@dataclass(slots=True)
-class _Remote:
-    replica: EngineProcess
-    cost: int  # prompt + max_tokens, counted against the replica until the request ends
-    token_ids: list[int]  # its first completion's tokens so far
-
-
-def _close_all(replicas: list[EngineProcess]) -> None:
+def _shut_down(receiver: Receiver, replicas: list[EngineProcess]) -> None:
+    receiver.stop()  # first: closing a replica reads its pipe
     for replica in replicas:
         replica.close()
 
@@ -56,9 +49,9 @@ class DataParallelEngine:
         self.config = config
         self.tokenizer = load_engine_tokenizer(config)
         self.replicas: list[EngineProcess] = []
+        self.receiver = Receiver(self.replicas)
         # Also at interpreter exit: a non-daemon child that was never stopped would hang it.
-        self._finalizer = weakref.finalize(self, _close_all, self.replicas)
-        self.failure: str | None = None
+        self._finalizer = weakref.finalize(self, _shut_down, self.receiver, self.replicas)
         replica_options = {**options, "data_parallel_size": 1}
         try:
             for index, placement in enumerate(placements(config)):
@@ -75,31 +68,35 @@ class DataParallelEngine:
         # A request must fit whichever replica it goes to.
         self.num_kvcache_blocks = min(replica.info.num_kvcache_blocks for replica in self.replicas)
         self._ids = count()
-        self._live: dict[int, _Remote] = {}
-        self._done: dict[int, RequestOutput] = {}
-        self._load = {replica.index: 0 for replica in self.replicas}  # tokens outstanding
-        self._counted = {replica.index: (0, 0) for replica in self.replicas}  # prefill, decode so far
+        self.receiver.start()
 
     # ---- requests ----
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
         self._check_running()
         token_ids, params = check_request(self.config, self.num_kvcache_blocks, self.tokenizer, prompt,
                                           sampling_params)
-        replica = min(self.replicas, key=lambda r: self._load[r.index])
-        request_id = next(self._ids)
-        cost = len(token_ids) + params.max_tokens * params.n
-        self._load[replica.index] += cost
-        self._live[request_id] = _Remote(replica, cost, [])
-        replica.send(("add", request_id, token_ids, params))
+        receiver = self.receiver
+        with receiver.changed:
+            replica = min(self.replicas, key=lambda r: receiver.load[r.index])
+            request_id = next(self._ids)
+            cost = len(token_ids) + params.max_tokens * params.n
+            # Sent before it is recorded: a Ctrl-C in between leaves a request nobody waits for (the
+            # receiver skips its messages), never one waited for that no replica has.
+            replica.send(("add", request_id, token_ids, params))
+            receiver.live[request_id] = Remote(replica, cost, [])
+            receiver.load[replica.index] += cost
         return request_id
 
     def take_outputs(self, request_ids: Container[int]) -> list[tuple[int, RequestOutput]]:
-        ready = [request_id for request_id in self._done if request_id in request_ids]
-        return [(request_id, self._done.pop(request_id)) for request_id in ready]
+        done = self.receiver.done
+        with self.receiver.changed:
+            ready = [request_id for request_id in done if request_id in request_ids]
+            return [(request_id, done.pop(request_id)) for request_id in ready]
 
     def completion_token_ids(self, request_id: int, start: int = 0) -> list[int] | None:
-        remote = self._live.get(request_id)
-        return None if remote is None else remote.token_ids[start:]
+        with self.receiver.changed:
+            remote = self.receiver.live.get(request_id)
+            return None if remote is None else remote.token_ids[start:]
 
     def progress(self, request_id: int, starts: list[int]) -> None:
         raise NotImplementedError(
@@ -112,55 +109,29 @@ class DataParallelEngine:
         ended them (their outputs, with finish_reason "abort", then wait for take_outputs). True if
         any was live; unknown and finished ids are skipped."""
         ids = [request_ids] if isinstance(request_ids, int) else list(request_ids)
-        live = [request_id for request_id in ids if request_id in self._live]
-        for request_id in live:
-            self._live[request_id].replica.send(("abort", request_id))
-        while any(request_id in self._live for request_id in live):
-            self._receive()
-        return bool(live)
+        receiver = self.receiver
+        with receiver.changed:
+            replicas = {request_id: receiver.live[request_id].replica
+                        for request_id in ids if request_id in receiver.live}
+        for request_id, replica in replicas.items():
+            replica.send(("abort", request_id))
+        receiver.wait_ended(list(replicas))
+        self._check_running()
+        return bool(replicas)
 
     # ---- the loop ----
     def step(self) -> StepResult:
-        """Wait until some replica reports progress, and take it in; nothing to wait for when no
-        request is live."""
-        if not self._live:
-            return StepResult(0, 0)
-        return self._receive()
-
-    def _receive(self) -> StepResult:
+        """Wait until some replica reports progress; the tokens computed since the last step. Nothing
+        to wait for when no request is live."""
+        if not self.receiver.live:  # as LLMEngine's: nothing to run, whatever the state
+            return self.receiver.take_news()
         self._check_running()
-        replicas = self.replicas
-        ready = wait([*(r.outbox for r in replicas), *(r.process.sentinel for r in replicas)])
-        num_prefill = num_decode = 0
-        for replica in replicas:
-            if replica.outbox not in ready:  # before the sentinel: what it sent before dying counts
-                if replica.process.sentinel in ready:
-                    self._fail(replica)
-                continue
-            try:
-                kind, *payload = replica.outbox.recv()
-            except (EOFError, OSError):
-                self._fail(replica)
-            if kind == "error":
-                replica.traceback = payload[0]
-                self._fail(replica)
-            updates, stats = payload
-            replica.stats = stats
-            prefill, decode = self._counted[replica.index]
-            num_prefill += stats.num_prefill_tokens - prefill
-            num_decode += stats.num_decode_tokens - decode
-            self._counted[replica.index] = (stats.num_prefill_tokens, stats.num_decode_tokens)
-            for request_id, new_token_ids, output in updates:
-                remote = self._live[request_id]
-                remote.token_ids += new_token_ids
-                if output is not None:
-                    del self._live[request_id]
-                    self._load[replica.index] -= remote.cost
-                    self._done[request_id] = output
-        return StepResult(num_prefill, num_decode)
+        news = self.receiver.take_news()
+        self._check_running()
+        return news
 
     def is_finished(self) -> bool:
-        return not self._live
+        return not self.receiver.live
 
     def stats(self) -> SchedulerStats:
         """The replicas' figures as of their latest step messages, summed."""
@@ -179,18 +150,16 @@ class DataParallelEngine:
 
     # ---- lifetime ----
     def _check_running(self) -> None:
+        """Raise DataParallelError if a replica failed (shutting every replica down first) or if the
+        replicas are shut down."""
+        failure = self.receiver.failure
         if self._finalizer.alive:
-            return
-        why = self.failure or "shutdown() was called"
+            if failure is None:
+                return
+            self.shutdown()
+            raise DataParallelError(f"{failure}\nEvery replica is shut down; create a new LLM.")
+        why = failure or "shutdown() was called"
         raise DataParallelError(f"the data-parallel replicas are shut down ({why}); create a new LLM")
-
-    def _fail(self, replica: EngineProcess) -> None:
-        """`replica` died or failed: shut every replica down and raise."""
-        self.failure = replica.describe_end()
-        if replica.traceback:
-            self.failure += f"; its error:\n{replica.traceback}"
-        self.shutdown()
-        raise DataParallelError(f"{self.failure}\nEvery replica is shut down; create a new LLM.")
 
     def shutdown(self) -> None:
         """Stop every replica (each shuts its own engine down) and remove what they held; any later

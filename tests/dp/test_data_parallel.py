@@ -4,10 +4,12 @@ as with one engine; bad input raises in the caller before any replica gets work;
 raises within seconds and leaves no process or shared memory behind; garbage collection and a
 terminal's Ctrl-C release everything."""
 
+import _thread
 import gc
 import json
 import multiprocessing
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -32,6 +34,8 @@ MAX_TOKENS = [24, 6, 30, 3, 16, 8, 24, 2]
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
 # A failure must surface within this long, and leave nothing behind.
 DEADLINE_S = 10
+# Ctrl-Cs at random moments of a generate.
+INTERRUPTS = 20
 
 
 def token_ids(llm, prompts=UNEVEN_PROMPTS, params=PARAMS):
@@ -128,6 +132,60 @@ def test_stream_and_the_engine_loop_work_on_replicas(dp2, dp1):
     assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
 
 
+def test_an_interrupt_anywhere_in_generate_aborts_its_requests_and_the_next_call_works(dp2, dp1):
+    """Ctrl-C in a notebook: KeyboardInterrupt lands in the caller's thread at whatever it is doing
+    (waiting, or taking in a replica's message); generate raises it, its requests end on the replicas,
+    and nothing is left waiting for a message that was half taken in."""
+    expected = token_ids(dp1, PROMPTS[:2], PARAMS[:2])
+    long_params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    rng = random.Random(0)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a worker may ignore SIGINT
+    try:
+        for _ in range(INTERRUPTS):
+            timer = threading.Timer(rng.uniform(0.0, 0.1), _thread.interrupt_main)
+            with pytest.raises(KeyboardInterrupt):
+                timer.start()
+                dp2.generate(PROMPTS * 2, long_params, use_tqdm=False)
+            timer.join()
+            assert dp2.engine.is_finished()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert token_ids(dp2, PROMPTS[:2], PARAMS[:2]) == expected
+    stats = dp2.engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_an_interrupt_as_a_request_ends_leaves_nothing_waiting_for_it(qwen3_dir, monkeypatch):
+    """The worst moment for Ctrl-C: just as the message that ends a request has been read from its
+    replica's pipe. The request must still end for the caller (one that read the message in its own
+    thread and was interrupted before recording it waited for that request's end forever)."""
+    with LLM(qwen3_dir, data_parallel_size=2, **OPTIONS) as llm:
+        replicas = llm.engine.replicas
+        interrupted = []
+        for replica in replicas:
+            def recv_then_interrupt(recv=replica.outbox.recv):
+                message = recv()
+                if not interrupted and message[0] == "step" and any(update[2] for update in message[1]):
+                    interrupted.append(message)
+                    _thread.interrupt_main()
+                return message
+
+            monkeypatch.setattr(replica.outbox, "recv", recv_then_interrupt)
+        # Were the caller left waiting, this kills a replica: its end raises instead of hanging.
+        watchdog = threading.Timer(DEADLINE_S, lambda: os.kill(replicas[0].process.pid, signal.SIGKILL))
+        watchdog.start()
+        short, long = (SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 200))
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(PROMPTS[:4], [short, long, short, long], use_tqdm=False)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            watchdog.cancel()
+        assert interrupted and llm.engine.is_finished()
+        assert all(replica.process.is_alive() for replica in replicas)
+
+
 def test_bad_options_raise_before_any_replica_starts(qwen3_dir):
     children = set(multiprocessing.active_children())
     for size in (0, -2):
@@ -153,15 +211,15 @@ def test_a_replica_killed_mid_generate_raises_and_leaves_nothing(qwen3_dir, monk
         replicas = llm.engine.replicas
         victim = replicas[1]
         killed_at = []
-        receive = DataParallelEngine._receive
+        step = DataParallelEngine.step
 
-        def kill_on_first_progress(engine):
+        def kill_on_first_step(engine):
             if not killed_at:
                 os.kill(victim.process.pid, signal.SIGKILL)
                 killed_at.append(time.monotonic())
-            return receive(engine)
+            return step(engine)
 
-        monkeypatch.setattr(DataParallelEngine, "_receive", kill_on_first_progress)
+        monkeypatch.setattr(DataParallelEngine, "step", kill_on_first_step)
         outcome = {}
         thread = threading.Thread(target=lambda: outcome.update(error=raised(
             lambda: llm.generate(PROMPTS, long_params, use_tqdm=False))), daemon=True)
