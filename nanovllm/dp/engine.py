@@ -113,11 +113,13 @@ class DataParallelEngine:
         with receiver.changed:
             replicas = {request_id: receiver.live[request_id].replica
                         for request_id in ids if request_id in receiver.live}
+        if not replicas:
+            return False
         for request_id, replica in replicas.items():
             replica.send(("abort", request_id))
         receiver.wait_ended(list(replicas))
         self._check_running()
-        return bool(replicas)
+        return True
 
     # ---- the loop ----
     def step(self) -> StepResult:
