@@ -13,6 +13,7 @@ import os
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from traceback import format_exc
 
 from nanovllm.dp.engine_process import EngineProcess
 from nanovllm.engine.llm_engine import StepResult
@@ -91,9 +92,11 @@ class Receiver:
     def _run(self) -> None:
         try:
             self._listen()
-        except (OSError, ValueError):  # the pipes were closed under it: only stop() may do that
+        except Exception:  # noqa: BLE001 - raised in the caller's thread instead
+            # Closed pipes are expected once stop() began; anything else must not leave the caller
+            # waiting for messages nobody takes in.
             if not self._stopping:
-                raise
+                self._set_failure(f"the thread taking in the replicas' messages failed:\n{format_exc()}")
         if self._stopped_here:
             self._close_wake_pipe()
 
@@ -145,6 +148,9 @@ class Receiver:
         failure = replica.describe_end()  # waits a moment for the process to end
         if replica.traceback:
             failure += f"; its error:\n{replica.traceback}"
+        self._set_failure(failure)
+
+    def _set_failure(self, failure: str) -> None:
         with self.changed:
             self.failure = failure
             self.changed.notify_all()

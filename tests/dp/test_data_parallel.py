@@ -24,6 +24,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.distributed.executor import make_executor
 from nanovllm.dp.engine import DataParallelEngine, DataParallelError
+from nanovllm.dp.receiver import Receiver
 from nanovllm.dp.replica import _is_running
 from nanovllm.engine.llm_engine import LLMEngine
 
@@ -234,6 +235,19 @@ def test_a_replica_killed_mid_generate_raises_and_leaves_nothing(qwen3_dir, monk
         assert_released(replicas)  # the other replica too
         with pytest.raises(RuntimeError, match="shut down"):
             llm.generate(PROMPTS[0], long_params, use_tqdm=False)
+
+
+def test_a_failure_in_the_receiving_thread_raises_in_the_caller(qwen3_dir, monkeypatch):
+    """A bug in the thread that takes in the replicas' messages must not leave the caller waiting."""
+    def broken(receiver, replica, updates, stats):
+        raise RuntimeError("broken bookkeeping")
+
+    monkeypatch.setattr(Receiver, "_record", broken)
+    with LLM(qwen3_dir, data_parallel_size=2, **OPTIONS) as llm:
+        replicas = llm.engine.replicas
+        with pytest.raises(DataParallelError, match="(?s)messages failed.*broken bookkeeping"):
+            llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
+        assert_released(replicas)
 
 
 def raised(fn) -> BaseException | None:
