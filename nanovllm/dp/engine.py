@@ -81,7 +81,7 @@ class DataParallelEngine:
             request_id = next(self._ids)
             cost = len(token_ids) + params.max_tokens * params.n
             # Sent before it is recorded: a Ctrl-C in between leaves a request nobody waits for (the
-            # receiver skips its messages), never one waited for that no replica has.
+            # receiver aborts it), never one waited for that no replica has.
             replica.send(("add", request_id, token_ids, params))
             receiver.live[request_id] = Remote(replica, cost, [])
             receiver.load[replica.index] += cost

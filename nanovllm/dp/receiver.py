@@ -136,6 +136,8 @@ class Receiver:
             for request_id, new_token_ids, output in updates:
                 remote = self.live.get(request_id)
                 if remote is None:  # its add_request was interrupted after sending it: nobody waits for it
+                    if output is None:
+                        replica.send(("abort", request_id))  # (again, if it steps before the first lands)
                     continue
                 remote.token_ids += new_token_ids
                 if output is not None:

@@ -24,6 +24,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.distributed.executor import make_executor
 from nanovllm.dp.engine import DataParallelEngine, DataParallelError
+from nanovllm.dp.engine_core import FINISH_REASONS
 from nanovllm.dp.receiver import Receiver
 from nanovllm.dp.replica import _is_running
 from nanovllm.engine.llm_engine import LLMEngine
@@ -235,6 +236,37 @@ def test_a_replica_killed_mid_generate_raises_and_leaves_nothing(qwen3_dir, monk
         assert_released(replicas)  # the other replica too
         with pytest.raises(RuntimeError, match="shut down"):
             llm.generate(PROMPTS[0], long_params, use_tqdm=False)
+
+
+def test_an_interrupt_between_sending_a_request_and_recording_it_aborts_it(qwen3_dir, dp1, monkeypatch):
+    """add_request sends a request, then records it: Ctrl-C in between leaves a request the caller never
+    got the id of. Its replica must not go on generating it for nobody."""
+    with LLM(qwen3_dir, data_parallel_size=2, **OPTIONS) as llm:
+        replica = llm.engine.replicas[0]
+        send = replica.send
+
+        def send_then_interrupt(message):
+            send(message)
+            if message[0] == "add":
+                _thread.interrupt_main()
+
+        monkeypatch.setattr(replica, "send", send_then_interrupt)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.add_request(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        monkeypatch.undo()
+        assert llm.engine.is_finished()
+        aborts = FINISH_REASONS.index("abort")
+        deadline = time.monotonic() + DEADLINE_S
+        while not replica.stats.finish_reasons[aborts] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = replica.stats
+        assert stats.finish_reasons[aborts] == 1 and stats.num_running == stats.num_waiting == 0, stats
+        assert stats.num_generation_tokens < 200  # ended early, not at its max_tokens
+        assert token_ids(llm, PROMPTS[:2], PARAMS[:2]) == token_ids(dp1, PROMPTS[:2], PARAMS[:2])
 
 
 def test_a_failure_in_the_receiving_thread_raises_in_the_caller(qwen3_dir, monkeypatch):
