@@ -4,10 +4,11 @@ KeyboardInterrupt: Ctrl-C (in a terminal or a notebook) lands in the caller's th
 and one landing between reading a request's last message and recording its end would leave the
 caller waiting for that request forever; one landing inside `Connection.recv` would leave the pipe
 halfway through a message. The caller's thread only waits (interruptibly) for what this thread
-records.
+records. A request that reaches a replica but not the record (add_request interrupted in between) is
+aborted when its first message arrives.
 
-Everything below `changed` is guarded by it; it is notified after each message and when a replica
-fails."""
+`changed` guards the record (live, done, load, failure, the news) and is notified after each message
+and when a replica, or this thread, fails."""
 
 import os
 import threading
