@@ -57,6 +57,15 @@ def assert_released(replicas: list):
     assert not {r.process for r in replicas} & set(multiprocessing.active_children())
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT (and _thread.interrupt_main) raises KeyboardInterrupt, as in a terminal: a test worker
+    may have been started with SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def dp1(qwen3_dir):
     with LLM(qwen3_dir, **OPTIONS) as llm:
@@ -134,30 +143,27 @@ def test_stream_and_the_engine_loop_work_on_replicas(dp2, dp1):
     assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
 
 
-def test_an_interrupt_anywhere_in_generate_aborts_its_requests_and_the_next_call_works(dp2, dp1):
+def test_an_interrupt_anywhere_in_generate_aborts_its_requests_and_the_next_call_works(dp2, dp1,
+                                                                                       ctrl_c_raises):
     """Ctrl-C in a notebook: KeyboardInterrupt lands in the caller's thread at whatever it is doing
     (waiting, or taking in a replica's message); generate raises it, its requests end on the replicas,
     and nothing is left waiting for a message that was half taken in."""
     expected = token_ids(dp1, PROMPTS[:2], PARAMS[:2])
     long_params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     rng = random.Random(0)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a worker may ignore SIGINT
-    try:
-        for _ in range(INTERRUPTS):
-            timer = threading.Timer(rng.uniform(0.0, 0.1), _thread.interrupt_main)
-            with pytest.raises(KeyboardInterrupt):
-                timer.start()
-                dp2.generate(PROMPTS * 2, long_params, use_tqdm=False)
-            timer.join()
-            assert dp2.engine.is_finished()
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    for _ in range(INTERRUPTS):
+        timer = threading.Timer(rng.uniform(0.0, 0.1), _thread.interrupt_main)
+        with pytest.raises(KeyboardInterrupt):
+            timer.start()
+            dp2.generate(PROMPTS * 2, long_params, use_tqdm=False)
+        timer.join()
+        assert dp2.engine.is_finished()
     assert token_ids(dp2, PROMPTS[:2], PARAMS[:2]) == expected
     stats = dp2.engine.stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
 
 
-def test_an_interrupt_as_a_request_ends_leaves_nothing_waiting_for_it(qwen3_dir, monkeypatch):
+def test_an_interrupt_as_a_request_ends_leaves_nothing_waiting_for_it(qwen3_dir, monkeypatch, ctrl_c_raises):
     """The worst moment for Ctrl-C: just as the message that ends a request has been read from its
     replica's pipe. The request must still end for the caller (one that read the message in its own
     thread and was interrupted before recording it waited for that request's end forever)."""
@@ -177,12 +183,10 @@ def test_an_interrupt_as_a_request_ends_leaves_nothing_waiting_for_it(qwen3_dir,
         watchdog = threading.Timer(DEADLINE_S, lambda: os.kill(replicas[0].process.pid, signal.SIGKILL))
         watchdog.start()
         short, long = (SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 200))
-        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             with pytest.raises(KeyboardInterrupt):
                 llm.generate(PROMPTS[:4], [short, long, short, long], use_tqdm=False)
         finally:
-            signal.signal(signal.SIGINT, previous)
             watchdog.cancel()
         assert interrupted and llm.engine.is_finished()
         assert all(replica.process.is_alive() for replica in replicas)
@@ -238,7 +242,8 @@ def test_a_replica_killed_mid_generate_raises_and_leaves_nothing(qwen3_dir, monk
             llm.generate(PROMPTS[0], long_params, use_tqdm=False)
 
 
-def test_an_interrupt_between_sending_a_request_and_recording_it_aborts_it(qwen3_dir, dp1, monkeypatch):
+def test_an_interrupt_between_sending_a_request_and_recording_it_aborts_it(qwen3_dir, dp1, monkeypatch,
+                                                                          ctrl_c_raises):
     """add_request sends a request, then records it: Ctrl-C in between leaves a request the caller never
     got the id of. Its replica must not go on generating it for nobody."""
     with LLM(qwen3_dir, data_parallel_size=2, **OPTIONS) as llm:
@@ -251,12 +256,8 @@ def test_an_interrupt_between_sending_a_request_and_recording_it_aborts_it(qwen3
                 _thread.interrupt_main()
 
         monkeypatch.setattr(replica, "send", send_then_interrupt)
-        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                llm.add_request(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        with pytest.raises(KeyboardInterrupt):
+            llm.add_request(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
         monkeypatch.undo()
         assert llm.engine.is_finished()
         aborts = FINISH_REASONS.index("abort")
