@@ -1,6 +1,7 @@
 """Decode matmuls of 1 to 16 rows with e4m3 weights and one scale a row (per-channel fp8,
 `quantization="fp8"`), W8A16: bf16's few-row kernels streaming the fp8 weight, each tile widened in
-registers (exactly), the row's scale multiplying the finished sums, the activations unrounded:
+registers (exactly), the row's scale multiplying the finished sums, the activations unrounded (the rows
+kernel also takes e4m3 rows with a scale a row, W8A8, for fp8 dots):
 
     out[m, n] = (sum over k of x[m, k] * w_fp8[n, k]) * w_scale[n] (+ bias)
 
@@ -54,10 +55,11 @@ FP8_SPLIT_BELOW_BLOCKS = 128
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
            bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> None:
-    """Shapes and dtypes of a call; out_dtype: the output's (and a bias's), x's unless given."""
+    """Shapes and dtypes of a call; out_dtype: the output's (and a bias's), x's unless given (e4m3 rows,
+    which only the rows kernel takes, checked by _rows_input first)."""
     n, k = weight.shape
     out_dtype = out_dtype or x.dtype
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) and out_dtype == x.dtype:
         raise ValueError(f"x dtype {x.dtype} is not float16, bfloat16 or float32")
     if weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
         raise ValueError(f"weight {weight.dtype} must be {FP8_DTYPE} with a contiguous last dim")
@@ -142,11 +144,13 @@ def _rows_input(x: torch.Tensor, k: int, x_scale: torch.Tensor | None, out_dtype
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != k or x.stride(-1) != 1:
         raise ValueError(f"x must be 1 to {MAX_ROWS} rows of {k} with a contiguous last dim; got "
                          f"{tuple(x.shape)}")
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"x dtype {x.dtype} is not float16 or bfloat16")
-    if x_scale is not None and (x.dtype != torch.float16 or x_scale.shape != (x.shape[0], 1)
+    if x.dtype not in (torch.float16, torch.bfloat16, FP8_DTYPE):
+        raise ValueError(f"x dtype {x.dtype} is not float16, bfloat16 or {FP8_DTYPE}")
+    if x.dtype == FP8_DTYPE and (x_scale is None or out_dtype is None):
+        raise ValueError(f"{FP8_DTYPE} rows need their scales (x_scale) and an out_dtype")
+    if x_scale is not None and (x.dtype == torch.bfloat16 or x_scale.shape != (x.shape[0], 1)
                                 or x_scale.dtype != torch.float32 or not x_scale.is_contiguous()):
-        raise ValueError(f"x with scales must be float16 rows with contiguous float32 scales "
+        raise ValueError(f"x with scales must be float16 or {FP8_DTYPE} rows with contiguous float32 scales "
                          f"({x.shape[0]}, 1); got {x.dtype} and {x_scale.dtype} {tuple(x_scale.shape)}")
     return out_dtype or x.dtype
 
@@ -157,7 +161,8 @@ def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N, 1])^T (+ bias) for 1 to 16 rows of float16 or
     bfloat16 (the dot's operands: float32 would run as TF32), float32 sums; group as fp8_skinny_linear's.
     x_scale: float32 [M, 1], x then float16 rows standing for x * x_scale (kernels/float16_rows.py: bf16
-    rows exactly), each row's sums times its scale; the output in out_dtype (x's unless given)."""
+    rows exactly) or e4m3 rows quantized with those scales (W8A8: an fp8 dot), each row's sums times its
+    scale; the output in out_dtype (x's unless given; e4m3 rows need it)."""
     n, k = weight.shape
     out_dtype = _rows_input(x, k, x_scale, out_dtype)
     _check(x, weight, weight_scale, group, bias, out_dtype)

@@ -19,6 +19,8 @@ SiLU-mul kernel and a plain launch (257 against 211 us for 28 calls).
 An e4m3 weight with one scale a row (kernels/fp8_skinny.py) streams at one byte an element, each tile
 widened to x's dtype for the dot and the row's scale applied to the finished sums; with a scale a block
 (block-scaled checkpoints), each tile lies inside one block and its product is scaled before it is added.
+Rows of x quantized to e4m3 (W8A8, a scale a row) meet the e4m3 tiles in an fp8 dot, nothing widened;
+each tile's sum is added in float32, since sm_90's fp8 dots keep fewer bits while they accumulate.
 
 On sm_90+ it launches as a programmatic dependent, as skinny_gemm does: it loads its first weight tiles,
 waits for the kernel before, then lets the next one launch. Split-K (float32 partials summed in a fixed
@@ -85,6 +87,8 @@ def _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, store
         squares += xf * xf
         x = (xf * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
     # An e4m3 weight tile is widened to x's dtype (exactly) for the dot; x's own weight passes as it is.
+    if x.dtype.is_fp8():  # e4m3 rows (W8A8): an fp8 dot, its tile's sum added in float32, as fp8_gemm's
+        return acc + tl.dot(w, tl.trans(x)), squares
     if SCALE_GROUP > 0:  # the tile lies inside one block (k a multiple of BLOCK_K, which divides a group)
         return acc + tl.dot(w.to(x.dtype), tl.trans(x)) * tl.load(scale_row + k // SCALE_GROUP), squares
     return tl.dot(w.to(x.dtype), tl.trans(x), acc), squares

@@ -4,7 +4,11 @@ kernels/float16_rows.py), so that the rows kernel widens its e4m3 weight tiles t
 a pair, where widening to bf16 takes three instructions) and multiplies each row's sums by its scale at
 the end: the bf16 form's products and sums, bit for bit. The RMSNorm before q/k/v and gate/up and the
 SiLU-mul before down write the float16 rows and their scales themselves (kernels/norm_quant.py's float16
-mode: no launch added); other inputs (o_proj's) take a float16_rows launch first."""
+mode: no launch added); other inputs (o_proj's) take a float16_rows launch first.
+
+With e4m3 the same forms write e4m3 rows instead, a scale a row (W8A8: the rounding of the GEMMs from 17
+rows and of the CPU's reference), and the rows kernel multiplies them in fp8 dots, nothing widened
+(fp8_methods.W8A8_ROWS); o_proj's input takes a quantize_rows launch first."""
 
 from collections.abc import Callable
 
@@ -18,35 +22,40 @@ RowsLaunch = Callable[..., torch.Tensor]
 Takes = Callable[[torch.Tensor, torch.Tensor], bool]
 
 
-def float16_rows_forms(fallback: Kernel, launch: RowsLaunch, takes: Takes
+def float16_rows_forms(fallback: Kernel, launch: RowsLaunch, takes: Takes, e4m3: bool = False
                        ) -> tuple[Kernel, NormedKernel, SiluKernel]:
-    """A few-row bucket's plain, norm and SiLU-mul kernels over float16 rows: `launch` runs the rows kernel
-    over them; a call `takes` refuses (float32 activations, which float16 cannot hold exactly; weights
-    without what the launch needs) runs `fallback`, the bucket's bf16 form, with its norm and SiLU-mul in
-    their own kernels first."""
+    """A few-row bucket's plain, norm and SiLU-mul kernels over float16 rows (e4m3 rows with `e4m3`):
+    `launch` runs the rows kernel over them; a call `takes` refuses (float32 activations, which float16
+    cannot hold exactly; weights without what the launch needs) runs `fallback`, the bucket's bf16 form,
+    with its norm and SiLU-mul in their own kernels first."""
     fallback_norm, fallback_silu = norm_first(fallback), silu_first(fallback)
+    float16 = not e4m3
 
     def plain(x, weight, weight_scale, group, bias, pdl=False):
         if not takes(x, weight_scale):
             return fallback(x, weight, weight_scale, group, bias, pdl)
-        from nanovllm.kernels.float16_rows import float16_rows
-        rows, scale = float16_rows(x)
+        if e4m3:
+            from nanovllm.kernels.fp8_gemm import quantize_rows
+            rows, scale = quantize_rows(x, x.shape[1])
+        else:
+            from nanovllm.kernels.float16_rows import float16_rows
+            rows, scale = float16_rows(x)
         return launch(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype)
 
     def norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl=False):
         if not takes(x, weight_scale):
             return fallback_norm(x, norm_weight, eps, weight, weight_scale, group, bias, residual, pdl)
         from nanovllm.kernels.norm_quant import rms_norm_quant
-        rows, scale, summed = rms_norm_quant(x, norm_weight, eps, residual, float16=True)
+        rows, scale, summed = rms_norm_quant(x, norm_weight, eps, residual, float16=float16)
         return launch(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype), summed
 
     def silu(x, weight, weight_scale, group, bias, pdl=False):
         if not takes(x, weight_scale):
             return fallback_silu(x, weight, weight_scale, group, bias, pdl)
         from nanovllm.kernels.norm_quant import silu_mul_quant
-        rows, scale = silu_mul_quant(x, float16=True)
+        rows, scale = silu_mul_quant(x, float16=float16)
         return launch(rows, weight, weight_scale, group, bias, pdl, scale, x.dtype)
 
-    plain.__name__ = f"{fallback.__name__}_f16"
+    plain.__name__ = f"{fallback.__name__}_{'e4m3' if e4m3 else 'f16'}"
     norm.__name__, silu.__name__ = f"{plain.__name__}_norm", f"{plain.__name__}_silu"
     return plain, norm, silu

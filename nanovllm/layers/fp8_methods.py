@@ -6,9 +6,10 @@ Fp8LinearMethod): which kernel a call takes by its row count on Ada and Hopper, 
   streamed once in e4m3, activations unrounded), from 17 the W8A8 GEMM (kernels/fp8_gemm.py: the rounding
   of the reference, on fp8 tensor cores).
 - `Fp8ScaledMmLinearMethod` (one scale a row, sm_90+): one row through bf16's GEMV over the e4m3 weight
-  (kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), 2-16 rows through bf16's
-  few-row kernels over it (the same file; from 3 rows over float16 rows: layers/fp8_float16_rows.py), and
-  from 17 torch._scaled_mm, the norm or SiLU-mul before it writing e4m3 directly (kernels/norm_quant.py).
+  (kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), two through the few-row GEMV
+  over it (W8A16, the activations unrounded), 3-16 through the rows kernel over e4m3 rows (W8A8, fp8 dots:
+  layers/fp8_float16_rows.py), and from 17 torch._scaled_mm; from 3 rows the norm or SiLU-mul before the
+  product writes e4m3 and its scales directly (kernels/norm_quant.py).
 - `Fp8BlockScaledMmLinearMethod` (128 x 128 blocks, sm_90): one row through a GEMV with a scale a run of
   each tile, 2-16 rows through bf16's rows kernel over float16 rows with each tile's product times its
   block's scale (both kernels/fp8_skinny.py), then torch's block-scaled GEMM."""
@@ -27,6 +28,13 @@ from nanovllm.utils.config_checks import Fp8Scheme
 # bf16 activations as float16 rows times powers of two (exact), so that e4m3 tiles widen to float16: 16
 # streams of Qwen3-8B with fp8 weights 4.97 / 4.98 ms a step against 5.27 / 5.27 (H200, 2026-12-05).
 FLOAT16_ROWS = True
+# Whether per-channel fp8's 3-16-row bucket quantizes its activations to e4m3 rows instead (W8A8, the
+# rounding of 17 rows and more), so that the rows kernel multiplies in fp8 dots, no tile widened (sm_90
+# SASS: 87 instructions a K tile against 183). Qwen3-8B, fp8 weights, one H100, 2026-12-05, each way in
+# one call: 16 streams 5.269 / 5.280 ms a step against 5.585 / 5.587; 8 streams 4.730 against 5.075; 4
+# streams 4.559 against 5.058. Block-scaled weights keep float16 rows (their activations would need a
+# scale a 128 inputs).
+W8A8_ROWS = True
 # Whether one-row buckets take the SiLU-mul as gate/up's epilogue (linear_methods.gated_forms): one stream of
 # Qwen3-8B, H100, 2026-12-05: a tie per channel (3.622 / 3.624 ms a token), a loss in blocks (3.923 / 4.173).
 FP8_GATED_EPILOGUE = False
@@ -108,10 +116,13 @@ def _rows_blocks_launch(rows, weight, weight_scale, group, bias, pdl, x_scale, o
                                  out_dtype)
 
 
-# The few-row buckets over float16 rows (FLOAT16_ROWS; layers/fp8_float16_rows.py): bf16 activations only
+# The few-row buckets over e4m3 rows (W8A8_ROWS: bf16 or float16 activations, float32 ones keep fp8_rows)
+# and over float16 rows (FLOAT16_ROWS; layers/fp8_float16_rows.py): bf16 activations only
 # (float16 rows hold bf16 exactly, not float32), block-scaled weights with their compact blocks.
 fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu = float16_rows_forms(
     fp8_rows, _rows_launch, lambda x, _: x.dtype == torch.bfloat16)
+fp8_rows_e4m3, fp8_rows_e4m3_norm, fp8_rows_e4m3_silu = float16_rows_forms(
+    fp8_rows, _rows_launch, lambda x, _: x.dtype in (torch.bfloat16, torch.float16), e4m3=True)
 fp8_rows_blocks_f16, fp8_rows_blocks_f16_norm, fp8_rows_blocks_f16_silu = float16_rows_forms(
     fp8_rows_blocks, _rows_blocks_launch,
     lambda x, scale: x.dtype == torch.bfloat16 and getattr(scale, "blocks", None) is not None)
@@ -223,18 +234,20 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     against bf16's 4.62). Those kernels launch as programmatic dependents, so that the chain overlaps as
     the GEMVs' does (linear_methods.norm_first; not yet timed against plain launches). Two rows: the CUDA-core
     few-row GEMV over the e4m3 weight (kernels/gemv_rows.py); 3-16: bf16's rows kernel over it with fp8's
-    own tiles (fp8_skinny.fp8_rows_config), in place of fp8_gemv (slower than bf16 cuBLAS at 16 rows;
-    kernels/fp8_skinny.py has the times). From 17 rows torch._scaled_mm with row-wise scales (cuBLASLt /
-    CUTLASS, what vLLM runs for this scaling): 0.56-0.72x of bf16 cuBLAS's time at 4,096 rows, where the
-    Triton GEMM took 0.8-1.13x (2026-12-03, H200, graph-timed); there the RMSNorm before q/k/v and gate/up
-    and the SiLU-mul before down quantize their own output (kernels/norm_quant.py: one kernel and no bf16
-    copy where the norm and quantize_rows took two, the same bits; not yet timed on its own). 128 x 128
-    block scales take Fp8BlockScaledMmLinearMethod."""
+    own tiles (fp8_skinny.fp8_rows_config), the activations as e4m3 rows (W8A8_ROWS), in place of fp8_gemv
+    (slower than bf16 cuBLAS at 16 rows; kernels/fp8_skinny.py has the times). From 17 rows
+    torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS, what vLLM runs for this scaling): 0.56-0.72x
+    of bf16 cuBLAS's time at 4,096 rows, where the Triton GEMM took 0.8-1.13x (2026-12-03, H200,
+    graph-timed); there the RMSNorm before q/k/v and gate/up and the SiLU-mul before down quantize their
+    own output (kernels/norm_quant.py: one kernel and no bf16 copy where the norm and quantize_rows took
+    two, the same bits; not yet timed on its own). 128 x 128 block scales take
+    Fp8BlockScaledMmLinearMethod."""
 
     BUCKETS = (Bucket(1, fp8_skinny, norm_first(fp8_skinny), silu_first(fp8_skinny),
                       *gated_forms(FP8_GATED_EPILOGUE, fp8_skinny_gated)),
                Bucket(2, fp8_gemv_rows),
-               Bucket(16, fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu) if FLOAT16_ROWS
+               Bucket(16, fp8_rows_e4m3, fp8_rows_e4m3_norm, fp8_rows_e4m3_silu) if W8A8_ROWS
+               else Bucket(16, fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu) if FLOAT16_ROWS
                else Bucket(16, fp8_rows),
                Bucket(None, fp8_scaled_mm, fp8_scaled_mm_norm, fp8_scaled_mm_silu))
 

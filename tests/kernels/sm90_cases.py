@@ -262,6 +262,12 @@ def cases() -> dict:
                                      NUM_STAGES=4, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
                                      SCALED=True, X_SCALED=True),
                                 dict(FP8_WEIGHT, x_ptr="*fp16"), dict(num_warps=4, launch_pdl=True)),
+        # W8A8 over e4m3 rows (layers/fp8_methods.W8A8_ROWS): fp8 dots, each tile's sum added in float32.
+        "skinny-rows-fp8-e4m3": (skinny_rows._skinny_rows_kernel,
+                                 dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, WRITE_PARTIAL=False,
+                                      NUM_STAGES=4, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
+                                      SCALED=True, X_SCALED=True),
+                                 dict(FP8_WEIGHT, x_ptr="*fp8e4nv"), dict(num_warps=4, launch_pdl=True)),
         "skinny-rows-fp8-rows-kernel-tiles": (skinny_rows._skinny_rows_kernel,
                                               dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False,
                                                    WRITE_PARTIAL=False, NUM_STAGES=4,

@@ -200,8 +200,9 @@ def test_the_triton_method_takes_the_gemv_to_16_rows_then_the_gemm():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_the_per_channel_method_takes_one_row_then_two_then_the_rows_kernel_to_16(dtype, monkeypatch):
     """Fp8ScaledMmLinearMethod (one scale a row, sm_90): one row through kernels/fp8_skinny's GEMV, two
-    through its few-row GEMV, 3-16 through its rows kernel (float32 rows through fp8_gemv: the rows kernel's
-    dot would be TF32), each giving the W8A16 reference's result."""
+    through its few-row GEMV, each giving the W8A16 reference's result; 3-16 through its rows kernel over
+    e4m3 rows, giving the W8A8 reference's (float32 rows through fp8_gemv, W8A16: the rows kernel's dot
+    would be TF32)."""
     from nanovllm.kernels import fp8_gemv, fp8_skinny
 
     method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
@@ -218,7 +219,9 @@ def test_the_per_channel_method_takes_one_row_then_two_then_the_rows_kernel_to_1
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     for rows in (1, 2, 3, 16):
         x = make(rows, 200, 300, 300, torch.float32, seed=rows)[0].to(dtype) * 4
-        expected = fp8_weight_only_linear(x.float(), weight, scale, 300, layer.bias.float())
+        w8a8 = rows > 2 and dtype != torch.float32
+        reference = fp8_dequant_linear if w8a8 else fp8_weight_only_linear
+        expected = reference(x.float(), weight, scale, 300, layer.bias.float())
         torch.testing.assert_close(layer(x).float(), expected, rtol=tol, atol=tol)
     few = "fp8_gemv_linear" if dtype == torch.float32 else "fp8_rows_linear"
     assert called == ["fp8_skinny_linear", "fp8_gemv_rows_linear", few, few]

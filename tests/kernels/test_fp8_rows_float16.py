@@ -3,10 +3,13 @@ kernels, the RMSNorm and SiLU-mul writing those rows, per channel and for block-
 activations as float16 times a power of two a row give the bf16 rows kernel's outputs bit for bit (the
 same products and sums a power of two apart; the interpreter sums float16 dots as bf16 ones), on CPU
 tensors through the Triton interpreter (or on CUDA when TRITON_INTERPRET=0, to a row's rounding); rows
-thousands of times apart in magnitude, split-K and single launches, a bias; and the argument checks."""
+thousands of times apart in magnitude, split-K and single launches, a bias; and the argument checks.
+Over e4m3 rows (fp8_rows_e4m3: W8A8, fp8 dots) the kernel gives the dequantizing reference's product of
+the same rounded activations, and its norm and SiLU-mul forms the plain form's outputs of their rows."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import triton_test_device
 
 pytest.importorskip("triton")
@@ -15,8 +18,16 @@ from nanovllm.kernels import norm_act  # noqa: E402
 from nanovllm.kernels.float16_rows import float16_rows  # noqa: E402
 from nanovllm.kernels.fp8_skinny import fp8_rows_block_linear, fp8_rows_linear  # noqa: E402
 from nanovllm.layers import fp8_methods  # noqa: E402
-from nanovllm.layers.fp8 import quantize_blocks, quantize_groups  # noqa: E402
-from nanovllm.layers.fp8_methods import fp8_rows, fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu  # noqa: E402
+from nanovllm.layers.fp8 import dequantize, quantize_activations, quantize_blocks, quantize_groups  # noqa: E402
+from nanovllm.layers.fp8_methods import (  # noqa: E402
+    fp8_rows,
+    fp8_rows_e4m3,
+    fp8_rows_e4m3_norm,
+    fp8_rows_e4m3_silu,
+    fp8_rows_f16,
+    fp8_rows_f16_norm,
+    fp8_rows_f16_silu,
+)
 
 DEVICE = triton_test_device()
 BF16 = torch.bfloat16
@@ -74,16 +85,19 @@ def test_float16_rows_give_the_block_scaled_rows_kernel_bit_for_bit(rows):
     assert_same(fp8_methods.fp8_rows_blocks_f16(x, weight, per_row, 128, None), expected)
 
 
-# (the float16 form's kernels, the bf16 form they must equal, the weight) per scale layout
+# (a form's norm and SiLU-mul kernels, the plain kernel they must equal after the norm or SiLU-mul, the
+# weight): float16 rows per scale layout equal the bf16 form; e4m3 rows their own plain form
 FORMS = {"channel": ((fp8_rows_f16_norm, fp8_rows_f16_silu), fp8_rows, lambda n, k: make(n, k, 1)[1:3]),
          "blocks": ((fp8_methods.fp8_rows_blocks_f16_norm, fp8_methods.fp8_rows_blocks_f16_silu),
-                    fp8_methods.fp8_rows_blocks, blocked)}
+                    fp8_methods.fp8_rows_blocks, blocked),
+         "channel, e4m3": ((fp8_rows_e4m3_norm, fp8_rows_e4m3_silu), fp8_rows_e4m3,
+                           lambda n, k: make(n, k, 1)[1:3])}
 
 
 @pytest.mark.parametrize("layout", FORMS)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_the_norm_writes_the_float16_rows_the_rows_kernel_takes(layout, with_residual):
-    (normed_kernel, _), bf16_kernel, weights = FORMS[layout]
+def test_the_norm_writes_the_rows_the_rows_kernel_takes(layout, with_residual):
+    (normed_kernel, _), plain_kernel, weights = FORMS[layout]
     x, _, _, _ = make(128, 256, 5)
     weight, scale = weights(128, 256)
     gen = torch.Generator().manual_seed(9)
@@ -94,23 +108,51 @@ def test_the_norm_writes_the_float16_rows_the_rows_kernel_takes(layout, with_res
         normed, expected_sum = norm_act.rms_norm(x, norm_weight, 1e-6), x
     else:
         normed, expected_sum = norm_act.add_rms_norm(x, residual, norm_weight, 1e-6)
-    assert_same(out, bf16_kernel(normed, weight, scale, 256, None))
+    assert_same(out, plain_kernel(normed, weight, scale, 256, None))
     assert torch.equal(summed, expected_sum)
 
 
 @pytest.mark.parametrize("layout", FORMS)
-def test_the_silu_mul_writes_the_float16_rows_the_rows_kernel_takes(layout):
-    (_, silu_kernel), bf16_kernel, weights = FORMS[layout]
+def test_the_silu_mul_writes_the_rows_the_rows_kernel_takes(layout):
+    (_, silu_kernel), plain_kernel, weights = FORMS[layout]
     x, _, _, _ = make(128, 256, 7, width=512)
     weight, scale = weights(128, 256)
     out = silu_kernel(x / 100, weight, scale, 256, None)  # silu(gate) * up: squares x's magnitudes
-    assert_same(out, bf16_kernel(norm_act.silu_and_mul(x / 100), weight, scale, 256, None))
+    assert_same(out, plain_kernel(norm_act.silu_and_mul(x / 100), weight, scale, 256, None))
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [3, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_e4m3_rows_give_the_w8a8_reference(n, k, rows, with_bias):
+    x, weight, scale, bias = make(n, k, rows)
+    bias = bias if with_bias else None
+    out = fp8_rows_e4m3(x, weight, scale, k, bias)
+    expected = F.linear(quantize_activations(x.float(), k), dequantize(weight, scale, k),
+                        None if bias is None else bias.float())
+    assert out.dtype == BF16
+    # bf16's rounding of each output (a float32 sum's order aside): under 2^-8 of its row's largest
+    rows_max = expected.abs().amax(dim=1, keepdim=True)
+    assert ((out.float() - expected).abs() / rows_max).max() < 2**-8
+
+
+def test_e4m3_rows_need_their_scales_and_an_output_dtype():
+    x, weight, scale, _ = make(96, 256, 3)
+    q, row_scale = quantize_groups(x.float(), 256)
+    q, row_scale = q.to(DEVICE), row_scale.to(DEVICE)
+    with pytest.raises(ValueError, match="need their scales"):
+        fp8_rows_linear(q, weight, scale, 256, out_dtype=BF16)
+    with pytest.raises(ValueError, match="need their scales"):
+        fp8_rows_linear(q, weight, scale, 256, x_scale=row_scale)
+    # float32 activations keep the rows kernel's unrounded path, as the float16 form's do
+    x32 = x.float()
+    assert torch.equal(fp8_rows_e4m3(x32, weight, scale, 256, None), fp8_rows(x32, weight, scale, 256, None))
 
 
 def test_float16_rows_refuse_other_activations():
     x, weight, scale, _ = make(96, 256, 3)
     rows, row_scale = float16_rows(x)
-    with pytest.raises(ValueError, match="must be float16 rows with contiguous float32 scales"):
+    with pytest.raises(ValueError, match="rows with contiguous float32 scales"):
         fp8_rows_linear(x, weight, scale, 256, x_scale=row_scale)
     with pytest.raises(ValueError, match=r"float32 scales \(3, 1\)"):
         fp8_rows_linear(rows, weight, scale, 256, x_scale=row_scale[:2])

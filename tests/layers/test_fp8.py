@@ -84,9 +84,9 @@ def test_fp8_kernels_run_on_gpus_with_fp8_tensor_cores(device, capability, block
     assert type(chosen) is method and chosen.pdl
     names = [chosen.bucket(rows).plain.__name__ for rows in (1, 16, 17, 4096)]
     # One scale a row on sm_90: bf16's one-row and few-row kernels over the e4m3 weight (the few-row one
-    # over float16 rows); 128 x 128 blocks there: the block GEMV at one row, the rows kernel scaling each
-    # tile's product at 2-16.
-    sm90 = {Fp8ScaledMmLinearMethod: ["fp8_skinny", "fp8_rows_f16"],
+    # over e4m3 rows, W8A8); 128 x 128 blocks there: the block GEMV at one row, the rows kernel scaling
+    # each tile's product at 2-16 (over float16 rows).
+    sm90 = {Fp8ScaledMmLinearMethod: ["fp8_skinny", "fp8_rows_e4m3"],
             Fp8BlockScaledMmLinearMethod: ["fp8_gemv_blocks", "fp8_rows_blocks_f16"]}
     few = sm90.get(method, ["fp8_gemv"] * 2)
     assert names == (few + [gemm] * 2 if gemm else ["fp8_dequant_linear"] * 4)

@@ -132,13 +132,13 @@ def test_the_sm90_fp8_plan_runs_the_fp8_kernels():
     rows = {line.split(" (")[0]: [cell.strip() for cell in line.split("  ") if cell.strip()][1:]
             for line in table.splitlines()}
     # One row the fp8 GEMV, the norm or SiLU-mul before it in its own kernel, chained as dependents; two
-    # the few-row GEMV, the norm or SiLU-mul before it in its own kernel; 3-16 the rows kernel over float16
+    # the few-row GEMV, the norm or SiLU-mul before it in its own kernel; 3-16 the rows kernel over e4m3
     # rows, which the norm or SiLU-mul write; all over the e4m3 weight; from 17 rows torch._scaled_mm, the
     # norm or SiLU-mul quantizing their own output.
-    plain = ["fp8_skinny", "fp8_gemv_rows", "fp8_rows_f16", "fp8_scaled_mm"]
+    plain = ["fp8_skinny", "fp8_gemv_rows", "fp8_rows_e4m3", "fp8_scaled_mm"]
     for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
-        assert rows[name] == ["fp8_skinny_norm", "rms_norm, fp8_gemv_rows", "fp8_rows_f16_norm",
+        assert rows[name] == ["fp8_skinny_norm", "rms_norm, fp8_gemv_rows", "fp8_rows_e4m3_norm",
                               "fp8_scaled_mm_norm"]
-    assert rows["mlp.down_proj"] == ["fp8_skinny_silu", "silu_and_mul, fp8_gemv_rows", "fp8_rows_f16_silu",
+    assert rows["mlp.down_proj"] == ["fp8_skinny_silu", "silu_and_mul, fp8_gemv_rows", "fp8_rows_e4m3_silu",
                                      "fp8_scaled_mm_silu"]
     assert rows["self_attn.o_proj"] == plain
