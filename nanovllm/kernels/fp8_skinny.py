@@ -145,7 +145,7 @@ def _rows_input(x: torch.Tensor, k: int, x_scale: torch.Tensor | None, out_dtype
         raise ValueError(f"x must be 1 to {MAX_ROWS} rows of {k} with a contiguous last dim; got "
                          f"{tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16, FP8_DTYPE):
-        raise ValueError(f"x dtype {x.dtype} is not float16, bfloat16 or {FP8_DTYPE}")
+        raise ValueError(f"x dtype {x.dtype} is not float16 or bfloat16 (or {FP8_DTYPE} rows with scales)")
     if x.dtype == FP8_DTYPE and (x_scale is None or out_dtype is None):
         raise ValueError(f"{FP8_DTYPE} rows need their scales (x_scale) and an out_dtype")
     if x_scale is not None and (x.dtype == torch.bfloat16 or x_scale.shape != (x.shape[0], 1)

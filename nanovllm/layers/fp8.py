@@ -18,7 +18,8 @@ After loading every layer holds one layout:
 
 group: the block's columns, or K (one scale per output channel). A block scale is kept with its row
 repeated for each output row of its block (3% of the weight's bytes at 128x128): every tensor-parallel layer
-then shards and fuses it exactly as it does the weight's rows, at any offset of q/k/v or gate/up.
+then shards and fuses it exactly as it does the weight's rows, at any offset of q/k/v or gate/up;
+`block_scales` recovers the compact [N / rows, K / columns] blocks from it where a GEMM wants those.
 
 `Fp8LinearMethod` is the dequantizing reference (the CPU's, and older GPUs'): the activations quantized to
 e4m3 per token (group) and back, the weight dequantized exactly, both multiplied in the model's dtype.
@@ -199,3 +200,19 @@ class Fp8LinearMethod(LinearMethod):
 
     def weights(self, layer: nn.Module) -> tuple:
         return layer.weight, layer.weight_scale, self.group(layer)
+
+
+def block_scales(weight_scale: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
+                 ) -> torch.Tensor | None:
+    """The compact [N / rows, K / columns] scales of a block-scaled weight [N, K] from the layout's
+    per-row copy ([N, K / columns], each block's row repeated), in the padded layout torch's block-scaled
+    GEMM takes (kernels/fp8_scaled_mm.padded_block_scales); None where the weight is not whole blocks, or a
+    block's rows differ (a merged layer whose parts do not start on a block)."""
+    (n, k), (rows, columns) = weight.shape, block
+    if n % rows or k % columns or weight_scale.shape != (n, k // columns):
+        return None
+    per_block = weight_scale.view(n // rows, rows, k // columns)
+    if not torch.equal(per_block, per_block[:, :1].expand_as(per_block)):
+        return None
+    from nanovllm.kernels.fp8_scaled_mm import padded_block_scales
+    return padded_block_scales(per_block[:, 0])

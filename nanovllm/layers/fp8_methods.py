@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.fp8 import Fp8LinearMethod, fp8_dequant_linear
+from nanovllm.layers.fp8 import Fp8LinearMethod, block_scales, fp8_dequant_linear
 from nanovllm.layers.fp8_float16_rows import float16_rows_forms
 from nanovllm.layers.linear_methods import Bucket, gated_forms, norm_first, rms_norm_kernel, silu_first
 from nanovllm.layers.norm_act import silu_and_mul
@@ -198,22 +198,6 @@ def fp8_block_scaled_mm_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale
     from nanovllm.kernels import fp8_scaled_mm, norm_quant
     q, scale = norm_quant.silu_mul_quant(x, BLOCK_SCALED_MM_BLOCK[1], pad_rows=4)
     return fp8_scaled_mm.block_scaled_mm_quantized(q, scale, weight, blocks, bias, x.dtype)[: x.shape[0]]
-
-
-def block_scales(weight_scale: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
-                 ) -> torch.Tensor | None:
-    """The compact [N / rows, K / columns] scales of a block-scaled weight [N, K] from the layout's
-    per-row copy ([N, K / columns], each block's row repeated), in the padded layout torch's block-scaled
-    GEMM takes (kernels/fp8_scaled_mm.padded_block_scales); None where the weight is not whole blocks, or a
-    block's rows differ (a merged layer whose parts do not start on a block)."""
-    (n, k), (rows, columns) = weight.shape, block
-    if n % rows or k % columns or weight_scale.shape != (n, k // columns):
-        return None
-    per_block = weight_scale.view(n // rows, rows, k // columns)
-    if not torch.equal(per_block, per_block[:, :1].expand_as(per_block)):
-        return None
-    from nanovllm.kernels.fp8_scaled_mm import padded_block_scales
-    return padded_block_scales(per_block[:, 0])
 
 
 class Fp8TritonLinearMethod(Fp8LinearMethod):

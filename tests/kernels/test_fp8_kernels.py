@@ -277,7 +277,8 @@ def test_torchs_block_scaled_gemm_matches_the_dequantizing_reference(m):
     if DEVICE != "cuda" or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch's block-scaled GEMM runs on sm_90 GPUs")
     from nanovllm.kernels.fp8_scaled_mm import block_scaled_mm_linear
-    from nanovllm.layers.fp8_methods import block_scaled_mm_available, block_scales
+    from nanovllm.layers.fp8 import block_scales
+    from nanovllm.layers.fp8_methods import block_scaled_mm_available
 
     if not block_scaled_mm_available():
         pytest.skip("this torch has no block-scaled scaled_mm")

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from nanovllm import LLM
 from nanovllm.layers.fp8 import (
     Fp8LinearMethod,
+    block_scales,
     dequantize,
     quantize_activations,
     quantize_blocks,
@@ -25,7 +26,6 @@ from nanovllm.layers.fp8_methods import (
     Fp8ScaledMmLinearMethod,
     Fp8TritonLinearMethod,
     block_scaled_mm_available,
-    block_scales,
     fp8_linear_method,
 )
 from nanovllm.layers.linear import QKVParallelLinear, ReplicatedLinear
