@@ -24,9 +24,10 @@ from nanovllm.layers.linear_methods import Bucket, gated_forms, norm_first, rms_
 from nanovllm.layers.norm_act import silu_and_mul
 from nanovllm.utils.config_checks import Fp8Scheme
 
-# Whether fp8's few-row buckets (per channel 3-16 rows, 128 x 128 blocks 2-16) run the rows kernel over
-# bf16 activations as float16 rows times powers of two (exact), so that e4m3 tiles widen to float16: 16
-# streams of Qwen3-8B with fp8 weights 4.97 / 4.98 ms a step against 5.27 / 5.27 (H200, 2026-12-05).
+# Whether fp8's few-row buckets (128 x 128 blocks 2-16 rows; per channel 3-16 without W8A8_ROWS) run the
+# rows kernel over bf16 activations as float16 rows times powers of two (exact), so that e4m3 tiles widen
+# to float16: 16 streams of Qwen3-8B with fp8 weights 4.97 / 4.98 ms a step against 5.27 / 5.27 (H200,
+# 2026-12-05, per channel, before W8A8_ROWS).
 FLOAT16_ROWS = True
 # Whether per-channel fp8's 3-16-row bucket quantizes its activations to e4m3 rows instead (W8A8, the
 # rounding of 17 rows and more), so that the rows kernel multiplies in fp8 dots, no tile widened (sm_90
