@@ -1,7 +1,8 @@
 """The kernel cases test_sm90_compile.py compiles for sm_90: each Triton kernel with the constexprs (and
 pointer types, launch options) of a configuration the engine launches, and the argument types by name
-(the MoE kernels' cases: sm90_moe_cases.py)."""
+(the linear layers' matmuls: sm90_linear_cases.py; the MoE kernels': sm90_moe_cases.py)."""
 
+from sm90_linear_cases import linear_cases
 from sm90_moe_cases import moe_cases
 
 # Pointer element types by argument name; other pointers hold the model's dtype.
@@ -43,8 +44,6 @@ FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 # Cases over an int8 KV cache (kv_cache_dtype="int8"): int8 values, float32 scales per token.
 INT8_CACHE = {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}
 ROPE_SHAPES = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128)
-# fp8 weights (layers/fp8.py's layout): e4m3 [N, K] and float32 scales; the W8A8 GEMM's x is e4m3 too.
-FP8_WEIGHT = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}
 DECODE = dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=128,
               COMBINE_HEADS=2, COMBINE_ROWS=16, TILES="cast", KV_PER_PROG=1)
 
@@ -71,18 +70,11 @@ def cases() -> dict:
         decode_inputs,
         decode_launch,
         decode_rope,
-        fp8_block_gemv,
-        fp8_gemm,
-        fp8_gemv,
-        gemv_rows,
         norm_act,
         norm_quant,
         prefill_attention,
         rope_store,
         sample_race,
-        skinny_gemm,
-        skinny_rows,
-        split_k,
     )
     silu_quant_warps = dict(num_warps=norm_quant.silu_mul_warps(norm_quant.ROW_BLOCK))  # 8B's whole rows
     return {
@@ -181,111 +173,6 @@ def cases() -> dict:
         "prefill-fp8": (prefill_attention._prefill_kernel,
                         dict(NUM_HEADS_PER_KV=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=64,
                              BLOCK_N=64, DOT_PRECISION="tf32"), FP8_CACHE),
-        "skinny-gemm": (skinny_gemm._skinny_gemm_kernel,
-                        dict(BLOCK_N=64, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True, NUM_STAGES=3,
-                             PDL=False, PRELOAD=0)),
-        "skinny-gemm-add-rms-norm": (skinny_gemm._skinny_gemm_kernel,
-                                     dict(BLOCK_N=8, BLOCK_K=512, HAS_BIAS=False, WRITE_PARTIAL=False,
-                                          NUM_STAGES=3, PROLOGUE=skinny_gemm.ADD_RMS_NORM.value, PDL=False,
-                                          PRELOAD=0)),
-        "skinny-gemm-silu-mul": (skinny_gemm._skinny_gemm_kernel,
-                                 dict(BLOCK_N=4, BLOCK_K=1024, HAS_BIAS=False, WRITE_PARTIAL=False,
-                                      NUM_STAGES=3, PROLOGUE=skinny_gemm.SILU_MUL.value, PDL=False,
-                                      PRELOAD=1)),
-        "skinny-gemm-pdl": (skinny_gemm._skinny_gemm_kernel,
-                            dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=3,
-                                 PROLOGUE=skinny_gemm.ADD_RMS_NORM.value, PDL=True, PRELOAD=2), {},
-                            dict(launch_pdl=True)),
-        # fp8 weights with one scale a row (kernels/fp8_skinny.py): the e4m3 tile widened in registers.
-        "skinny-gemm-fp8-add-rms-norm-pdl": (
-            skinny_gemm._skinny_gemm_kernel,
-            dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=5,
-                 PROLOGUE=skinny_gemm.ADD_RMS_NORM.value, PDL=True, PRELOAD=2, SCALED=True),
-            FP8_WEIGHT, dict(launch_pdl=True)),
-        # The SiLU-mul after gate/up as the GEMV's epilogue (kernels/gemv_folds.py): bf16 with the norm's
-        # prologue too, and e4m3 with a scale a row (Qwen3-8B's gate/up launch: 16 x 256 tiles).
-        "skinny-gemm-gated-add-rms-norm-pdl": (
-            skinny_gemm._skinny_gemm_kernel,
-            dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=4,
-                 PROLOGUE=skinny_gemm.ADD_RMS_NORM.value, PDL=True, PRELOAD=2, GATED=True), {},
-            dict(launch_pdl=True)),
-        "skinny-gemm-fp8-gated-pdl": (
-            skinny_gemm._skinny_gemm_kernel,
-            dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False, WRITE_PARTIAL=False, NUM_STAGES=5, PDL=True,
-                 PRELOAD=2, SCALED=True, GATED=True),
-            FP8_WEIGHT, dict(launch_pdl=True)),
-        # One row of a 128 x 128 block-scaled weight in one kernel (kernels/fp8_block_gemv.py): tiles of
-        # runs inside one block, a scale a run.
-        "fp8-block-gemv-pdl": (
-            fp8_block_gemv._block_gemv_kernel,
-            dict(BLOCK_N=16, GROUPS=2, WIDTH=128, ROWS=128, INPUTS=128, HAS_BIAS=False, WRITE_PARTIAL=False,
-                 NUM_STAGES=5, PDL=True, PRELOAD=2),
-            {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, dict(launch_pdl=True)),
-        "fp8-block-gemv-gated-pdl": (  # the SiLU-mul epilogue: a scale row a column (gate's and up's)
-            fp8_block_gemv._block_gemv_kernel,
-            dict(BLOCK_N=16, GROUPS=2, WIDTH=128, ROWS=128, INPUTS=128, HAS_BIAS=False, WRITE_PARTIAL=False,
-                 NUM_STAGES=5, PDL=True, PRELOAD=2, GATED=True),
-            {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, dict(launch_pdl=True)),
-        "fp8-block-gemv-split": (
-            fp8_block_gemv._block_gemv_kernel,
-            dict(BLOCK_N=4, GROUPS=8, WIDTH=128, ROWS=128, INPUTS=128, HAS_BIAS=True, WRITE_PARTIAL=True,
-                 NUM_STAGES=3, PDL=False, PRELOAD=0),
-            {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
-        "skinny-gemm-fp8-split-k": (
-            skinny_gemm._skinny_gemm_kernel,
-            dict(BLOCK_N=4, BLOCK_K=1024, HAS_BIAS=True, WRITE_PARTIAL=True, NUM_STAGES=3, PDL=False,
-                 PRELOAD=0, SCALED=True),
-            FP8_WEIGHT),
-        "skinny-rows-add-rms-norm-pdl": (skinny_rows._skinny_rows_kernel,
-                                         dict(ROWS_=16, BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False,
-                                              WRITE_PARTIAL=False, NUM_STAGES=4,
-                                              PROLOGUE=skinny_rows.ADD_RMS_NORM.value, PDL=True,
-                                              PRELOAD=2), {},
-                                         dict(launch_pdl=True)),
-        "skinny-rows-split": (skinny_rows._skinny_rows_kernel,
-                              dict(ROWS_=16, BLOCK_N=16, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True,
-                                   NUM_STAGES=4, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2), {},
-                              dict(num_warps=2, launch_pdl=True)),
-        # fp8 weights at 2-16 rows (kernels/fp8_skinny.fp8_rows_linear): e4m3 tiles widened for the dot.
-        "skinny-rows-fp8-pdl": (skinny_rows._skinny_rows_kernel,
-                                dict(ROWS_=16, BLOCK_N=64, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=False,
-                                     NUM_STAGES=4, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
-                                     SCALED=True), FP8_WEIGHT, dict(num_warps=4, launch_pdl=True)),
-        "skinny-rows-fp8-split": (skinny_rows._skinny_rows_kernel,
-                                  dict(ROWS_=16, BLOCK_N=16, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True,
-                                       NUM_STAGES=5, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
-                                       SCALED=True), FP8_WEIGHT, dict(num_warps=2, launch_pdl=True)),
-        # W8A16 over float16 rows (layers/fp8_methods.FLOAT16_ROWS): x float16 with a scale a row, the
-        # e4m3 tiles widened to float16; fp8_rows_config's 128-input tiles.
-        "skinny-rows-fp8-f16": (skinny_rows._skinny_rows_kernel,
-                                dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, WRITE_PARTIAL=False,
-                                     NUM_STAGES=4, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
-                                     SCALED=True, X_SCALED=True),
-                                dict(FP8_WEIGHT, x_ptr="*fp16"), dict(num_warps=4, launch_pdl=True)),
-        # W8A8 over e4m3 rows (layers/fp8_methods.W8A8_ROWS): fp8 dots, each tile's sum added in float32.
-        "skinny-rows-fp8-e4m3": (skinny_rows._skinny_rows_kernel,
-                                 dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, WRITE_PARTIAL=False,
-                                      NUM_STAGES=4, PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
-                                      SCALED=True, X_SCALED=True),
-                                 dict(FP8_WEIGHT, x_ptr="*fp8e4nv"), dict(num_warps=4, launch_pdl=True)),
-        "skinny-rows-fp8-rows-kernel-tiles": (skinny_rows._skinny_rows_kernel,
-                                              dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False,
-                                                   WRITE_PARTIAL=False, NUM_STAGES=4,
-                                                   PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
-                                                   SCALED=True),
-                                              FP8_WEIGHT, dict(num_warps=4, launch_pdl=True)),
-        "skinny-rows-fp8-blocks-split": (  # 128 x 128 block scales: a tile's product times its block's
-            skinny_rows._skinny_rows_kernel,
-            dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, WRITE_PARTIAL=True, NUM_STAGES=4,
-                 PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2, SCALED=False, SCALE_GROUP=128,
-                 SCALE_ROWS=128), FP8_WEIGHT, dict(num_warps=4, launch_pdl=True)),
-        "skinny-rows-fp8-blocks-f16": (  # the same over float16 rows (fp8_methods.FLOAT16_ROWS)
-            skinny_rows._skinny_rows_kernel,
-            dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, WRITE_PARTIAL=True, NUM_STAGES=4,
-                 PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2, SCALED=False, SCALE_GROUP=128,
-                 SCALE_ROWS=128, X_SCALED=True), dict(FP8_WEIGHT, x_ptr="*fp16"),
-            dict(num_warps=4, launch_pdl=True)),
-        "split-k-reduce": (split_k.split_k_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK_N=128)),
         "add-rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
         "rms-norm": (norm_act._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=1024)),
         "silu-and-mul": (norm_act._silu_and_mul_kernel, dict(BLOCK=norm_act.ACT_BLOCK)),
@@ -325,42 +212,6 @@ def cases() -> dict:
         # A decode graph's race: each row's token where out_rows says.
         "race-pick-scatter": (sample_race._race_pick_kernel,
                               dict(BLOCK_C=sample_race.MAX_CHUNKS, SCATTER=True), {}, dict(num_warps=1)),
-        # The few-row GEMV as the layers take it at two rows: o_proj (PDL, preloaded tiles), down_proj with
-        # its SiLU-mul; and a split with a bias at four rows.
-        "gemv-rows-pdl": (gemv_rows._gemv_rows_kernel,
-                          dict(ROWS=2, BLOCK_N=4, BLOCK_K=512, HAS_BIAS=False, WRITE_PARTIAL=False,
-                               NUM_STAGES=6, PROLOGUE=gemv_rows.PLAIN.value, PDL=True, PRELOAD=2), {},
-                          dict(launch_pdl=True)),
-        "gemv-rows-silu-mul": (gemv_rows._gemv_rows_kernel,
-                               dict(ROWS=2, BLOCK_N=4, BLOCK_K=512, HAS_BIAS=False, WRITE_PARTIAL=False,
-                                    NUM_STAGES=6, PROLOGUE=gemv_rows.SILU_MUL.value, PDL=False, PRELOAD=0)),
-        "gemv-rows-split": (gemv_rows._gemv_rows_kernel,
-                            dict(ROWS=4, BLOCK_N=16, BLOCK_K=64, HAS_BIAS=True, WRITE_PARTIAL=True,
-                                 NUM_STAGES=4, PROLOGUE=gemv_rows.PLAIN.value, PDL=False, PRELOAD=1)),
-        # fp8 linear layers (layers/fp8.py): activations quantized per token and 128-group, the W8A8 GEMM of
-        # a 128x128 block checkpoint and of a per-channel one (one K-group), and the W8A16 decode GEMV.
-        "fp8-quantize-rows": (fp8_gemm._quantize_rows_kernel, dict(BLOCK=128),
-                              {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
-        "fp8-w8a8-gemm-block": (fp8_gemm._w8a8_gemm_kernel,
-                                dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, ONE_GROUP=False, HAS_BIAS=True,
-                                     WRITE_PARTIAL=False, NUM_STAGES=3),
-                                dict(FP8_WEIGHT, x_ptr="*fp8e4nv", x_scale_ptr="*fp32"), dict(num_warps=8)),
-        "fp8-w8a8-gemm-channel": (fp8_gemm._w8a8_gemm_kernel,
-                                  dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, ONE_GROUP=True, HAS_BIAS=False,
-                                       WRITE_PARTIAL=False, NUM_STAGES=3),
-                                  dict(FP8_WEIGHT, x_ptr="*fp8e4nv", x_scale_ptr="*fp32"), dict(num_warps=4)),
-        "fp8-w8a8-gemm-split": (fp8_gemm._w8a8_gemm_kernel,
-                                dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, ONE_GROUP=True, HAS_BIAS=True,
-                                     WRITE_PARTIAL=True, NUM_STAGES=4),
-                                dict(FP8_WEIGHT, x_ptr="*fp8e4nv", x_scale_ptr="*fp32", out_ptr="*fp32"),
-                                dict(num_warps=4)),
-        "fp8-gemv-block-pdl": (fp8_gemv._fp8_gemv_kernel,
-                               dict(ROWS_=16, BLOCK_N=32, BLOCK_K=128, ONE_GROUP=False, HAS_BIAS=True,
-                                    NUM_STAGES=4, DOT_PRECISION="tf32", PDL=True),
-                               FP8_WEIGHT, dict(num_warps=4, launch_pdl=True)),
-        "fp8-gemv-channel": (fp8_gemv._fp8_gemv_kernel,
-                             dict(ROWS_=16, BLOCK_N=64, BLOCK_K=256, ONE_GROUP=True, HAS_BIAS=False,
-                                  NUM_STAGES=4, DOT_PRECISION="tf32", PDL=False),
-                             FP8_WEIGHT, dict(num_warps=4)),
+        **linear_cases(),
         **moe_cases(),
     }
