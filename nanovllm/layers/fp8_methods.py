@@ -8,7 +8,7 @@ Fp8LinearMethod): which kernel a call takes by its row count on Ada and Hopper, 
 - `Fp8ScaledMmLinearMethod` (one scale a row, sm_90+): one row through bf16's GEMV over the e4m3 weight
   (kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), two through the few-row GEMV
   over it (W8A16, the activations unrounded), 3-16 through the rows kernel over e4m3 rows (W8A8, fp8 dots:
-  layers/fp8_float16_rows.py), and from 17 torch._scaled_mm; from 3 rows the norm or SiLU-mul before the
+  layers/fp8_rows_forms.py), and from 17 torch._scaled_mm; from 3 rows the norm or SiLU-mul before the
   product writes e4m3 and its scales directly (kernels/norm_quant.py).
 - `Fp8BlockScaledMmLinearMethod` (128 x 128 blocks, sm_90): one row through a GEMV with a scale a run of
   each tile, 2-16 rows through bf16's rows kernel over float16 rows with each tile's product times its
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.fp8 import Fp8LinearMethod, block_scales, fp8_dequant_linear
-from nanovllm.layers.fp8_float16_rows import float16_rows_forms
+from nanovllm.layers.fp8_rows_forms import rows_forms
 from nanovllm.layers.linear_methods import Bucket, gated_forms, norm_first, rms_norm_kernel, silu_first
 from nanovllm.layers.norm_act import silu_and_mul
 from nanovllm.utils.config_checks import Fp8Scheme
@@ -118,13 +118,13 @@ def _rows_blocks_launch(rows, weight, weight_scale, group, bias, pdl, x_scale, o
 
 
 # The few-row buckets over e4m3 rows (W8A8_ROWS: bf16 or float16 activations, float32 ones keep fp8_rows)
-# and over float16 rows (FLOAT16_ROWS; layers/fp8_float16_rows.py): bf16 activations only
+# and over float16 rows (FLOAT16_ROWS; layers/fp8_rows_forms.py): bf16 activations only
 # (float16 rows hold bf16 exactly, not float32), block-scaled weights with their compact blocks.
-fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu = float16_rows_forms(
+fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu = rows_forms(
     fp8_rows, _rows_launch, lambda x, _: x.dtype == torch.bfloat16)
-fp8_rows_e4m3, fp8_rows_e4m3_norm, fp8_rows_e4m3_silu = float16_rows_forms(
+fp8_rows_e4m3, fp8_rows_e4m3_norm, fp8_rows_e4m3_silu = rows_forms(
     fp8_rows, _rows_launch, lambda x, _: x.dtype in (torch.bfloat16, torch.float16), e4m3=True)
-fp8_rows_blocks_f16, fp8_rows_blocks_f16_norm, fp8_rows_blocks_f16_silu = float16_rows_forms(
+fp8_rows_blocks_f16, fp8_rows_blocks_f16_norm, fp8_rows_blocks_f16_silu = rows_forms(
     fp8_rows_blocks, _rows_blocks_launch,
     lambda x, scale: x.dtype == torch.bfloat16 and getattr(scale, "blocks", None) is not None)
 

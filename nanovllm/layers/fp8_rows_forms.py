@@ -1,14 +1,18 @@
-"""fp8's few-row kernels over float16 rows (the forms fp8_methods.FLOAT16_ROWS picks): bf16 activations
-written as float16 times a power of two a row, exactly (bf16's significand fits float16's;
-kernels/float16_rows.py), so that the rows kernel widens its e4m3 weight tiles to float16 (one conversion
-a pair, where widening to bf16 takes three instructions) and multiplies each row's sums by its scale at
-the end: the bf16 form's products and sums, bit for bit. The RMSNorm before q/k/v and gate/up and the
-SiLU-mul before down write the float16 rows and their scales themselves (kernels/norm_quant.py's float16
-mode: no launch added); other inputs (o_proj's) take a float16_rows launch first.
+"""fp8's few-row kernels over rows the kernel before writes for them (the forms fp8_methods picks with
+FLOAT16_ROWS and W8A8_ROWS).
 
-With e4m3 the same forms write e4m3 rows instead, a scale a row (W8A8: the rounding of the GEMMs from 17
-rows and of the CPU's reference), and the rows kernel multiplies them in fp8 dots, nothing widened
-(fp8_methods.W8A8_ROWS); o_proj's input takes a quantize_rows launch first."""
+Float16 rows: bf16 activations written as float16 times a power of two a row, exactly (bf16's significand
+fits float16's; kernels/float16_rows.py), so that the rows kernel widens its e4m3 weight tiles to float16
+(one conversion a pair, where widening to bf16 takes three instructions) and multiplies each row's sums by
+its scale at the end: the bf16 form's products and sums, bit for bit (W8A16).
+
+e4m3 rows: the activations quantized to e4m3, a scale a row (W8A8: the rounding of the GEMMs from 17 rows
+and of the CPU's reference), which the rows kernel multiplies by the e4m3 tiles in fp8 dots, nothing
+widened.
+
+Either way the RMSNorm before q/k/v and gate/up and the SiLU-mul before down write the rows and their
+scales themselves (kernels/norm_quant.py: no launch added); other inputs (o_proj's) take a float16_rows or
+quantize_rows launch first."""
 
 from collections.abc import Callable
 
@@ -18,15 +22,15 @@ from nanovllm.layers.linear_methods import Kernel, NormedKernel, SiluKernel, nor
 
 # (rows, weight, weight_scale, group, bias, pdl, x_scale, out_dtype) -> the rows kernel's output
 RowsLaunch = Callable[..., torch.Tensor]
-# (x, weight_scale) -> whether a call can run over float16 rows
+# (x, weight_scale) -> whether a call can run over the form's rows
 Takes = Callable[[torch.Tensor, torch.Tensor], bool]
 
 
-def float16_rows_forms(fallback: Kernel, launch: RowsLaunch, takes: Takes, e4m3: bool = False
-                       ) -> tuple[Kernel, NormedKernel, SiluKernel]:
-    """A few-row bucket's plain, norm and SiLU-mul kernels over float16 rows (e4m3 rows with `e4m3`):
+def rows_forms(fallback: Kernel, launch: RowsLaunch, takes: Takes, e4m3: bool = False
+               ) -> tuple[Kernel, NormedKernel, SiluKernel]:
+    """A few-row bucket's plain, norm and SiLU-mul kernels over float16 rows, or e4m3 rows with `e4m3`:
     `launch` runs the rows kernel over them; a call `takes` refuses (float32 activations, which float16
-    cannot hold exactly; weights without what the launch needs) runs `fallback`, the bucket's bf16 form,
+    cannot hold exactly; weights without what the launch needs) runs `fallback`, the bucket's plain form,
     with its norm and SiLU-mul in their own kernels first."""
     fallback_norm, fallback_silu = norm_first(fallback), silu_first(fallback)
     float16 = not e4m3

@@ -1,11 +1,12 @@
-"""The fp8 rows kernel over float16 rows (kernels/fp8_skinny's x_scale; the linear methods' fp8_rows_f16
-kernels, the RMSNorm and SiLU-mul writing those rows, per channel and for block-scaled weights): bf16
-activations as float16 times a power of two a row give the bf16 rows kernel's outputs bit for bit (the
-same products and sums a power of two apart; the interpreter sums float16 dots as bf16 ones), on CPU
-tensors through the Triton interpreter (or on CUDA when TRITON_INTERPRET=0, to a row's rounding); rows
-thousands of times apart in magnitude, split-K and single launches, a bias; and the argument checks.
-Over e4m3 rows (fp8_rows_e4m3: W8A8, fp8 dots) the kernel gives the dequantizing reference's product of
-the same rounded activations, and its norm and SiLU-mul forms the plain form's outputs of their rows."""
+"""The fp8 rows kernel over the rows the kernel before writes (layers/fp8_rows_forms.py). Over float16
+rows (kernels/fp8_skinny's x_scale; the linear methods' fp8_rows_f16 kernels, the RMSNorm and SiLU-mul
+writing those rows, per channel and for block-scaled weights): bf16 activations as float16 times a power
+of two a row give the bf16 rows kernel's outputs bit for bit (the same products and sums a power of two
+apart; the interpreter sums float16 dots as bf16 ones), on CPU tensors through the Triton interpreter (or
+on CUDA when TRITON_INTERPRET=0, to a row's rounding); rows thousands of times apart in magnitude, split-K
+and single launches, a bias; and the argument checks. Over e4m3 rows (fp8_rows_e4m3: W8A8, fp8 dots) the
+kernel gives the dequantizing reference's product of the same rounded activations, and its norm and
+SiLU-mul forms the plain form's outputs of their rows."""
 
 import pytest
 import torch
