@@ -157,29 +157,31 @@ def _rows_input(x: torch.Tensor, k: int, x_scale: torch.Tensor | None, out_dtype
 
 def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
                     bias: torch.Tensor | None = None, pdl: bool = False, x_scale: torch.Tensor | None = None,
-                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None, counters: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N, 1])^T (+ bias) for 1 to 16 rows of float16 or
     bfloat16 (the dot's operands: float32 would run as TF32), float32 sums; group as fp8_skinny_linear's.
     x_scale: float32 [M, 1], x then float16 rows standing for x * x_scale (kernels/float16_rows.py: bf16
     rows exactly) or e4m3 rows quantized with those scales (W8A8: an fp8 dot), each row's sums times its
-    scale; the output in out_dtype (x's unless given; e4m3 rows need it)."""
+    scale; the output in out_dtype (x's unless given; e4m3 rows need it). counters: the layer's split-K
+    counters (skinny_rows.launch_rows)."""
     n, k = weight.shape
     out_dtype = _rows_input(x, k, x_scale, out_dtype)
     _check(x, weight, weight_scale, group, bias, out_dtype)
     out = torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
     return launch_rows(x, weight, bias, out, fp8_rows_config(n, k), pdl, weight_scale=weight_scale,
-                       x_scale=x_scale)
+                       x_scale=x_scale, counters=counters)
 
 
 def fp8_rows_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor,
                           block: tuple[int, int], bias: torch.Tensor | None = None, pdl: bool = False,
-                          x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-                          ) -> torch.Tensor:
+                          x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                          counters: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] e4m3 * block_scale [N / rows, K / inputs] a block = (rows, inputs))^T
     (+ bias) for 1 to 16 rows of float16 or bfloat16, float32 sums: the rows kernel with tiles inside one
     block, each tile's product times its block's scale (the weight-only reference's sum, reassociated).
-    `inputs` a power of two from 16; the scales' rows may be padded past K / inputs. x_scale, out_dtype:
-    as fp8_rows_linear's."""
+    `inputs` a power of two from 16; the scales' rows may be padded past K / inputs. x_scale, out_dtype,
+    counters: as fp8_rows_linear's."""
     n, k = weight.shape
     rows, inputs = block
     out_dtype = _rows_input(x, k, x_scale, out_dtype)
@@ -190,7 +192,7 @@ def fp8_rows_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: to
     _check_blocks(x, weight, block_scale, block, config.block_n, bias, out_dtype)
     out = torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
     return launch_rows(x, weight, bias, out, config, pdl, weight_scale=block_scale, block=block,
-                       x_scale=x_scale)
+                       x_scale=x_scale, counters=counters)
 
 
 def fp8_rows_config(n: int, k: int) -> RowsConfig:

@@ -24,7 +24,8 @@ each tile's sum is added in float32, since sm_90's fp8 dots keep fewer bits whil
 
 On sm_90+ it launches as a programmatic dependent, as skinny_gemm does: it loads its first weight tiles,
 waits for the kernel before, then lets the next one launch. Split-K (float32 partials summed in a fixed
-order by a second kernel) is for plain launches only (a split would cut the norm's sum of squares).
+order: by the last split of each column block to finish, given the layer's counters, else by a second
+kernel) is for plain launches only (a split would cut the norm's sum of squares).
 Sizes come from shapes alone, so calls are CUDA-graph capturable.
 """
 
@@ -36,7 +37,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, RMS_NORM, check_rows, weight_tile
-from nanovllm.kernels.split_k import plan_split_k, reduce_split_k, split_k_workspace
+from nanovllm.kernels.split_k import last_split_sums, plan_split_k, reduce_split_k, split_k_workspace
 
 # The rows of x the dot takes at once: tl.dot's smallest operand width.
 ROWS = 16
@@ -99,7 +100,9 @@ def _skinny_rows_kernel(
     x_ptr,  # [M, K], rows stride_xm apart, last dim contiguous
     w_ptr,  # [N, K]
     bias_ptr,
-    out_ptr,  # [M, N], rows stride_om apart; with WRITE_PARTIAL a [split_k, M, N] float32 workspace
+    out_ptr,  # [M, N], rows stride_om apart
+    partial_ptr,  # WRITE_PARTIAL: the [split_k, M, N] float32 workspace
+    counters_ptr,  # LAST_SPLIT_SUMS: the layer's int32 arrival counters, [N] (a block counts at its first)
     residual_ptr,  # ADD_RMS_NORM: [M, K], rows stride_rm apart, added to x
     sum_ptr,  # ADD_RMS_NORM: [M, K] contiguous, receives x + residual (written by the first column block)
     norm_w_ptr,  # RMS_NORM, ADD_RMS_NORM: [K]
@@ -130,6 +133,7 @@ def _skinny_rows_kernel(
     SCALE_GROUP: tl.constexpr = 0,  # fp8 block-scaled weights: each tile's product times its block's scale
     SCALE_ROWS: tl.constexpr = 128,
     X_SCALED: tl.constexpr = False,  # x as float16 rows times a power of two (kernels/float16_rows.py)
+    LAST_SPLIT_SUMS: tl.constexpr = False,  # WRITE_PARTIAL: a column block's last split sums its partials
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -174,29 +178,47 @@ def _skinny_rows_kernel(
         acc = acc * tl.load(x_scale_ptr + real_m)[None, :]
     out_mask = n_mask[:, None] & m_mask[None, :]
     if WRITE_PARTIAL:
-        tl.store(out_ptr + (pid_k * M + offs_m)[None, :] * N + offs_n[:, None], acc, mask=out_mask)
+        offs_out = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(partial_ptr + pid_k * M * N + offs_out, acc, mask=out_mask)
+        if LAST_SPLIT_SUMS:
+            counter = counters_ptr + pid_n * BLOCK_N  # the block's: its first column's
+            last, acc = last_split_sums(acc, partial_ptr, M * N, counter, offs_out, out_mask)
+            if last:
+                _store_out(acc, bias_ptr, out_ptr, offs_m, offs_n, n_mask, out_mask, stride_om, HAS_BIAS)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
+        _store_out(acc, bias_ptr, out_ptr, offs_m, offs_n, n_mask, out_mask, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _store_out(acc, bias_ptr, out_ptr, offs_m, offs_n, n_mask, out_mask, stride_om, HAS_BIAS: tl.constexpr):
+    """out[m, n] = acc[n, m] (+ bias[n]) in out's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=out_mask)
 
 
 def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, prologue: tl.constexpr = PLAIN,
                 residual=None, summed=None, norm_weight=None, eps: float = 0.0, weight_scale=None,
-                block: tuple[int, int] | None = None, x_scale=None) -> torch.Tensor:
+                block: tuple[int, int] | None = None, x_scale=None, counters=None) -> torch.Tensor:
     """out[:M] = prologue(x) @ weight.T (+ bias); the callers check shapes and dtypes. weight_scale: an e4m3
     weight's float32 scales, one a row ([N] or [N, 1], contiguous), or with block = (rows, inputs) one a
     block ([N / rows, >= K / inputs], last dim contiguous; config.block_n dividing rows, config.block_k
-    inputs). x_scale: x's float32 scales, one a row ([M] or [M, 1], contiguous; a plain prologue)."""
+    inputs). x_scale: x's float32 scales, one a row ([M] or [M, 1], contiguous; a plain prologue).
+    counters: the layer's split-K arrival counters (int32 zeros [N], kernels/split_k.py): a split's
+    partials are then summed by its last program, not by a second launch."""
     m, (n, k) = x.shape[0], weight.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the rows kernel takes 1 to {MAX_ROWS} rows, not {m}")
     split = plan_split_k(k, config.block_k, 1 if prologue in (RMS_NORM, ADD_RMS_NORM) else config.split_k)
     write_partial = split.splits > 1
-    target = split_k_workspace(split, m, n, x.device) if write_partial else out
+    last_sums = write_partial and counters is not None
+    if last_sums and (counters.dtype != torch.int32 or counters.numel() < n):
+        raise ValueError(f"counters must be int32 zeros, one for each of the {n} outputs; got "
+                         f"{counters.dtype} [{counters.numel()}]")
+    partials = split_k_workspace(split, m, n, x.device) if write_partial else out
     _skinny_rows_kernel[(triton.cdiv(n, config.block_n), split.splits)](
-        x, weight, bias if bias is not None else x, target,
+        x, weight, bias if bias is not None else x, out, partials, counters if last_sums else x,
         residual if residual is not None else x, summed if summed is not None else x,
         norm_weight if norm_weight is not None else x, eps, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
@@ -207,9 +229,9 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
         PRELOAD=min(config.preload if pdl else 0, split.tiles_per_split),
         num_warps=config.num_warps, launch_pdl=pdl, SCALED=weight_scale is not None and block is None,
         SCALE_GROUP=0 if block is None else block[1], SCALE_ROWS=128 if block is None else block[0],
-        X_SCALED=x_scale is not None,
+        X_SCALED=x_scale is not None, LAST_SPLIT_SUMS=last_sums,
     )
-    return reduce_split_k(target, bias, out) if write_partial else out
+    return reduce_split_k(partials, bias, out) if write_partial and not last_sums else out
 
 
 def rows_config(n: int, k: int, prologue: tl.constexpr = PLAIN) -> RowsConfig:
@@ -227,12 +249,13 @@ def rows_config(n: int, k: int, prologue: tl.constexpr = PLAIN) -> RowsConfig:
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                pdl: bool = False) -> torch.Tensor:
-    """x @ weight.T (+ bias) for 1 to MAX_ROWS rows, in x's dtype with float32 accumulation."""
+                pdl: bool = False, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for 1 to MAX_ROWS rows, in x's dtype with float32 accumulation; counters: the
+    layer's split-K counters (launch_rows)."""
     (n, k) = weight.shape
     check_rows(x, k, weight, bias, MAX_ROWS)
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    return launch_rows(x, weight, bias, out, rows_config(n, k, PLAIN), pdl)
+    return launch_rows(x, weight, bias, out, rows_config(n, k, PLAIN), pdl, counters=counters)
 
 
 def rows_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,

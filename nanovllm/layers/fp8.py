@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear_methods import Bucket, LinearMethod
+from nanovllm.layers.linear_methods import Bucket, LinearMethod, add_split_counters
 from nanovllm.utils.config_checks import Fp8Scheme
 
 FP8 = torch.float8_e4m3fn
@@ -194,6 +194,7 @@ class Fp8LinearMethod(LinearMethod):
             scale = getattr(layer, self.scheme.block_scale_name).data
             delattr(layer, self.scheme.block_scale_name)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        add_split_counters(layer)
 
     def group(self, layer: nn.Module) -> int:
         return self.scheme.block[1] if self.scheme.block is not None else layer.weight.shape[1]

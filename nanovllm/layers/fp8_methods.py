@@ -86,8 +86,7 @@ def fp8_rows_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     blocks = getattr(weight_scale, "blocks", None)
     if blocks is None or x.dtype == torch.float32:  # no whole blocks; float32's dot would run as TF32
         return fp8_gemv(x, weight, weight_scale, group, bias, pdl)
-    from nanovllm.kernels.fp8_skinny import fp8_rows_block_linear
-    return fp8_rows_block_linear(x, weight, blocks, BLOCK_SCALED_MM_BLOCK, bias, pdl)
+    return _rows_blocks_launch(x, weight, weight_scale, group, bias, pdl, None, None)
 
 
 def fp8_gemv_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -102,19 +101,19 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
              bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     if x.dtype == torch.float32:  # the rows kernel's dot would round float32 to TF32
         return fp8_gemv(x, weight, weight_scale, group, bias, pdl)
-    from nanovllm.kernels.fp8_skinny import fp8_rows_linear
-    return fp8_rows_linear(x, weight, weight_scale, group, bias, pdl)
+    return _rows_launch(x, weight, weight_scale, group, bias, pdl, None, None)
 
 
 def _rows_launch(rows, weight, weight_scale, group, bias, pdl, x_scale, out_dtype) -> torch.Tensor:
     from nanovllm.kernels.fp8_skinny import fp8_rows_linear
-    return fp8_rows_linear(rows, weight, weight_scale, group, bias, pdl, x_scale, out_dtype)
+    return fp8_rows_linear(rows, weight, weight_scale, group, bias, pdl, x_scale, out_dtype,
+                           getattr(weight, "split_counters", None))
 
 
 def _rows_blocks_launch(rows, weight, weight_scale, group, bias, pdl, x_scale, out_dtype) -> torch.Tensor:
     from nanovllm.kernels.fp8_skinny import fp8_rows_block_linear
     return fp8_rows_block_linear(rows, weight, weight_scale.blocks, BLOCK_SCALED_MM_BLOCK, bias, pdl, x_scale,
-                                 out_dtype)
+                                 out_dtype, getattr(weight, "split_counters", None))
 
 
 # The few-row buckets over e4m3 rows (W8A8_ROWS: bf16 or float16 activations, float32 ones keep fp8_rows)

@@ -39,6 +39,12 @@ GatedKernel = Kernel
 # 59fc20b with the switch flipped in the call's copy): Qwen3-0.6B 0.857 / 0.849 -> 0.827 / 0.810 ms a
 # token, Qwen3-8B 5.867 -> 5.753. fp8's one-row buckets decide apart (fp8_methods.FP8_GATED_EPILOGUE: off).
 GATED_EPILOGUE = True
+# Whether layers get split-K arrival counters (add_split_counters), so that the few-row kernels' splits sum
+# their partials themselves instead of in a second launch. With the rows kernel's reduce launches skipped
+# (wrong sums, the same bytes) Qwen3-8B with fp8 weights took 3.814 against 4.015 ms a step at 4 streams
+# and 4.114 against 4.386 at 16 (H200, 2026-12-05): the most the counters can save. Off until their GPU
+# tests have passed and those steps are timed each way (interpreter tests only so far).
+SPLIT_COUNTERS = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +104,17 @@ def gemv_rows_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def mma_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: bool) -> torch.Tensor:
     from nanovllm.kernels.skinny_rows import rows_linear
-    return rows_linear(x, weight, bias, pdl=pdl)
+    return rows_linear(x, weight, bias, pdl=pdl, counters=getattr(weight, "split_counters", None))
+
+
+def add_split_counters(layer: nn.Module) -> None:
+    """Give the layer's weight [N, K] its split-K arrival counters (int32 zeros [N], weight.split_counters):
+    the few-row kernels' splits then sum their partials themselves, no second launch (kernels/split_k.py).
+    The layer's own, so that no two layers, models or engines share them. Nothing unless SPLIT_COUNTERS."""
+    if not SPLIT_COUNTERS:
+        return
+    layer.weight.split_counters = torch.zeros(layer.weight.shape[0], dtype=torch.int32,
+                                              device=layer.weight.device)
 
 
 def mma_rows_norm(x, norm_weight, eps, weight, bias, residual, pdl) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,6 +283,9 @@ class SkinnyLinearMethod(UnquantizedLinearMethod):
         Bucket(16, mma_rows, mma_rows_norm),
         Bucket(None, torch_linear),
     )
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        add_split_counters(layer)
 
 
 class SkinnyLMHeadMethod(SkinnyLinearMethod):

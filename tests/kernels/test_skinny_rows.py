@@ -1,6 +1,7 @@
 """The tensor-core few-rows kernel (kernels/skinny_rows.py) against PyTorch, on CPU tensors through the
 Triton interpreter or on CUDA when TRITON_INTERPRET=0, float16 and bfloat16:
-plain and RMSNorm-folded launches at 1-16 rows, ragged N and K, split-K, bias, the residual stream it
+plain and RMSNorm-folded launches at 1-16 rows, ragged N and K, split-K (summed by a second launch or by
+each column block's last split), bias, the residual stream it
 writes, the launch settings (on CUDA also the Qwen3-0.6B shapes at them), and the argument checks."""
 
 import pytest
@@ -51,6 +52,29 @@ def test_plain_rows_match_matmul_for_ragged_shapes_and_splits(m: int, split_k: i
         out = torch.empty(m, 40, dtype=dtype, device=DEVICE)
         launch_rows(x, weight, b, out, RowsConfig(16, 32, split_k=split_k, num_stages=2))
         assert_close(out, F.linear(x.float(), weight.float(), None if b is None else b.float()))
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_last_split_sums_give_the_reduce_launchs_bits_and_reset_the_counters(m: int, split_k: int):
+    x, weight, bias = make(m, 40, 100, torch.bfloat16)
+    config = RowsConfig(16, 32, split_k=split_k, num_stages=2)
+    counters = torch.zeros(40, dtype=torch.int32, device=DEVICE)  # a layer's (add_split_counters)
+    for b in (None, bias, None):  # one set of counters serves a layer's calls one after another
+        reduced = torch.empty(m, 40, dtype=torch.bfloat16, device=DEVICE)
+        launch_rows(x, weight, b, reduced, config)
+        summed = torch.full_like(reduced, float("nan"))
+        launch_rows(x, weight, b, summed, config, counters=counters)
+        assert torch.equal(summed, reduced)
+        assert not counters.any()
+
+
+def test_last_split_sums_refuse_counters_of_another_width():
+    x, weight, _ = make(2, 40, 100, torch.bfloat16)
+    out = torch.empty(2, 40, dtype=torch.bfloat16, device=DEVICE)
+    for counters in (torch.zeros(16, dtype=torch.int32), torch.zeros(40, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="one for each of the 40 outputs"):
+            launch_rows(x, weight, None, out, RowsConfig(16, 32, split_k=2), counters=counters.to(DEVICE))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -139,7 +139,7 @@ def test_the_block_method_falls_back_to_the_triton_gemm_without_whole_blocks(mon
     from nanovllm.kernels import fp8_skinny
     calls.clear()
     for name in ("fp8_block_gemv_linear", "fp8_rows_block_linear"):
-        monkeypatch.setattr(fp8_skinny, name, lambda x, w, blocks, block, bias, pdl, name=name:
+        monkeypatch.setattr(fp8_skinny, name, lambda x, w, blocks, block, bias, pdl, *rest, name=name:
                             calls.append((name, x.shape[0], tuple(blocks.shape), block)))
     monkeypatch.setattr(fp8_methods, "fp8_gemv", lambda x, *args: calls.append(("gemv", x.shape[0])))
     scale.blocks = block_scales(scale.data, layer.weight, (128, 128))
@@ -218,3 +218,28 @@ def test_a_scale_of_the_wrong_block_count_is_refused(tiny, tmp_path):
     path = with_tensor(tiny / "block", str(tmp_path / "bad_scale"), name, torch.ones(3, 1))
     with pytest.raises(ValueError, match=rf"'{name}'.*does not fit a weight of 128 rows in blocks of 128"):
         LLM(path, **ENGINE)
+
+
+def test_each_fp8_layer_holds_its_own_split_counters_and_its_rows_launches_pass_them(monkeypatch):
+    """The few-row kernels' split-K arrival counters (kernels/split_k.py; linear_methods.SPLIT_COUNTERS):
+    int32 zeros, one an output, made after loading for each layer (never shared), and what the 2-16-row
+    launches sum their splits with; none while the switch is off."""
+    from nanovllm.layers import linear_methods
+    method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, False))
+    off = ReplicatedLinear(32, 48, quant_method=method)
+    method.process_weights_after_loading(off)
+    assert linear_methods.SPLIT_COUNTERS or not hasattr(off.weight, "split_counters")
+    monkeypatch.setattr(linear_methods, "SPLIT_COUNTERS", True)
+    layers = [ReplicatedLinear(32, 48, quant_method=method) for _ in range(2)]
+    for layer in layers:
+        layer.weight.data.normal_()
+        method.process_weights_after_loading(layer)
+        assert layer.weight.split_counters.dtype == torch.int32 and layer.weight.split_counters.shape == (48,)
+        assert not layer.weight.split_counters.any()
+    assert layers[0].weight.split_counters.data_ptr() != layers[1].weight.split_counters.data_ptr()
+    from nanovllm.kernels import fp8_skinny
+    seen = []
+    monkeypatch.setattr(fp8_skinny, "fp8_rows_linear", lambda *args: seen.append(args[-1]))
+    layer = layers[1]
+    method.bucket(5).plain(torch.randn(5, 32, dtype=torch.bfloat16), *method.weights(layer), None, False)
+    assert len(seen) == 1 and seen[0] is layer.weight.split_counters
