@@ -2,7 +2,8 @@
 Triton interpreter or on CUDA when TRITON_INTERPRET=0, float16 and bfloat16:
 plain and RMSNorm-folded launches at 1-16 rows, ragged N and K, split-K (summed by a second launch or by
 each column block's last split), bias, the residual stream it
-writes, the launch settings (on CUDA also the Qwen3-0.6B shapes at them), and the argument checks."""
+writes, the launch settings (on CUDA also the Qwen3-0.6B shapes at them, and Qwen3-8B's splits summed by
+their last split under graph replays), and the argument checks."""
 
 import pytest
 import torch
@@ -173,3 +174,29 @@ def test_qwen3_shapes_at_their_launch_settings(m: int):
         norm_weight = (torch.rand(k) + 0.5).to(DEVICE, torch.bfloat16)
         out, summed = rows_norm_linear(x, norm_weight, 1e-6, weight, residual=residual)
         assert_close(out, rms_norm(summed.float(), norm_weight.float(), 1e-6) @ weight.float().T)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="many programs racing to count: what only a GPU shows")
+def test_last_split_sums_hold_under_graph_replays_at_qwen3_8b_splits():
+    """Qwen3-8B's split launches (64 column blocks of 64 outputs, split in four; 132 SMs racing), as a decode
+    graph replays them: ten calls a replay on one set of counters, each the reduce launch's bits."""
+    x, weight, bias = make(8, 4096, 4096, torch.bfloat16)
+    config = RowsConfig(64, 128, split_k=4, num_warps=4, num_stages=4)
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    reduced = torch.empty(8, 4096, dtype=torch.bfloat16, device=DEVICE)
+    launch_rows(x, weight, bias, reduced, config)
+    counters = torch.zeros(4096, dtype=torch.int32, device=DEVICE)
+    outs = [torch.empty_like(reduced) for _ in range(10)]
+    for out in outs:  # compiled and run once outside the graph
+        launch_rows(x, weight, bias, out, config, pdl, counters=counters)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for out in outs:
+            launch_rows(x, weight, bias, out, config, pdl, counters=counters)
+    for _ in range(20):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, reduced) for out in outs)
+    assert not counters.any()
