@@ -1,9 +1,8 @@
 """The tensor-core few-rows kernel (kernels/skinny_rows.py) against PyTorch, on CPU tensors through the
-Triton interpreter or on CUDA when TRITON_INTERPRET=0, float16 and bfloat16:
-plain and RMSNorm-folded launches at 1-16 rows, ragged N and K, split-K (summed by a second launch or by
-each column block's last split), bias, the residual stream it
-writes, the launch settings (on CUDA also the Qwen3-0.6B shapes at them, and Qwen3-8B's splits summed by
-their last split under graph replays), and the argument checks."""
+Triton interpreter or on CUDA when TRITON_INTERPRET=0, float16 and bfloat16: plain and RMSNorm-folded
+launches at 1-16 rows, ragged N and K, split-K (summed by a second launch or by each column block's last
+split), bias, the residual stream it writes, the launch settings (on CUDA also the Qwen3-0.6B shapes at
+them, and Qwen3-8B's splits summed by their last split under graph replays), and the argument checks."""
 
 import pytest
 import torch
