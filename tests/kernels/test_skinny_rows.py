@@ -56,7 +56,8 @@ def test_plain_rows_match_matmul_for_ragged_shapes_and_splits(m: int, split_k: i
 
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("split_k", [2, 3])
-def test_last_split_sums_give_the_reduce_launchs_bits_and_reset_the_counters(m: int, split_k: int):
+def test_last_split_sums_give_the_reduce_launchs_bits_and_reset_the_counters(m: int, split_k: int,
+                                                                              monkeypatch):
     x, weight, bias = make(m, 40, 100, torch.bfloat16)
     config = RowsConfig(16, 32, split_k=split_k, num_stages=2)
     counters = torch.zeros(40, dtype=torch.int32, device=DEVICE)  # a layer's (add_split_counters)
@@ -64,7 +65,9 @@ def test_last_split_sums_give_the_reduce_launchs_bits_and_reset_the_counters(m: 
         reduced = torch.empty(m, 40, dtype=torch.bfloat16, device=DEVICE)
         launch_rows(x, weight, b, reduced, config)
         summed = torch.full_like(reduced, float("nan"))
-        launch_rows(x, weight, b, summed, config, counters=counters)
+        with monkeypatch.context() as patch:  # no second launch
+            patch.setattr(skinny_rows, "reduce_split_k", lambda *args: pytest.fail("reduce launched"))
+            launch_rows(x, weight, b, summed, config, counters=counters)
         assert torch.equal(summed, reduced)
         assert not counters.any()
 
