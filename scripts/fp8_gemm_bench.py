@@ -1,14 +1,16 @@
 """fp8 linear kernels against bf16 on Qwen3-8B's projection shapes, one CUDA GPU: for each shape and row
 count, microseconds of bf16 F.linear (cuBLAS), at one row bf16's GEMV (kernels/skinny_gemm.py), at 1-4
-rows its few-row GEMV (kernels/gemv_rows.py) and at 1-16 its rows kernel (kernels/skinny_rows.py); of the
-one-row fp8 GEMV, the few-row CUDA-core GEMV (1-4 rows) and the 1-16 row tensor-core kernel
-(kernels/fp8_skinny.py), over 128x128 block scales the one-row GEMV (a scale a run of a tile) and the
-1-16 row kernel (each tile's product times its block's scale), as the engine runs them, the W8A16
-tensor-core GEMV (up to 16 rows), the Triton W8A8 GEMM with per-channel and 128x128 block
-scales, torch._scaled_mm with row-wise scales, and torch's block-scaled GEMM (F.scaled_mm, 1x128
-activation and 128x128 weight scales: what block-scaled checkpoints run from 17 rows, with a per-shape
-check of its error against the dequantized product; n/a where this torch lacks it); each beside its
-floor, the larger of reading the weight once at copy bandwidth and the FLOPs at the tensor cores' peak.
+rows its few-row GEMV (kernels/gemv_rows.py) and at 1-128 its rows kernel (kernels/skinny_rows.py); of
+the one-row fp8 GEMV, the few-row CUDA-core GEMV (1-4 rows) and the 1-16 row tensor-core kernel
+(kernels/fp8_skinny.py), the same kernel at 1-128 rows over e4m3 rows (W8A8, their quantize included: the
+per-channel method's rows bucket, layers/fp8_methods.W8A8_ROWS_MAX), over 128x128 block scales the
+one-row GEMV (a scale a run of a tile) and the 1-16 row kernel (each tile's product times its block's
+scale), as the engine runs them, the W8A16 tensor-core GEMV (up to 16 rows), the Triton W8A8 GEMM with
+per-channel and 128x128 block scales, torch._scaled_mm with row-wise scales, and torch's block-scaled
+GEMM (F.scaled_mm, 1x128 activation and 128x128 weight scales: what block-scaled checkpoints run from 17
+rows, with a per-shape check of its error against the dequantized product; n/a where this torch lacks
+it); each beside its floor, the larger of reading the weight once at copy bandwidth and the FLOPs at the
+tensor cores' peak.
 
     python scripts/fp8_gemm_bench.py [--rows 1 16 64 256 1024 4096]
 
@@ -34,8 +36,10 @@ from nanovllm.kernels.fp8_skinny import (
 from nanovllm.kernels.gemv_rows import MAX_ROWS as GEMV_ROWS
 from nanovllm.kernels.gemv_rows import gemv_rows_linear
 from nanovllm.kernels.skinny_gemm import skinny_linear
+from nanovllm.kernels.skinny_rows import MAX_ROWS as ROWS_KERNEL_ROWS
 from nanovllm.kernels.skinny_rows import rows_linear
 from nanovllm.layers.fp8 import dequantize, quantize_blocks, quantize_groups
+from nanovllm.layers.fp8_methods import fp8_rows_e4m3
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
           "down_proj": (4096, 12288)}  # (N, K) of Qwen3-8B at one GPU
@@ -90,8 +94,8 @@ def main() -> None:
         parser.error("it times CUDA kernels: run it on a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     columns = ("bf16", "bf16 gemv", "bf16 gemvr", "bf16 rows", "floor", "fp8 gemv1", "blk gemv1",
-               "gemv rows", "fp8 rows", "blk rows", "gemv16", "w8a8 ch", "w8a8 blk", "scaled_mm", "mm blk",
-               "fp8 floor")
+               "gemv rows", "fp8 rows", "e4m3 rows", "blk rows", "gemv16", "w8a8 ch", "w8a8 blk", "scaled_mm",
+               "mm blk", "fp8 floor")
     print(f"{'shape':13s} {'rows':>5s} " + " ".join(f"{c:>9s}" for c in columns) + "  (us)")
     for name, (n, k) in SHAPES.items():
         w16 = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
@@ -112,7 +116,8 @@ def main() -> None:
                 "bf16 gemv": timed_us(skinny_linear, [(x, w) for w in w16]) if m == 1 else NAN,
                 "bf16 gemvr": (timed_us(gemv_rows_linear, [(x, w) for w in w16]) if m <= GEMV_ROWS
                                else NAN),
-                "bf16 rows": timed_us(rows_linear, [(x, w) for w in w16]) if m <= MAX_ROWS else NAN,
+                "bf16 rows": (timed_us(rows_linear, [(x, w) for w in w16]) if m <= ROWS_KERNEL_ROWS
+                              else NAN),
                 "floor": max(n * k * 2 / BANDWIDTH, flops / BF16_FLOPS) * 1e6,
                 "fp8 gemv1": (timed_us(lambda x, q, s, k=k: fp8_skinny_linear(x, q, s, k), channel)
                               if m == 1 else NAN),
@@ -123,6 +128,8 @@ def main() -> None:
                               if m <= GEMV_ROWS else NAN),
                 "fp8 rows": (timed_us(lambda x, q, s, k=k: fp8_rows_linear(x, q, s, k), channel)
                              if m <= MAX_ROWS else NAN),
+                "e4m3 rows": (timed_us(lambda x, q, s, k=k: fp8_rows_e4m3(x, q, s, k, None), channel)
+                              if m <= ROWS_KERNEL_ROWS else NAN),
                 "blk rows": (timed_us(lambda x, q, s: fp8_rows_block_linear(x, q, s, (128, 128)),
                                        [(x, q, s) for q, s in padded])
                              if m <= MAX_ROWS else NAN),

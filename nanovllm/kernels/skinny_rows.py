@@ -6,8 +6,10 @@ rows took 9-17% less than with cuBLAS and separate norm kernels (commit adbf98d,
 At these M the weight is nearly all the bytes, so like skinny_gemm's GEMV each program streams its
 [BLOCK_N, K] slab of the weight once, in pipelined [BLOCK_N, BLOCK_K] tiles. The products run on tensor
 cores with the operands swapped ("swap-AB"): a weight tile is the dot's left operand (BLOCK_N >= 16 rows)
-and the rows of x, padded to ROWS = 16, its right one, so the float32 accumulator is a small [BLOCK_N,
-ROWS] tile. Padding rows repeat the last real row (valid addresses, no masks) and are never stored.
+and the rows of x, padded to ROWS = 16 (or the next power of two, up to 128 for plain launches), its
+right one, so the float32 accumulator is a small [BLOCK_N, rows] tile and a weight tile of 64 columns
+meets wgmma's 64-row side. Padding rows repeat the last real row (valid addresses, no masks) and are never
+stored.
 
 The RMSNorm before a linear layer folds into it as in skinny_gemm, per row (after a residual add or not;
 each row's sum stored once by the first column block, rounded to x's dtype), each row's 1/rms applied to
@@ -39,9 +41,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, RMS_NORM, check_rows, weight_tile
 from nanovllm.kernels.split_k import last_split_sums, plan_split_k, reduce_split_k, split_k_workspace
 
-# The rows of x the dot takes at once: tl.dot's smallest operand width.
+# The rows of x the dot takes at once: tl.dot's smallest operand width, and the most a launch pads to
+# (rows_tile: the next power of two from ROWS). More than ROWS rows take plain launches only (the norm's
+# [rows, BLOCK_K] sums of squares would not fit a thread's registers).
 ROWS = 16
-MAX_ROWS = ROWS
+MAX_ROWS = 128
 # rows_config's choices, measured on an H200 (132 SMs; commit adbf98d, docs/performance-notes.md, section
 # "Decode GEMMs and GEMVs": 28 calls
 # of each Qwen3-0.6B linear at 2, 8 and 16 rows, the best of ~20 settings a shape). q/k/v (N = 4096) and
@@ -208,8 +212,8 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
     counters: the layer's split-K arrival counters (int32 zeros [N], kernels/split_k.py): a split's
     partials are then summed by its last program, not by a second launch."""
     m, (n, k) = x.shape[0], weight.shape
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"the rows kernel takes 1 to {MAX_ROWS} rows, not {m}")
+    if not 1 <= m <= (MAX_ROWS if prologue == PLAIN else ROWS):
+        raise ValueError(f"the rows kernel takes 1 to {MAX_ROWS} rows ({ROWS} with a norm), not {m}")
     split = plan_split_k(k, config.block_k, 1 if prologue in (RMS_NORM, ADD_RMS_NORM) else config.split_k)
     write_partial = split.splits > 1
     last_sums = write_partial and counters is not None
@@ -224,7 +228,7 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
         x.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
         split.tiles_per_split, weight_scale if weight_scale is not None else x,  # never read unless scaled
         0 if block is None else weight_scale.stride(0), x_scale if x_scale is not None else x,
-        ROWS_=ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
+        ROWS_=rows_tile(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
         WRITE_PARTIAL=write_partial, NUM_STAGES=config.num_stages, PROLOGUE=prologue.value, PDL=pdl,
         PRELOAD=min(config.preload if pdl else 0, split.tiles_per_split),
         num_warps=config.num_warps, launch_pdl=pdl, SCALED=weight_scale is not None and block is None,
@@ -232,6 +236,11 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
         X_SCALED=x_scale is not None, LAST_SPLIT_SUMS=last_sums,
     )
     return reduce_split_k(partials, bias, out) if write_partial and not last_sums else out
+
+
+def rows_tile(m: int) -> int:
+    """The rows a launch for m rows pads x to: the dot's operand width, a power of two from ROWS."""
+    return max(ROWS, triton.next_power_of_2(m))
 
 
 def rows_config(n: int, k: int, prologue: tl.constexpr = PLAIN) -> RowsConfig:
@@ -261,10 +270,10 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def rows_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                      bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(s) @ weight.T (+ bias), s) for 1 to MAX_ROWS rows, s = x + residual (or x), in one kernel
+    """(rms_norm(s) @ weight.T (+ bias), s) for 1 to ROWS rows, s = x + residual (or x), in one kernel
     (see the module docstring for the rounding)."""
     (n, k) = weight.shape
-    check_rows(x, k, weight, bias, MAX_ROWS)
+    check_rows(x, k, weight, bias, ROWS)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.stride(-1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x's shape and dtype")

@@ -7,9 +7,9 @@ Fp8LinearMethod): which kernel a call takes by its row count on Ada and Hopper, 
   of the reference, on fp8 tensor cores).
 - `Fp8ScaledMmLinearMethod` (one scale a row, sm_90+): one row through bf16's GEMV over the e4m3 weight
   (kernels/fp8_skinny.py; the norm and SiLU-mul in their own kernels first), two through the few-row GEMV
-  over it (W8A16, the activations unrounded), 3-16 through the rows kernel over e4m3 rows (W8A8, fp8 dots:
-  layers/fp8_rows_forms.py), and from 17 torch._scaled_mm; from 3 rows the norm or SiLU-mul before the
-  product writes e4m3 and its scales directly (kernels/norm_quant.py).
+  over it (W8A16, the activations unrounded), 3 to W8A8_ROWS_MAX through the rows kernel over e4m3 rows
+  (W8A8, fp8 dots: layers/fp8_rows_forms.py), then torch._scaled_mm; from 3 rows the norm or SiLU-mul
+  before the product writes e4m3 and its scales directly (kernels/norm_quant.py).
 - `Fp8BlockScaledMmLinearMethod` (128 x 128 blocks, sm_90): one row through a GEMV with a scale a run of
   each tile, 2-16 rows through bf16's rows kernel over float16 rows with each tile's product times its
   block's scale (both kernels/fp8_skinny.py), then torch's block-scaled GEMM."""
@@ -36,6 +36,10 @@ FLOAT16_ROWS = True
 # streams 4.559 against 5.058. Block-scaled weights keep float16 rows (their activations would need a
 # scale a 128 inputs).
 W8A8_ROWS = True
+# The most rows that bucket takes (up to 128, x padded to a power of two on wgmma's narrow side; sm_90 K
+# loop 121 instructions a warp for 2,048 weights at 64 rows, 87 at 16): 16 until timed against _scaled_mm.
+W8A8_ROWS_MAX = 16
+FP8_GEMV_MAX_ROWS = 16  # kernels/fp8_gemv.MAX_ROWS (no Triton imported here)
 # Whether one-row buckets take the SiLU-mul as gate/up's epilogue (linear_methods.gated_forms): one stream of
 # Qwen3-8B, H100, 2026-12-05: a tie per channel (3.622 / 3.624 ms a token), a loss in blocks (3.923 / 4.173).
 FP8_GATED_EPILOGUE = False
@@ -100,7 +104,8 @@ def fp8_gemv_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
              bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     if x.dtype == torch.float32:  # the rows kernel's dot would round float32 to TF32
-        return fp8_gemv(x, weight, weight_scale, group, bias, pdl)
+        few = x.shape[0] <= FP8_GEMV_MAX_ROWS
+        return (fp8_gemv if few else fp8_scaled_mm)(x, weight, weight_scale, group, bias, pdl)
     return _rows_launch(x, weight, weight_scale, group, bias, pdl, None, None)
 
 
@@ -207,7 +212,7 @@ class Fp8TritonLinearMethod(Fp8LinearMethod):
     H200 at Qwen3-8B's shapes that GEMV took 1.1-3.4x bf16's time at 1 and 16 rows
     (scripts/fp8_gemm_bench.py; docs/performance-notes.md, "fp8 weights")."""
 
-    BUCKETS = (Bucket(16, fp8_gemv), Bucket(None, fp8_gemm))  # 16: kernels/fp8_gemv.MAX_ROWS
+    BUCKETS = (Bucket(FP8_GEMV_MAX_ROWS, fp8_gemv), Bucket(None, fp8_gemm))
 
 
 class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
@@ -217,20 +222,17 @@ class Fp8ScaledMmLinearMethod(Fp8TritonLinearMethod):
     folded in, as bf16 has them, they made it as slow as bf16 (one-stream Qwen3-8B fp8 4.57 ms a token
     against bf16's 4.62). Those kernels launch as programmatic dependents, so that the chain overlaps as
     the GEMVs' does (linear_methods.norm_first; not yet timed against plain launches). Two rows: the CUDA-core
-    few-row GEMV over the e4m3 weight (kernels/gemv_rows.py); 3-16: bf16's rows kernel over it with fp8's
-    own tiles (fp8_skinny.fp8_rows_config), the activations as e4m3 rows (W8A8_ROWS), in place of fp8_gemv
-    (slower than bf16 cuBLAS at 16 rows; kernels/fp8_skinny.py has the times). From 17 rows
+    few-row GEMV over the e4m3 weight (kernels/gemv_rows.py); 3 to W8A8_ROWS_MAX: bf16's rows kernel over
+    it with fp8's own tiles (fp8_skinny.fp8_rows_config), the activations as e4m3 rows (W8A8_ROWS). Beyond,
     torch._scaled_mm with row-wise scales (cuBLASLt / CUTLASS, what vLLM runs for this scaling): 0.56-0.72x
     of bf16 cuBLAS's time at 4,096 rows, where the Triton GEMM took 0.8-1.13x (2026-12-03, H200,
-    graph-timed); there the RMSNorm before q/k/v and gate/up and the SiLU-mul before down quantize their
-    own output (kernels/norm_quant.py: one kernel and no bf16 copy where the norm and quantize_rows took
-    two, the same bits; not yet timed on its own). 128 x 128 block scales take
-    Fp8BlockScaledMmLinearMethod."""
+    graph-timed); from 3 rows the RMSNorm before q/k/v and gate/up and the SiLU-mul before down quantize
+    their own output (kernels/norm_quant.py: the bits of the norm, then quantize_rows, in one kernel)."""
 
     BUCKETS = (Bucket(1, fp8_skinny, norm_first(fp8_skinny), silu_first(fp8_skinny),
                       *gated_forms(FP8_GATED_EPILOGUE, fp8_skinny_gated)),
                Bucket(2, fp8_gemv_rows),
-               Bucket(16, fp8_rows_e4m3, fp8_rows_e4m3_norm, fp8_rows_e4m3_silu) if W8A8_ROWS
+               Bucket(W8A8_ROWS_MAX, fp8_rows_e4m3, fp8_rows_e4m3_norm, fp8_rows_e4m3_silu) if W8A8_ROWS
                else Bucket(16, fp8_rows_f16, fp8_rows_f16_norm, fp8_rows_f16_silu) if FLOAT16_ROWS
                else Bucket(16, fp8_rows),
                Bucket(None, fp8_scaled_mm, fp8_scaled_mm_norm, fp8_scaled_mm_silu))

@@ -227,6 +227,37 @@ def test_the_per_channel_method_takes_one_row_then_two_then_the_rows_kernel_to_1
     assert called == ["fp8_skinny_linear", "fp8_gemv_rows_linear", few, few]
 
 
+def test_a_wider_w8a8_rows_bucket_takes_the_rows_kernel_to_its_last_row_then_scaled_mm(monkeypatch):
+    """With fp8_methods.W8A8_ROWS_MAX past 16 (the bucket widened here as that switch widens it), 17 to it
+    rows run the rows kernel over e4m3 rows, x padded to 32 or 64, and give the W8A8 reference's result;
+    one row more goes to torch._scaled_mm, as do float32 rows past 16 in that bucket."""
+    import dataclasses
+
+    from nanovllm.kernels import fp8_scaled_mm, fp8_skinny
+
+    buckets = Fp8ScaledMmLinearMethod.BUCKETS
+    widened = tuple(dataclasses.replace(b, max_rows=64) if b.max_rows == 16 else b for b in buckets)
+    monkeypatch.setattr(Fp8ScaledMmLinearMethod, "BUCKETS", widened)
+    method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
+    assert [method.bucket(rows).plain.__name__ for rows in (16, 17, 64, 65)] == ["fp8_rows_e4m3"] * 3 + [
+        "fp8_scaled_mm"]
+    layer = ReplicatedLinear(256, 96, bias=True, quant_method=method)
+    _, weight, scale, bias = make(1, 96, 256, 256, torch.float32)
+    for name, value in (("weight", weight), ("weight_scale", scale), ("bias", bias.to(torch.float16))):
+        setattr(layer, name, torch.nn.Parameter(value.to(DEVICE), requires_grad=False))
+    called = []
+    for module, name in ((fp8_skinny, "fp8_rows_linear"), (fp8_scaled_mm, "scaled_mm_linear")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **kw:
+                            called.append(name) or kernel(*a, **kw))
+    for rows in (17, 64, 65):
+        x = make(rows, 96, 256, 256, torch.float32, seed=rows)[0].to(torch.float16) * 4
+        expected = fp8_dequant_linear(x.float(), weight, scale, 256, layer.bias.float())
+        torch.testing.assert_close(layer(x).float(), expected, rtol=2e-3, atol=2e-3)
+    layer(make(24, 96, 256, 256, torch.float32)[0])
+    assert called == ["fp8_rows_linear", "fp8_rows_linear", "scaled_mm_linear", "scaled_mm_linear"]
+
+
 def test_one_row_runs_the_norm_and_the_silu_mul_first_then_the_fp8_gemv_all_as_dependents(monkeypatch):
     """A one-row call handed its RMSNorm (q/k/v, gate/up) or its SiLU-mul (down) runs that kernel, then the
     one-row fp8 GEMV (kernels/fp8_skinny.py: folded in, they cost more than their own kernels), every

@@ -123,7 +123,9 @@ def test_the_silu_mul_writes_the_rows_the_rows_kernel_takes(layout):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 16])  # the method's bucket takes 3-16; the kernel any of 1-16
+# The method's bucket takes 3 to fp8_methods.W8A8_ROWS_MAX; the kernel any of 1-128 (x padded to 16, 32,
+# 64 or 128 rows)
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 128])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_e4m3_rows_give_the_w8a8_reference(n, k, rows, with_bias):
     x, weight, scale, bias = make(n, k, rows)
@@ -145,9 +147,13 @@ def test_e4m3_rows_need_their_scales_and_an_output_dtype():
         fp8_rows_linear(q, weight, scale, 256, out_dtype=BF16)
     with pytest.raises(ValueError, match="need their scales"):
         fp8_rows_linear(q, weight, scale, 256, x_scale=row_scale)
-    # float32 activations keep the rows kernel's unrounded path, as the float16 form's do
+    # float32 activations keep the rows kernel's unrounded path, as the float16 form's do: the W8A16 GEMV
+    # to 16 rows, then fp8_methods.fp8_scaled_mm
     x32 = x.float()
     assert torch.equal(fp8_rows_e4m3(x32, weight, scale, 256, None), fp8_rows(x32, weight, scale, 256, None))
+    x32 = make(96, 256, 24)[0].float()
+    expected = fp8_methods.fp8_scaled_mm(x32, weight, scale, 256, None)
+    assert torch.equal(fp8_rows_e4m3(x32, weight, scale, 256, None), expected)
 
 
 def test_float16_rows_refuse_other_activations():

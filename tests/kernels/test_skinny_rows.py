@@ -1,8 +1,9 @@
 """The tensor-core few-rows kernel (kernels/skinny_rows.py) against PyTorch, on CPU tensors through the
 Triton interpreter or on CUDA when TRITON_INTERPRET=0, float16 and bfloat16: plain and RMSNorm-folded
-launches at 1-16 rows, ragged N and K, split-K (summed by a second launch or by each column block's last
-split), bias, the residual stream it writes, the launch settings (on CUDA also the Qwen3-0.6B shapes at
-them, and Qwen3-8B's splits summed by their last split under graph replays), and the argument checks."""
+launches at 1-16 rows (plain ones to 128), ragged N and K, split-K (summed by a second launch or by each
+column block's last split), bias, the residual stream it writes, the launch settings (on CUDA also the
+Qwen3-0.6B shapes at them, and Qwen3-8B's splits summed by their last split under graph replays), and the
+argument checks."""
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ DTYPES = [torch.float16, torch.bfloat16]
 # than the float32 reference.
 TOLERANCES = {torch.float16: 3e-3, torch.bfloat16: 3e-2}
 ROW_COUNTS = [1, 2, 3, 8, 16]
+# Plain launches also take 17-128 rows, x padded to the next power of two (rows_tile).
+PLAIN_ROW_COUNTS = [*ROW_COUNTS, 17, 40, 128]
 # A small config so that the interpreter's shapes span several column blocks and K tiles.
 SMALL = RowsConfig(block_n=16, block_k=32, num_stages=2)
 
@@ -44,7 +47,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", ROW_COUNTS)
+@pytest.mark.parametrize("m", PLAIN_ROW_COUNTS)
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_plain_rows_match_matmul_for_ragged_shapes_and_splits(m: int, split_k: int, dtype: torch.dtype):
     x, weight, bias = make(m, 40, 100, dtype)
@@ -54,7 +57,7 @@ def test_plain_rows_match_matmul_for_ragged_shapes_and_splits(m: int, split_k: i
         assert_close(out, F.linear(x.float(), weight.float(), None if b is None else b.float()))
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_last_split_sums_give_the_reduce_launchs_bits_and_reset_the_counters(m: int, split_k: int,
                                                                               monkeypatch):
@@ -133,8 +136,15 @@ def test_public_functions_agree_with_norm_then_linear(dtype: torch.dtype):
 
 def test_bad_arguments_raise_value_errors():
     x, weight, _ = make(2, 32, 64, torch.float16)
-    with pytest.raises(ValueError, match="1 to 16 rows"):
-        rows_linear(torch.zeros(17, 64, dtype=torch.float16, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="1 to 128 rows"):
+        rows_linear(torch.zeros(129, 64, dtype=torch.float16, device=DEVICE), weight)
+    rows17 = torch.zeros(17, 64, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="1 to 16 rows"):  # a norm's sums of squares: 16 rows at most
+        rows_norm_linear(rows17, torch.ones(64, dtype=torch.float16, device=DEVICE), 1e-6, weight)
+    with pytest.raises(ValueError, match=r"\(16 with a norm\), not 17"):
+        launch_rows(rows17, weight, None, torch.empty(17, 32, dtype=torch.float16, device=DEVICE), SMALL,
+                    False, skinny_rows.RMS_NORM, norm_weight=torch.ones(64, dtype=torch.float16,
+                                                                        device=DEVICE), eps=1e-6)
     with pytest.raises(ValueError, match="rows of 64"):
         rows_linear(x[:, :32], weight)
     with pytest.raises(ValueError, match="dtype"):
