@@ -22,6 +22,7 @@ from nanovllm.layers.fp8 import (
     quantize_groups,
 )
 from nanovllm.layers.fp8_methods import (
+    W8A8_ROWS_MAX,
     Fp8BlockScaledMmLinearMethod,
     Fp8ScaledMmLinearMethod,
     Fp8TritonLinearMethod,
@@ -82,7 +83,8 @@ def test_block_linear_is_dequantized_weight_times_rounded_activations():
 def test_fp8_kernels_run_on_gpus_with_fp8_tensor_cores(device, capability, block, method, gemm):
     chosen = fp8_linear_method(Fp8Scheme(block, True), torch.device(device), True, capability)
     assert type(chosen) is method and chosen.pdl
-    names = [chosen.bucket(rows).plain.__name__ for rows in (1, 16, 17, 4096)]
+    few_rows = W8A8_ROWS_MAX if method is Fp8ScaledMmLinearMethod else 16  # the few-row kernels' last row
+    names = [chosen.bucket(rows).plain.__name__ for rows in (1, few_rows, few_rows + 1, 4096)]
     # One scale a row on sm_90: bf16's one-row and few-row kernels over the e4m3 weight (the few-row one
     # over e4m3 rows, W8A8); 128 x 128 blocks there: the block GEMV at one row, the rows kernel scaling
     # each tile's product at 2-16 (over float16 rows).
