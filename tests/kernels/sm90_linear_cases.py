@@ -18,7 +18,7 @@ def linear_cases() -> dict:
         split_k,
     )
 
-    return {
+    cases = {
         "skinny-gemm": (skinny_gemm._skinny_gemm_kernel,
                         dict(BLOCK_N=64, BLOCK_K=256, HAS_BIAS=True, WRITE_PARTIAL=True, NUM_STAGES=3,
                              PDL=False, PRELOAD=0)),
@@ -114,14 +114,6 @@ def linear_cases() -> dict:
                                                  SCALED=True, X_SCALED=True, LAST_SPLIT_SUMS=True),
                                             dict(FP8_WEIGHT, x_ptr="*fp8e4nv"),
                                             dict(num_warps=4, launch_pdl=True)),
-        # 17-64 rows (fp8_methods.W8A8_ROWS_MAX): x padded to 64 rows, wgmma m64n64k32.
-        "skinny-rows-fp8-e4m3-64-rows": (skinny_rows._skinny_rows_kernel,
-                                         dict(ROWS_=64, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False,
-                                              WRITE_PARTIAL=True, NUM_STAGES=4,
-                                              PROLOGUE=skinny_rows.PLAIN.value, PDL=True, PRELOAD=2,
-                                              SCALED=True, X_SCALED=True, LAST_SPLIT_SUMS=True),
-                                         dict(FP8_WEIGHT, x_ptr="*fp8e4nv"),
-                                         dict(num_warps=4, launch_pdl=True)),
         "skinny-rows-fp8-rows-kernel-tiles": (skinny_rows._skinny_rows_kernel,
                                               dict(ROWS_=16, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False,
                                                    WRITE_PARTIAL=False, NUM_STAGES=4,
@@ -178,3 +170,7 @@ def linear_cases() -> dict:
                                   NUM_STAGES=4, DOT_PRECISION="tf32", PDL=False),
                              FP8_WEIGHT, dict(num_warps=4)),
     }
+    # 17-64 rows (fp8_methods.W8A8_ROWS_MAX): the split launch above, x padded to 64 rows (wgmma m64n64k32).
+    kernel, constexprs, *types = cases["skinny-rows-fp8-e4m3-split-last"]
+    cases["skinny-rows-fp8-e4m3-64-rows"] = (kernel, dict(constexprs, ROWS_=64), *types)
+    return cases
