@@ -31,6 +31,7 @@ kernel) is for plain launches only (a split would cut the norm's sum of squares)
 Sizes come from shapes alone, so calls are CUDA-graph capturable.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,8 @@ from nanovllm.kernels.split_k import last_split_sums, plan_split_k, reduce_split
 # [rows, BLOCK_K] sums of squares would not fit a thread's registers).
 ROWS = 16
 MAX_ROWS = 128
+# Shared memory the pipelined tiles may take (sm_90 gives a block 227 KB; the rest is Triton's scratch).
+SHARED_BUDGET = 208 * 1024
 # rows_config's choices, measured on an H200 (132 SMs; commit adbf98d, docs/performance-notes.md, section
 # "Decode GEMMs and GEMVs": 28 calls
 # of each Qwen3-0.6B linear at 2, 8 and 16 rows, the best of ~20 settings a shape). q/k/v (N = 4096) and
@@ -214,6 +217,7 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
     m, (n, k) = x.shape[0], weight.shape
     if not 1 <= m <= (MAX_ROWS if prologue == PLAIN else ROWS):
         raise ValueError(f"the rows kernel takes 1 to {MAX_ROWS} rows ({ROWS} with a norm), not {m}")
+    config = fit_shared(config, rows_tile(m), x, weight)
     split = plan_split_k(k, config.block_k, 1 if prologue in (RMS_NORM, ADD_RMS_NORM) else config.split_k)
     write_partial = split.splits > 1
     last_sums = write_partial and counters is not None
@@ -236,6 +240,18 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
         X_SCALED=x_scale is not None, LAST_SPLIT_SUMS=last_sums,
     )
     return reduce_split_k(partials, bias, out) if write_partial and not last_sums else out
+
+
+def fit_shared(config: RowsConfig, rows: int, x: torch.Tensor, weight: torch.Tensor) -> RowsConfig:
+    """config with its weight and x tiles (x padded to `rows`) in SHARED_BUDGET: Triton's pipeline keeps a
+    buffer more than its stages, so fewer stages (not under two), then narrower tiles. 32 rows of bf16 at
+    four stages of 256-input tiles asked 256 KB of an H100's 227; 16 rows' settings fit as measured."""
+    per_input = rows * x.element_size() + config.block_n * weight.element_size()
+    block_k = config.block_k
+    while block_k > 16 and 3 * per_input * block_k > SHARED_BUDGET:
+        block_k //= 2
+    stages = max(2, min(config.num_stages, SHARED_BUDGET // (per_input * block_k) - 1))
+    return dataclasses.replace(config, block_k=block_k, num_stages=stages)
 
 
 def rows_tile(m: int) -> int:

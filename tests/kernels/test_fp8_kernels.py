@@ -253,7 +253,8 @@ def test_a_wider_w8a8_rows_bucket_takes_the_rows_kernel_to_its_last_row_then_sca
     for rows in (17, 64, 65):
         x = make(rows, 96, 256, 256, torch.float32, seed=rows)[0].to(torch.float16) * 4
         expected = fp8_dequant_linear(x.float(), weight, scale, 256, layer.bias.float())
-        torch.testing.assert_close(layer(x).float(), expected, rtol=2e-3, atol=2e-3)
+        tol = 2e-3 if DEVICE == "cpu" else GEMM_TOLERANCE  # the GPU's fp8 dots sum with fewer bits
+        torch.testing.assert_close(layer(x).float(), expected, rtol=tol, atol=tol)
     layer(make(24, 96, 256, 256, torch.float32)[0])
     assert called == ["fp8_rows_linear", "fp8_rows_linear", "scaled_mm_linear", "scaled_mm_linear"]
 
