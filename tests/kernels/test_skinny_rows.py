@@ -171,6 +171,32 @@ def test_launch_settings_follow_the_measured_shapes():
     assert config(64, 40) == RowsConfig(16, 64, 1, 2, 5)  # K tiles no wider than K
 
 
+def test_launch_settings_past_16_rows_fit_the_shared_memory():
+    """Up to 16 rows the measured settings launch as they are; past them, where x's tile grows, the stages
+    (Triton keeps one buffer more) and then the tiles shrink to fit SHARED_BUDGET (an H100 refused 32 rows
+    of bf16 at four 256-input stages: 256 KB asked of 227)."""
+    from nanovllm.kernels.fp8_skinny import fp8_rows_config
+
+    bf16, e4m3 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1, dtype=torch.float8_e4m3fn)
+    shapes = [(4096, 1024), (6144, 1024), (1024, 2048), (1024, 3072), (6144, 4096), (4096, 4096),
+              (24576, 4096), (4096, 12288)]
+    for n, k in shapes:
+        for prologue in (skinny_rows.PLAIN, skinny_rows.ADD_RMS_NORM):
+            config = skinny_rows.rows_config(n, k, prologue)
+            assert skinny_rows.fit_shared(config, 16, bf16, bf16) == config
+        config = fp8_rows_config(n, k)
+        for x in (bf16, e4m3):
+            for rows in (16, 128 if x is e4m3 else 16):
+                assert skinny_rows.fit_shared(config, rows, x, e4m3) == config
+    qkv = skinny_rows.rows_config(6144, 4096)
+    assert skinny_rows.fit_shared(qkv, 32, bf16, bf16) == RowsConfig(64, 256, 1, 4, 3)
+    assert skinny_rows.fit_shared(qkv, 128, bf16, bf16) == RowsConfig(64, 128, 1, 4, 3)
+    for rows in (16, 32, 64, 128):
+        fitted = skinny_rows.fit_shared(qkv, rows, bf16, bf16)
+        stage = (rows + fitted.block_n) * 2 * fitted.block_k
+        assert (fitted.num_stages + 1) * stage <= skinny_rows.SHARED_BUDGET
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="full-size tiles: too slow for the interpreter")
 @pytest.mark.parametrize("m", [2, 16])
 def test_qwen3_shapes_at_their_launch_settings(m: int):
