@@ -42,20 +42,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, RMS_NORM, check_rows, weight_tile
 from nanovllm.kernels.split_k import last_split_sums, plan_split_k, reduce_split_k, split_k_workspace
 
-# The rows of x the dot takes at once: tl.dot's smallest operand width, and the most a launch pads to
-# (rows_tile: the next power of two from ROWS). More than ROWS rows take plain launches only (the norm's
-# [rows, BLOCK_K] sums of squares would not fit a thread's registers).
+# The rows of x the dot takes at once (tl.dot's smallest operand width), and the most a plain launch pads
+# to (rows_tile); a norm's launch takes ROWS at most (its [rows, BLOCK_K] sums of squares are registers).
 ROWS = 16
 MAX_ROWS = 128
-# Shared memory the pipelined tiles may take (sm_90 gives a block 227 KB; the rest is Triton's scratch).
+# Shared memory the pipelined tiles may take of sm_90's 227 KB a block (32 rows of bf16 in four stages of
+# 256-input tiles asked 256 KB on an H100: fit_shared).
 SHARED_BUDGET = 208 * 1024
 # rows_config's choices, measured on an H200 (132 SMs; commit adbf98d, docs/performance-notes.md, section
-# "Decode GEMMs and GEMVs": 28 calls
-# of each Qwen3-0.6B linear at 2, 8 and 16 rows, the best of ~20 settings a shape). q/k/v (N = 4096) and
-# gate/up (6144) ran fastest in 64-row column blocks (64 and 96 programs), o_proj and down_proj (N = 1024)
-# in 16-row ones; down_proj (K = 3072) split in four (211 us against 218-231 unsplit or in two), o_proj
-# (K = 2048) unsplit, 5 stages. In the engine (decode graphs at 2-16 rows) the norm-folded launches
-# without preloaded tiles took 40-70 us a step less than with two.
+# "Decode GEMMs and GEMVs": 28 calls of each Qwen3-0.6B linear at 2, 8 and 16 rows, the best of ~20
+# settings a shape). q/k/v (N = 4096) and gate/up (6144) ran fastest in 64-row column blocks (64 and 96
+# programs), o_proj and down_proj (N = 1024) in 16-row ones; down_proj (K = 3072) split in four (211 us
+# against 218-231 unsplit or in two), o_proj (K = 2048) unsplit, 5 stages. In the engine (decode graphs
+# at 2-16 rows) the norm-folded launches without preloaded tiles took 40-70 us a step less than with two.
 # At Qwen3-8B's shapes (scripts/rows_sweep.py, 2026-12-04, engine code 91c0e4f) the split lost: o_proj
 # (N = 4096, K = 4096) 12.0 us unsplit against 19.1 split in four, down_proj (K = 12288) 28-29 against 35
 # at 5-16 rows; the float32 partials' reduce is a second, plain launch. So only outputs narrower than
@@ -243,9 +242,8 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
 
 
 def fit_shared(config: RowsConfig, rows: int, x: torch.Tensor, weight: torch.Tensor) -> RowsConfig:
-    """config with its weight and x tiles (x padded to `rows`) in SHARED_BUDGET: Triton's pipeline keeps a
-    buffer more than its stages, so fewer stages (not under two), then narrower tiles. 32 rows of bf16 at
-    four stages of 256-input tiles asked 256 KB of an H100's 227; 16 rows' settings fit as measured."""
+    """config with fewer stages (two at least), then narrower tiles, where its weight and x tiles (x padded
+    to `rows`) would pass SHARED_BUDGET, Triton keeping a buffer more than its stages. 16 rows' fit as is."""
     per_input = rows * x.element_size() + config.block_n * weight.element_size()
     block_k = config.block_k
     while block_k > 16 and 3 * per_input * block_k > SHARED_BUDGET:
