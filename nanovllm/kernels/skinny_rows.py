@@ -5,11 +5,9 @@ rows took 9-17% less than with cuBLAS and separate norm kernels (commit adbf98d,
 
 At these M the weight is nearly all the bytes, so like skinny_gemm's GEMV each program streams its
 [BLOCK_N, K] slab of the weight once, in pipelined [BLOCK_N, BLOCK_K] tiles. The products run on tensor
-cores with the operands swapped ("swap-AB"): a weight tile is the dot's left operand (BLOCK_N >= 16 rows)
-and the rows of x, padded to ROWS = 16 (or the next power of two, up to 128 for plain launches), its
-right one, so the float32 accumulator is a small [BLOCK_N, rows] tile and a weight tile of 64 columns
-meets wgmma's 64-row side. Padding rows repeat the last real row (valid addresses, no masks) and are never
-stored.
+cores with the operands swapped ("swap-AB"): a weight tile is the dot's left operand (64 columns meet
+wgmma's 64-row side), the rows of x its right one, padded to ROWS = 16 (to a power of two up to 128 in
+plain launches) by repeating the last real row (valid addresses, no masks; never stored).
 
 The RMSNorm before a linear layer folds into it as in skinny_gemm, per row (after a residual add or not;
 each row's sum stored once by the first column block, rounded to x's dtype), each row's 1/rms applied to
@@ -27,12 +25,10 @@ each tile's sum is added in float32, since sm_90's fp8 dots keep fewer bits whil
 On sm_90+ it launches as a programmatic dependent, as skinny_gemm does: it loads its first weight tiles,
 waits for the kernel before, then lets the next one launch. Split-K (float32 partials summed in a fixed
 order: by the last split of each column block to finish, given the layer's counters, else by a second
-kernel) is for plain launches only (a split would cut the norm's sum of squares).
-Sizes come from shapes alone, so calls are CUDA-graph capturable.
-"""
+kernel) is for plain launches only (a split would cut the norm's sum of squares). Sizes come from shapes
+alone, so calls are CUDA-graph capturable."""
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -65,7 +61,7 @@ SPLIT_BELOW_N = 2048
 SPLIT_K = 4
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class RowsConfig:
     block_n: int = 16  # weight rows (output columns) per program
     block_k: int = 256  # K elements per weight tile

@@ -36,8 +36,9 @@ FLOAT16_ROWS = True
 # streams 4.559 against 5.058. Block-scaled weights keep float16 rows (their activations would need a
 # scale a 128 inputs).
 W8A8_ROWS = True
-# The most rows that bucket takes (up to 128, x padded to a power of two on wgmma's narrow side; sm_90 K
-# loop 121 instructions a warp for 2,048 weights at 64 rows, 87 at 16): 16 until timed against _scaled_mm.
+# The most rows that bucket takes (up to 128, x padded to a power of two). Qwen3-8B's four projections, one
+# H100, 2026-12-05: 98.0 / 103.7 / 125.0 us a layer at 32 / 64 / 128 rows against torch._scaled_mm's 114.3
+# / 114.1 / 116.4 (quantize included both ways). 16 until bench.py is timed each way.
 W8A8_ROWS_MAX = 16
 FP8_GEMV_MAX_ROWS = 16  # kernels/fp8_gemv.MAX_ROWS (no Triton imported here)
 # Whether one-row buckets take the SiLU-mul as gate/up's epilogue (linear_methods.gated_forms): one stream of

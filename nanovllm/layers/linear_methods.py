@@ -42,8 +42,8 @@ GATED_EPILOGUE = True
 # Whether layers get split-K arrival counters (add_split_counters), so that the few-row kernels' splits sum
 # their partials themselves instead of in a second launch. With the rows kernel's reduce launches skipped
 # (wrong sums, the same bytes) Qwen3-8B with fp8 weights took 3.814 against 4.015 ms a step at 4 streams
-# and 4.114 against 4.386 at 16 (H200, 2026-12-05): the most the counters can save. Off until their GPU
-# tests have passed and those steps are timed each way (interpreter tests only so far).
+# and 4.114 against 4.386 at 16 (H200, 2026-12-05): the most the counters can save. Their GPU tests pass
+# (an H100, 2026-12-05, CUDA-graph replays at Qwen3-8B's splits); off until those steps are timed each way.
 SPLIT_COUNTERS = False
 
 
