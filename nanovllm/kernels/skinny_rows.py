@@ -238,13 +238,14 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
 
 
 def fit_shared(config: RowsConfig, rows: int, x: torch.Tensor, weight: torch.Tensor) -> RowsConfig:
-    """config with fewer stages (two at least), then narrower tiles, where its weight and x tiles (x padded
-    to `rows`) would pass SHARED_BUDGET, Triton keeping a buffer more than its stages. 16 rows' fit as is."""
+    """config with stages (two at least), then tiles, cut where the tiles (x at `rows`) pass SHARED_BUDGET."""
     per_input = rows * x.element_size() + config.block_n * weight.element_size()
     block_k = config.block_k
     while block_k > 16 and 3 * per_input * block_k > SHARED_BUDGET:
         block_k //= 2
-    stages = max(2, min(config.num_stages, SHARED_BUDGET // (per_input * block_k) - 1))
+    stages = max(2, min(config.num_stages, SHARED_BUDGET // (per_input * block_k) - 1))  # Triton: stages + 1 buffers
+    if (block_k, stages) == (config.block_k, config.num_stages):
+        return config  # the usual case: no copy a launch
     return dataclasses.replace(config, block_k=block_k, num_stages=stages)
 
 

@@ -164,6 +164,8 @@ def test_the_kernels_refuse_what_they_cannot_tile():
     x, weight, scale, _ = make(MAX_ROWS + 1, 64, 384, 192, torch.float32)
     with pytest.raises(ValueError, match="at most 16 rows"):
         fp8_gemv_linear(x, weight, scale, 192)
+    from nanovllm.layers import fp8_methods
+    assert fp8_methods.FP8_GEMV_MAX_ROWS == MAX_ROWS  # the methods' copy (they import no Triton)
     with pytest.raises(ValueError, match=r"weight_scale \(64, 2\)"):
         w8a8_linear(x, weight, scale[:, :2], 128)
     x, weight, scale, _ = make(MAX_ROWS + 1, 64, 384, 48, torch.float32)
