@@ -42,8 +42,8 @@ from nanovllm.kernels.split_k import last_split_sums, plan_split_k, reduce_split
 # to (rows_tile); a norm's launch takes ROWS at most (its [rows, BLOCK_K] sums of squares are registers).
 ROWS = 16
 MAX_ROWS = 128
-# Shared memory the pipelined tiles may take of sm_90's 227 KB a block (32 rows of bf16 in four stages of
-# 256-input tiles asked 256 KB on an H100: fit_shared).
+# Shared memory the pipelined tiles may take of sm_90's 227 KB a block, Triton keeping a buffer more than its
+# stages (32 rows of bf16 in four stages of 256-input tiles asked 256 KB on an H100: fit_shared).
 SHARED_BUDGET = 208 * 1024
 # rows_config's choices, measured on an H200 (132 SMs; commit adbf98d, docs/performance-notes.md, section
 # "Decode GEMMs and GEMVs": 28 calls of each Qwen3-0.6B linear at 2, 8 and 16 rows, the best of ~20
@@ -243,7 +243,7 @@ def fit_shared(config: RowsConfig, rows: int, x: torch.Tensor, weight: torch.Ten
     block_k = config.block_k
     while block_k > 16 and 3 * per_input * block_k > SHARED_BUDGET:
         block_k //= 2
-    stages = max(2, min(config.num_stages, SHARED_BUDGET // (per_input * block_k) - 1))  # Triton: stages + 1 buffers
+    stages = max(2, min(config.num_stages, SHARED_BUDGET // (per_input * block_k) - 1))  # stages + 1 buffers
     if (block_k, stages) == (config.block_k, config.num_stages):
         return config  # the usual case: no copy a launch
     return dataclasses.replace(config, block_k=block_k, num_stages=stages)
