@@ -35,8 +35,8 @@ from nanovllm.kernels.fp8_skinny import (
 )
 from nanovllm.kernels.gemv_rows import MAX_ROWS as GEMV_ROWS
 from nanovllm.kernels.gemv_rows import gemv_rows_linear
+from nanovllm.kernels.rows_settings import MAX_ROWS as ROWS_KERNEL_ROWS
 from nanovllm.kernels.skinny_gemm import skinny_linear
-from nanovllm.kernels.skinny_rows import MAX_ROWS as ROWS_KERNEL_ROWS
 from nanovllm.kernels.skinny_rows import rows_linear
 from nanovllm.layers.fp8 import dequantize, quantize_blocks, quantize_groups
 from nanovllm.layers.fp8_methods import fp8_rows_e4m3

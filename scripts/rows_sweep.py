@@ -19,8 +19,9 @@ import torch
 from fp8_gemm_bench import timed_us as graph_timed_us  # a script beside this one
 
 from nanovllm.kernels.gemv_folds import skinny_norm_linear
+from nanovllm.kernels.rows_settings import RowsConfig, rows_config
 from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, skinny_linear
-from nanovllm.kernels.skinny_rows import RowsConfig, launch_rows, rows_config
+from nanovllm.kernels.skinny_rows import launch_rows
 
 COPIES = 4  # weights cycled through: together beyond the 60 MB L2 at 8B's shapes
 BANDWIDTH = 4.3e12  # bytes/s, the H200's device-to-device copy

@@ -40,9 +40,10 @@ from nanovllm.kernels.common import sm_count
 from nanovllm.kernels.fp8_block_gemv import launch_block_gemv
 from nanovllm.kernels.gemv_folds import check_gated
 from nanovllm.kernels.norm_act import silu_and_mul
+from nanovllm.kernels.rows_settings import MAX_ROWS, MIN_COLUMN_BLOCKS, SPLIT_K, RowsConfig
 from nanovllm.kernels.skinny_gemm import check_one_row, launch_gemv
 from nanovllm.kernels.skinny_launch import SkinnyConfig, skinny_config
-from nanovllm.kernels.skinny_rows import MAX_ROWS, MIN_COLUMN_BLOCKS, SPLIT_K, RowsConfig, launch_rows
+from nanovllm.kernels.skinny_rows import launch_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The rows kernel's settings over e4m3 (fp8_rows_config), the best of a sweep on an H200 at Qwen3-8B's
@@ -197,7 +198,7 @@ def fp8_rows_block_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: to
 
 def fp8_rows_config(n: int, k: int) -> RowsConfig:
     """The rows kernel's launch settings for an e4m3 weight [n, k], from shapes alone: bf16's column block
-    (skinny_rows.rows_config), FP8_ROWS_BLOCK_K inputs a tile, split in SPLIT_K below
+    (rows_settings.rows_config), FP8_ROWS_BLOCK_K inputs a tile, split in SPLIT_K below
     FP8_SPLIT_BELOW_BLOCKS column blocks."""
     block_n, num_warps = (64, 4) if -(-n // 64) >= MIN_COLUMN_BLOCKS else (16, 2)
     block_k = max(16, min(FP8_ROWS_BLOCK_K, 1 << (k - 1).bit_length()))

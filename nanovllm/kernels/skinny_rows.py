@@ -20,60 +20,35 @@ An e4m3 weight with one scale a row (kernels/fp8_skinny.py) streams at one byte 
 widened to x's dtype for the dot and the row's scale applied to the finished sums; with a scale a block
 (block-scaled checkpoints), each tile lies inside one block and its product is scaled before it is added.
 Rows of x quantized to e4m3 (W8A8, a scale a row) meet the e4m3 tiles in an fp8 dot, nothing widened;
-each tile's sum is added in float32, since sm_90's fp8 dots keep fewer bits while they accumulate.
+each tile's sum added in float32 (sm_90's fp8 dots keep fewer bits while they accumulate) or, with
+FAST_ACCUM, the dots chained in the tensor cores' accumulator over the whole K.
 
 On sm_90+ it launches as a programmatic dependent, as skinny_gemm does: it loads its first weight tiles,
 waits for the kernel before, then lets the next one launch. Split-K (float32 partials summed in a fixed
 order: by the last split of each column block to finish, given the layer's counters, else by a second
-kernel) is for plain launches only (a split would cut the norm's sum of squares). Sizes come from shapes
-alone, so calls are CUDA-graph capturable."""
-
-import dataclasses
+kernel) is for plain launches only (a split would cut the norm's sum of squares). The launch settings come
+from shapes alone (kernels/rows_settings.py), so calls are CUDA-graph capturable."""
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from nanovllm.kernels.rows_settings import MAX_ROWS, ROWS, RowsConfig, fit_shared, rows_config, rows_tile
 from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, RMS_NORM, check_rows, weight_tile
 from nanovllm.kernels.split_k import last_split_sums, plan_split_k, reduce_split_k, split_k_workspace
 
-# The rows of x the dot takes at once (tl.dot's smallest operand width), and the most a plain launch pads
-# to (rows_tile); a norm's launch takes ROWS at most (its [rows, BLOCK_K] sums of squares are registers).
-ROWS = 16
-MAX_ROWS = 128
-# Shared memory the pipelined tiles may take of sm_90's 227 KB a block, Triton keeping a buffer more than its
-# stages (32 rows of bf16 in four stages of 256-input tiles asked 256 KB on an H100: fit_shared).
-SHARED_BUDGET = 208 * 1024
-# rows_config's choices, measured on an H200 (132 SMs; commit adbf98d, docs/performance-notes.md, section
-# "Decode GEMMs and GEMVs": 28 calls of each Qwen3-0.6B linear at 2, 8 and 16 rows, the best of ~20
-# settings a shape). q/k/v (N = 4096) and gate/up (6144) ran fastest in 64-row column blocks (64 and 96
-# programs), o_proj and down_proj (N = 1024) in 16-row ones; down_proj (K = 3072) split in four (211 us
-# against 218-231 unsplit or in two), o_proj (K = 2048) unsplit, 5 stages. In the engine (decode graphs
-# at 2-16 rows) the norm-folded launches without preloaded tiles took 40-70 us a step less than with two.
-# At Qwen3-8B's shapes (scripts/rows_sweep.py, 2026-12-04, engine code 91c0e4f) the split lost: o_proj
-# (N = 4096, K = 4096) 12.0 us unsplit against 19.1 split in four, down_proj (K = 12288) 28-29 against 35
-# at 5-16 rows; the float32 partials' reduce is a second, plain launch. So only outputs narrower than
-# SPLIT_BELOW_N, whose column blocks leave SMs idle, split.
-MIN_COLUMN_BLOCKS = 64
-SPLIT_ABOVE_TILES = 8
-SPLIT_BELOW_N = 2048
-SPLIT_K = 4
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RowsConfig:
-    block_n: int = 16  # weight rows (output columns) per program
-    block_k: int = 256  # K elements per weight tile
-    split_k: int = 1  # programs per column block, each summing a contiguous range of K
-    num_warps: int = 2
-    num_stages: int = 4
-    preload: int = 2  # weight tiles loaded before the PDL wait (0-2)
+# Whether e4m3 rows chain their dots over the whole K, as torch._scaled_mm does past the rows bucket
+# (fp8_scaled_mm.FAST_ACCUM). sm_90 SASS (`sm90_build.py skinny-rows-fp8-e4m3 ROWS_=R`): the K loop 87 / 121 /
+# 168 -> 83 / 86 / 100 instructions a warp at 16 / 64 / 128 rows, registers 56 / 104 / 183 -> 40 / 80 / 137.
+# Off until timed.
+FAST_ACCUM = False
 
 
 @triton.jit
 def _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, store_rows, norm_w_ptr, K, pid_n,
-               scale_row, PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr):
+               scale_row, PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr,
+               FAST_ACCUM: tl.constexpr):
     """acc += w @ x[:, k : k + BLOCK_K]^T (x through the prologue; with SCALE_GROUP, the tile's product
     times its block's scale in scale_row), and the norm's sums of squares."""
     offs_k = k + tl.arange(0, BLOCK_K)
@@ -90,7 +65,9 @@ def _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, store
         squares += xf * xf
         x = (xf * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
     # An e4m3 weight tile is widened to x's dtype (exactly) for the dot; x's own weight passes as it is.
-    if x.dtype.is_fp8():  # e4m3 rows (W8A8): an fp8 dot, its tile's sum added in float32, as fp8_gemm's
+    if x.dtype.is_fp8() and FAST_ACCUM:  # e4m3 rows (W8A8): an fp8 dot chained over the whole K
+        return tl.dot(w, tl.trans(x), acc), squares
+    if x.dtype.is_fp8():  # or its tile's sum added in float32, as fp8_gemm's
         return acc + tl.dot(w, tl.trans(x)), squares
     if SCALE_GROUP > 0:  # the tile lies inside one block (k a multiple of BLOCK_K, which divides a group)
         return acc + tl.dot(w.to(x.dtype), tl.trans(x)) * tl.load(scale_row + k // SCALE_GROUP), squares
@@ -136,6 +113,7 @@ def _skinny_rows_kernel(
     SCALE_ROWS: tl.constexpr = 128,
     X_SCALED: tl.constexpr = False,  # x as float16 rows times a power of two (kernels/float16_rows.py)
     LAST_SPLIT_SUMS: tl.constexpr = False,  # WRITE_PARTIAL: a column block's last split sums its partials
+    FAST_ACCUM: tl.constexpr = False,  # e4m3 rows: the dots chained over the whole K
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -164,14 +142,17 @@ def _skinny_rows_kernel(
         gdc_launch_dependents()
     if PRELOAD >= 1:
         acc, squares = _rows_tile(acc, squares, w0, k_start, k_end, x_rows, residual_rows, sum_rows, m_mask,
-                                  norm_w_ptr, K, pid_n, scale_row, PROLOGUE, BLOCK_K, SCALE_GROUP)
+                                  norm_w_ptr, K, pid_n, scale_row, PROLOGUE, BLOCK_K, SCALE_GROUP,
+                                  FAST_ACCUM)
     if PRELOAD >= 2:
         acc, squares = _rows_tile(acc, squares, w1, k_start + BLOCK_K, k_end, x_rows, residual_rows, sum_rows,
-                                  m_mask, norm_w_ptr, K, pid_n, scale_row, PROLOGUE, BLOCK_K, SCALE_GROUP)
+                                  m_mask, norm_w_ptr, K, pid_n, scale_row, PROLOGUE, BLOCK_K, SCALE_GROUP,
+                                  FAST_ACCUM)
     for k in tl.range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
         w = weight_tile(w_rows, k, k_end, offs)
         acc, squares = _rows_tile(acc, squares, w, k, k_end, x_rows, residual_rows, sum_rows, m_mask,
-                                  norm_w_ptr, K, pid_n, scale_row, PROLOGUE, BLOCK_K, SCALE_GROUP)
+                                  norm_w_ptr, K, pid_n, scale_row, PROLOGUE, BLOCK_K, SCALE_GROUP,
+                                  FAST_ACCUM)
     if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
         acc = acc * tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[None, :]
     if SCALED:
@@ -233,39 +214,9 @@ def launch_rows(x, weight, bias, out, config: RowsConfig, pdl: bool = False, pro
         num_warps=config.num_warps, launch_pdl=pdl, SCALED=weight_scale is not None and block is None,
         SCALE_GROUP=0 if block is None else block[1], SCALE_ROWS=128 if block is None else block[0],
         X_SCALED=x_scale is not None, LAST_SPLIT_SUMS=last_sums,
+        FAST_ACCUM=FAST_ACCUM and x.element_size() == 1,  # e4m3 rows only: no second build of the rest
     )
     return reduce_split_k(partials, bias, out) if write_partial and not last_sums else out
-
-
-def fit_shared(config: RowsConfig, rows: int, x: torch.Tensor, weight: torch.Tensor) -> RowsConfig:
-    """config with stages (two at least), then tiles, cut where the tiles (x at `rows`) pass SHARED_BUDGET."""
-    per_input = rows * x.element_size() + config.block_n * weight.element_size()
-    block_k = config.block_k
-    while block_k > 16 and 3 * per_input * block_k > SHARED_BUDGET:
-        block_k //= 2
-    stages = max(2, min(config.num_stages, SHARED_BUDGET // (per_input * block_k) - 1))  # stages + 1 buffers
-    if (block_k, stages) == (config.block_k, config.num_stages):
-        return config  # the usual case: no copy a launch
-    return dataclasses.replace(config, block_k=block_k, num_stages=stages)
-
-
-def rows_tile(m: int) -> int:
-    """The rows a launch for m rows pads x to: the dot's operand width, a power of two from ROWS."""
-    return max(ROWS, triton.next_power_of_2(m))
-
-
-def rows_config(n: int, k: int, prologue: tl.constexpr = PLAIN) -> RowsConfig:
-    """Launch settings from shapes alone: a column block of 64 weight rows at 4 warps (16 a warp, the dot's
-    whole layout) where that still gives MIN_COLUMN_BLOCKS programs, else 16 rows at 2 warps; split-K for a
-    plain launch narrower than SPLIT_BELOW_N over more than SPLIT_ABOVE_TILES tiles."""
-    block_n, num_warps = (64, 4) if triton.cdiv(n, 64) >= MIN_COLUMN_BLOCKS else (16, 2)
-    block_k = max(16, min(256, triton.next_power_of_2(k)))
-    split = prologue == PLAIN and n < SPLIT_BELOW_N and triton.cdiv(k, block_k) > SPLIT_ABOVE_TILES
-    split_k = SPLIT_K if split else 1
-    num_stages = 5 if block_n == 16 else 4
-    # Two preloaded 64-row tiles are 128 registers a thread held across the norm's prologue.
-    preload = 0 if prologue in (RMS_NORM, ADD_RMS_NORM) else 2
-    return RowsConfig(block_n, block_k, split_k, num_warps, num_stages, preload)
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

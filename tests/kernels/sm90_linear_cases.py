@@ -173,4 +173,7 @@ def linear_cases() -> dict:
     # 17-64 rows (fp8_methods.W8A8_ROWS_MAX): the split launch above, x padded to 64 rows (wgmma m64n64k32).
     kernel, constexprs, *types = cases["skinny-rows-fp8-e4m3-split-last"]
     cases["skinny-rows-fp8-e4m3-64-rows"] = (kernel, dict(constexprs, ROWS_=64), *types)
+    # skinny_rows.FAST_ACCUM at the kernel's widest x: the dots chained over the whole K.
+    cases["skinny-rows-fp8-e4m3-128-rows-fast-accum"] = (kernel, dict(constexprs, ROWS_=128, FAST_ACCUM=True),
+                                                          *types)
     return cases

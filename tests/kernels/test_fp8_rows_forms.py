@@ -139,6 +139,17 @@ def test_e4m3_rows_give_the_w8a8_reference(n, k, rows, with_bias):
     assert ((out.float() - expected).abs() / rows_max).max() < 2**-8
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [3, 64])
+def test_e4m3_rows_chained_over_k_give_the_w8a8_reference(monkeypatch, n, k, rows):
+    """skinny_rows.FAST_ACCUM: the fp8 dots chained in the accumulator over the whole K (on sm_90, its ~14
+    bits while it sums, as torch._scaled_mm's fast accumulation) stay within the W8A8 reference's bound."""
+    from nanovllm.kernels import skinny_rows
+
+    monkeypatch.setattr(skinny_rows, "FAST_ACCUM", True)
+    test_e4m3_rows_give_the_w8a8_reference(n, k, rows, with_bias=True)
+
+
 def test_e4m3_rows_need_their_scales_and_an_output_dtype():
     x, weight, scale, _ = make(96, 256, 3)
     q, row_scale = quantize_groups(x.float(), 256)

@@ -13,9 +13,9 @@ from conftest import triton_test_device
 pytest.importorskip("triton")
 
 from nanovllm.attention.layer import rms_norm  # noqa: E402
-from nanovllm.kernels import skinny_rows  # noqa: E402
+from nanovllm.kernels import rows_settings, skinny_rows  # noqa: E402
+from nanovllm.kernels.rows_settings import RowsConfig  # noqa: E402
 from nanovllm.kernels.skinny_rows import (  # noqa: E402
-    RowsConfig,
     launch_rows,
     rows_linear,
     rows_norm_linear,
@@ -156,16 +156,16 @@ def test_bad_arguments_raise_value_errors():
 
 
 def test_launch_settings_follow_the_measured_shapes():
-    """Qwen3-0.6B's and 8B's linears get the settings that measured fastest (skinny_rows.MIN_COLUMN_BLOCKS,
+    """Qwen3-0.6B's and 8B's linears get the settings that measured fastest (rows_settings.MIN_COLUMN_BLOCKS,
     SPLIT_BELOW_N)."""
-    config = skinny_rows.rows_config
+    config = rows_settings.rows_config
     assert config(4096, 1024, skinny_rows.ADD_RMS_NORM) == RowsConfig(64, 256, 1, 4, 4, preload=0)  # q/k/v
     assert config(6144, 1024, skinny_rows.ADD_RMS_NORM) == RowsConfig(64, 256, 1, 4, 4, preload=0)  # gate/up
     assert config(1024, 2048) == RowsConfig(16, 256, 1, 2, 5)  # o_proj: 8 tiles, unsplit
     assert config(1024, 3072) == RowsConfig(16, 256, 4, 2, 5)  # down_proj: 12 tiles, split in four
     assert config(1024, 3072, skinny_rows.RMS_NORM).split_k == 1  # a norm is never split
     assert config(151936, 1024).block_n == 64  # the LM head
-    # Qwen3-8B's o_proj and down_proj: outputs of 4096 run unsplit (skinny_rows.SPLIT_BELOW_N)
+    # Qwen3-8B's o_proj and down_proj: outputs of 4096 run unsplit (rows_settings.SPLIT_BELOW_N)
     assert config(4096, 4096) == RowsConfig(64, 256, 1, 4, 4)
     assert config(4096, 12288) == RowsConfig(64, 256, 1, 4, 4)
     assert config(64, 40) == RowsConfig(16, 64, 1, 2, 5)  # K tiles no wider than K
@@ -182,19 +182,19 @@ def test_launch_settings_past_16_rows_fit_the_shared_memory():
               (24576, 4096), (4096, 12288)]
     for n, k in shapes:
         for prologue in (skinny_rows.PLAIN, skinny_rows.ADD_RMS_NORM):
-            config = skinny_rows.rows_config(n, k, prologue)
-            assert skinny_rows.fit_shared(config, 16, bf16, bf16) == config
+            config = rows_settings.rows_config(n, k, prologue)
+            assert rows_settings.fit_shared(config, 16, bf16, bf16) == config
         config = fp8_rows_config(n, k)
         for x in (bf16, e4m3):
             for rows in (16, 128 if x is e4m3 else 16):
-                assert skinny_rows.fit_shared(config, rows, x, e4m3) == config
-    qkv = skinny_rows.rows_config(6144, 4096)
-    assert skinny_rows.fit_shared(qkv, 32, bf16, bf16) == RowsConfig(64, 256, 1, 4, 3)
-    assert skinny_rows.fit_shared(qkv, 128, bf16, bf16) == RowsConfig(64, 128, 1, 4, 3)
+                assert rows_settings.fit_shared(config, rows, x, e4m3) == config
+    qkv = rows_settings.rows_config(6144, 4096)
+    assert rows_settings.fit_shared(qkv, 32, bf16, bf16) == RowsConfig(64, 256, 1, 4, 3)
+    assert rows_settings.fit_shared(qkv, 128, bf16, bf16) == RowsConfig(64, 128, 1, 4, 3)
     for rows in (16, 32, 64, 128):
-        fitted = skinny_rows.fit_shared(qkv, rows, bf16, bf16)
+        fitted = rows_settings.fit_shared(qkv, rows, bf16, bf16)
         stage = (rows + fitted.block_n) * 2 * fitted.block_k
-        assert (fitted.num_stages + 1) * stage <= skinny_rows.SHARED_BUDGET
+        assert (fitted.num_stages + 1) * stage <= rows_settings.SHARED_BUDGET
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="full-size tiles: too slow for the interpreter")

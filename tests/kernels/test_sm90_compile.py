@@ -78,7 +78,7 @@ CASE_NAMES = ("prefill", "prefill-fp8", "decode", "decode-fp8", "decode-fp8-word
               "skinny-rows-add-rms-norm-pdl", "skinny-rows-split", "skinny-rows-fp8-pdl",
               "skinny-rows-fp8-split", "skinny-rows-fp8-f16", "skinny-rows-fp8-e4m3",
               "skinny-rows-fp8-e4m3-split-last", "skinny-rows-fp8-e4m3-64-rows",
-              "skinny-rows-fp8-rows-kernel-tiles",
+              "skinny-rows-fp8-e4m3-128-rows-fast-accum", "skinny-rows-fp8-rows-kernel-tiles",
               "skinny-rows-fp8-blocks-f16",
               "add-rms-norm-float16", "silu-mul-float16",
               "skinny-rows-fp8-blocks-split",
@@ -135,7 +135,7 @@ def test_every_kernel_has_a_case(compiled):
 # Dots whose 64-row side is a weight tile (or a prefill's queries): sm_90's wgmma. A dot of 16-32 rows
 # on that side falls back to mma.sync, which on e4m3 operands widens both to float16 first.
 WGMMA_CASES = ("prefill", "skinny-rows-fp8-pdl", "skinny-rows-fp8-e4m3", "skinny-rows-fp8-e4m3-split-last",
-               "skinny-rows-fp8-e4m3-64-rows", "fp8-gemv-channel",
+               "skinny-rows-fp8-e4m3-64-rows", "skinny-rows-fp8-e4m3-128-rows-fast-accum", "fp8-gemv-channel",
                "fp8-w8a8-gemm-block", "fp8-w8a8-gemm-split", "moe-down",
                "moe-gate-up-fp8-channel-swap-ab", "moe-gate-up-w8a8-block", "moe-down-w8a8-channel",
                "moe-gate-up-fp8-f16-channel", "moe-gate-up-fp8-f16-block", "moe-down-fp8-f16-channel",
