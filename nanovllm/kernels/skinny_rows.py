@@ -39,9 +39,9 @@ from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, RMS_NORM, check_ro
 from nanovllm.kernels.split_k import last_split_sums, plan_split_k, reduce_split_k, split_k_workspace
 
 # Whether e4m3 rows chain their dots over the whole K, as torch._scaled_mm does past the rows bucket
-# (fp8_scaled_mm.FAST_ACCUM). sm_90 SASS (`sm90_build.py skinny-rows-fp8-e4m3 ROWS_=R`): the K loop 87 / 121 /
-# 168 -> 83 / 86 / 100 instructions a warp at 16 / 64 / 128 rows, registers 56 / 104 / 183 -> 40 / 80 / 137.
-# Off until timed.
+# (fp8_scaled_mm.FAST_ACCUM). sm_90 SASS (`sm90_build.py skinny-rows-fp8-e4m3 ROWS_=R FAST_ACCUM=True`): the K
+# loop 87 / 121 / 168 -> 83 / 86 / 100 instructions a warp at 16 / 64 / 128 rows, registers 56 / 104 / 183
+# -> 40 / 80 / 137 (the wgmma left in flight, no float32 add a tile). Off until timed.
 FAST_ACCUM = False
 
 
