@@ -29,17 +29,17 @@ from nanovllm.utils.config_checks import Fp8Scheme
 # to float16: 16 streams of Qwen3-8B with fp8 weights 4.97 / 4.98 ms a step against 5.27 / 5.27 (H200,
 # 2026-12-05, per channel, before W8A8_ROWS).
 FLOAT16_ROWS = True
-# Whether per-channel fp8's 3-16-row bucket quantizes its activations to e4m3 rows instead (W8A8, the
-# rounding of 17 rows and more), so that the rows kernel multiplies in fp8 dots, no tile widened (sm_90
+# Whether per-channel fp8's bucket from 3 rows quantizes its activations to e4m3 rows instead (W8A8, the
+# rounding of the rows past it), so that the rows kernel multiplies in fp8 dots, no tile widened (sm_90
 # SASS: 87 instructions a K tile against 183). Qwen3-8B, fp8 weights, one H100, 2026-12-05, each way in
 # one call: 16 streams 5.269 / 5.280 ms a step against 5.585 / 5.587; 8 streams 4.730 against 5.075; 4
 # streams 4.559 against 5.058. Block-scaled weights keep float16 rows (their activations would need a
 # scale a 128 inputs).
 W8A8_ROWS = True
-# The most rows that bucket takes (up to 128, x padded to a power of two). Qwen3-8B's four projections, one
-# H100, 2026-12-05: 98.0 / 103.7 / 125.0 us a layer at 32 / 64 / 128 rows against torch._scaled_mm's 114.3
-# / 114.1 / 116.4 (quantize included both ways). 16 until bench.py is timed each way.
-W8A8_ROWS_MAX = 16
+# The most rows that bucket takes (to 128, x padded to a power of two). Qwen3-8B, one H100: its projections
+# 98.0 / 103.7 / 125.0 us a layer at 32 / 64 / 128 rows against torch._scaled_mm's 114.3 / 114.1 / 116.4;
+# 32 streams 6.54 ms a step against 6.91 at 16, 64 streams 8.83 against 9.00 (bench.py within 0.1%).
+W8A8_ROWS_MAX = 64
 FP8_GEMV_MAX_ROWS = 16  # kernels/fp8_gemv.MAX_ROWS (no Triton imported here)
 # Whether one-row buckets take the SiLU-mul as gate/up's epilogue (linear_methods.gated_forms): one stream of
 # Qwen3-8B, H100, 2026-12-05: a tie per channel (3.622 / 3.624 ms a token), a loss in blocks (3.923 / 4.173).

@@ -40,11 +40,11 @@ GatedKernel = Kernel
 # token, Qwen3-8B 5.867 -> 5.753. fp8's one-row buckets decide apart (fp8_methods.FP8_GATED_EPILOGUE: off).
 GATED_EPILOGUE = True
 # Whether layers get split-K arrival counters (add_split_counters), so that the few-row kernels' splits sum
-# their partials themselves instead of in a second launch. With the rows kernel's reduce launches skipped
-# (wrong sums, the same bytes) Qwen3-8B with fp8 weights took 3.814 against 4.015 ms a step at 4 streams
-# and 4.114 against 4.386 at 16 (H200, 2026-12-05): the most the counters can save. Their GPU tests pass
-# (an H100, 2026-12-05, CUDA-graph replays at Qwen3-8B's splits); off until those steps are timed each way.
-SPLIT_COUNTERS = False
+# their partials themselves instead of in a second launch. Qwen3-8B with fp8 weights, one H100, 2026-12-06,
+# each way twice in one call (`scripts/stream_latency.py --streams N --output-len 256`): 16 streams 5.404 /
+# 5.400 ms a step against 5.480 / 5.492 (-1.6%), 4 streams 4.648 against 4.690 (-0.9%). Their GPU tests
+# pass (CUDA-graph replays at Qwen3-8B's splits).
+SPLIT_COUNTERS = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,17 +229,14 @@ def test_the_per_channel_method_takes_one_row_then_two_then_the_rows_kernel_to_1
     assert called == ["fp8_skinny_linear", "fp8_gemv_rows_linear", few, few]
 
 
-def test_a_wider_w8a8_rows_bucket_takes_the_rows_kernel_to_its_last_row_then_scaled_mm(monkeypatch):
-    """With fp8_methods.W8A8_ROWS_MAX past 16 (the bucket widened here as that switch widens it), 17 to it
-    rows run the rows kernel over e4m3 rows, x padded to 32 or 64, and give the W8A8 reference's result;
-    one row more goes to torch._scaled_mm, as do float32 rows past 16 in that bucket."""
-    import dataclasses
-
+def test_the_w8a8_rows_bucket_takes_the_rows_kernel_to_its_last_row_then_scaled_mm(monkeypatch):
+    """Past 16 rows, to fp8_methods.W8A8_ROWS_MAX, rows run the rows kernel over e4m3 rows, x padded to 32
+    or 64, and give the W8A8 reference's result; one row more goes to torch._scaled_mm, as do float32 rows
+    past 16 in that bucket."""
     from nanovllm.kernels import fp8_scaled_mm, fp8_skinny
+    from nanovllm.layers.fp8_methods import W8A8_ROWS_MAX
 
-    buckets = Fp8ScaledMmLinearMethod.BUCKETS
-    widened = tuple(dataclasses.replace(b, max_rows=64) if b.max_rows == 16 else b for b in buckets)
-    monkeypatch.setattr(Fp8ScaledMmLinearMethod, "BUCKETS", widened)
+    assert W8A8_ROWS_MAX == 64  # the rows below: widen them with the switch
     method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
     assert [method.bucket(rows).plain.__name__ for rows in (16, 17, 64, 65)] == ["fp8_rows_e4m3"] * 3 + [
         "fp8_scaled_mm"]

@@ -224,13 +224,14 @@ def test_a_scale_of_the_wrong_block_count_is_refused(tiny, tmp_path):
 
 def test_each_fp8_layer_holds_its_own_split_counters_and_its_rows_launches_pass_them(monkeypatch):
     """The few-row kernels' split-K arrival counters (kernels/split_k.py; linear_methods.SPLIT_COUNTERS):
-    int32 zeros, one an output, made after loading for each layer (never shared), and what the 2-16-row
-    launches sum their splits with; none while the switch is off."""
+    int32 zeros, one an output, made after loading for each layer (never shared), and what the few-row
+    launches sum their splits with; none with the switch off."""
     from nanovllm.layers import linear_methods
     method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, False))
+    monkeypatch.setattr(linear_methods, "SPLIT_COUNTERS", False)
     off = ReplicatedLinear(32, 48, quant_method=method)
     method.process_weights_after_loading(off)
-    assert linear_methods.SPLIT_COUNTERS or not hasattr(off.weight, "split_counters")
+    assert not hasattr(off.weight, "split_counters")
     monkeypatch.setattr(linear_methods, "SPLIT_COUNTERS", True)
     layers = [ReplicatedLinear(32, 48, quant_method=method) for _ in range(2)]
     for layer in layers:
