@@ -41,7 +41,9 @@ from nanovllm.kernels.split_k import last_split_sums, plan_split_k, reduce_split
 # Whether e4m3 rows chain their dots over the whole K, as torch._scaled_mm does past the rows bucket
 # (fp8_scaled_mm.FAST_ACCUM). sm_90 SASS (`sm90_build.py skinny-rows-fp8-e4m3 ROWS_=R FAST_ACCUM=True`): the K
 # loop 87 / 121 / 168 -> 83 / 86 / 100 instructions a warp at 16 / 64 / 128 rows, registers 56 / 104 / 183
-# -> 40 / 80 / 137 (the wgmma left in flight, no float32 add a tile). Off until timed.
+# -> 40 / 80 / 137 (the wgmma left in flight, no float32 add a tile). Off: on an H100 (2026-12-06) a layer's
+# four projections took 90.2 / 89.0 / 101.2 / 136.2 us at 16 / 32 / 64 / 128 rows against 90.9 / 93.3 / 95.8
+# / 120.4 with the float32 adds (the buffer more it holds leaves fewer stages), bench.py a tie.
 FAST_ACCUM = False
 
 
