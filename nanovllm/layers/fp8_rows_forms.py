@@ -6,7 +6,7 @@ fits float16's; kernels/float16_rows.py), so that the rows kernel widens its e4m
 (one conversion a pair, where widening to bf16 takes three instructions) and multiplies each row's sums by
 its scale at the end: the bf16 form's products and sums, bit for bit (W8A16).
 
-e4m3 rows: the activations quantized to e4m3, a scale a row (W8A8: the rounding of the GEMMs from 17 rows
+e4m3 rows: the activations quantized to e4m3, a scale a row (W8A8: the rounding of the GEMMs past the bucket
 and of the CPU's reference), which the rows kernel multiplies by the e4m3 tiles in fp8 dots, nothing
 widened.
 

@@ -71,7 +71,7 @@ def _fused_variants(module: LinearBase, dtype: torch.dtype) -> None:
             module.gated(first[:, :k].contiguous())
         if isinstance(module, RowParallelLinear) and bucket.silu is not None:
             method.apply_silu(module, first, None)  # no all-reduce: this rank's kernel alone
-        if bucket.max_rows is None:  # the last bucket (per-channel fp8's folds quantize from 17 rows)
+        if bucket.max_rows is None:  # the last bucket (per-channel fp8's folds quantize past its rows bucket)
             return
         rows = bucket.max_rows + 1
 

@@ -1,8 +1,8 @@
 """The RMSNorm and SiLU-mul kernels that write e4m3 (kernels/norm_quant.py) against the two kernels they
 replace, norm_act's then fp8_gemm.quantize_rows, bit for bit (a scale a row, and a scale a row and 128
 inputs with the block-scaled GEMM's padding and layout), on CPU tensors through the Triton interpreter
-(or on CUDA with TRITON_INTERPRET=0); and both sm_90 fp8 methods taking them from 17 rows, with the
-layer's result unchanged."""
+(or on CUDA with TRITON_INTERPRET=0); and both sm_90 fp8 methods taking them past their few-row buckets, with
+the layer's result unchanged."""
 
 import pytest
 import torch
@@ -119,19 +119,22 @@ def assert_folds_equal_the_unfused_calls(method, layer, m: int, monkeypatch) -> 
     assert called == []  # the norm and the SiLU-mul quantized their own outputs
 
 
-def test_the_per_channel_method_folds_the_quantize_into_the_norm_and_the_silu_from_17_rows(monkeypatch):
-    """From 17 rows Fp8ScaledMmLinearMethod hands q/k/v and gate/up their RMSNorm, and down_proj its
-    SiLU-mul, writing e4m3 (one kernel each, not the norm's or the SiLU-mul's own then quantize_rows):
-    the layer's outputs equal those of the unfused calls exactly."""
+def test_the_per_channel_method_folds_the_quantize_into_the_norm_and_the_silu_past_its_rows_bucket(
+        monkeypatch):
+    """Past its rows bucket (fp8_methods.W8A8_ROWS_MAX) Fp8ScaledMmLinearMethod hands q/k/v and gate/up
+    their RMSNorm, and down_proj its SiLU-mul, writing e4m3 (one kernel each, not the norm's or the
+    SiLU-mul's own then quantize_rows): the layer's outputs equal those of the unfused calls exactly."""
+    from nanovllm.layers.fp8_methods import W8A8_ROWS_MAX
+
     method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
-    assert method.bucket(17).normed.__name__ == "fp8_scaled_mm_norm"
-    assert method.bucket(17).silu.__name__ == "fp8_scaled_mm_silu"
+    assert method.bucket(W8A8_ROWS_MAX + 1).normed.__name__ == "fp8_scaled_mm_norm"
+    assert method.bucket(W8A8_ROWS_MAX + 1).silu.__name__ == "fp8_scaled_mm_silu"
     layer = ReplicatedLinear(256, 96, bias=True, quant_method=method)
     weight, scale = quantize_groups(torch.randn(96, 256, generator=torch.Generator().manual_seed(4)), 256)
     layer.weight = torch.nn.Parameter(weight, requires_grad=False)
     layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
     layer.bias = torch.nn.Parameter(torch.randn(96), requires_grad=False)
-    assert_folds_equal_the_unfused_calls(method, layer, 20, monkeypatch)
+    assert_folds_equal_the_unfused_calls(method, layer, W8A8_ROWS_MAX + 4, monkeypatch)
 
 
 def fake_block_scaled_mm(a, b, scale_a, kind_a, scale_b, kind_b, output_dtype):

@@ -121,7 +121,7 @@ def test_the_sm90_fp8_plan_runs_the_fp8_kernels():
     config.num_hidden_layers = 1
     plan = KernelPlan.for_device(torch.device("cuda"), torch.bfloat16, True, capability=(9, 0),
                                  quantization="fp8", hf_config=config)
-    # quantization="fp8": per-channel scales, so from 17 rows torch._scaled_mm's row-wise fp8 GEMM.
+    # quantization="fp8": per-channel scales, so past the rows bucket torch._scaled_mm's row-wise fp8 GEMM.
     assert type(plan.linear) is Fp8ScaledMmLinearMethod and type(plan.lm_head) is SkinnyLMHeadMethod
     ampere = KernelPlan.for_device(torch.device("cuda"), torch.bfloat16, True, capability=(8, 0),
                                    quantization="fp8", hf_config=config)
@@ -132,9 +132,9 @@ def test_the_sm90_fp8_plan_runs_the_fp8_kernels():
     rows = {line.split(" (")[0]: [cell.strip() for cell in line.split("  ") if cell.strip()][1:]
             for line in table.splitlines()}
     # One row the fp8 GEMV, the norm or SiLU-mul before it in its own kernel, chained as dependents; two
-    # the few-row GEMV, the norm or SiLU-mul before it in its own kernel; 3-16 the rows kernel over e4m3
-    # rows, which the norm or SiLU-mul write; all over the e4m3 weight; from 17 rows torch._scaled_mm, the
-    # norm or SiLU-mul quantizing their own output.
+    # the few-row GEMV, the norm or SiLU-mul before it in its own kernel; 3 to W8A8_ROWS_MAX the rows kernel
+    # over e4m3 rows, which the norm or SiLU-mul write; all over the e4m3 weight; past it torch._scaled_mm,
+    # the norm or SiLU-mul quantizing their own output.
     plain = ["fp8_skinny", "fp8_gemv_rows", "fp8_rows_e4m3", "fp8_scaled_mm"]
     for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
         assert rows[name] == ["fp8_skinny_norm", "rms_norm, fp8_gemv_rows", "fp8_rows_e4m3_norm",
