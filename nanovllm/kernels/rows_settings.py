@@ -15,7 +15,8 @@ from nanovllm.kernels.skinny_gemm import ADD_RMS_NORM, PLAIN, RMS_NORM
 ROWS = 16
 MAX_ROWS = 128
 # Shared memory the pipelined tiles may take of sm_90's 227 KB a block, Triton keeping a buffer more than its
-# stages (32 rows of bf16 in four stages of 256-input tiles asked 256 KB on an H100: fit_shared).
+# stages where the dot chains into its accumulator (32 rows of bf16 in four stages of 256-input tiles asked
+# 256 KB on an H100: fit_shared).
 SHARED_BUDGET = 208 * 1024
 # rows_config's choices, measured on an H200 (132 SMs; commit adbf98d, docs/performance-notes.md, section
 # "Decode GEMMs and GEMVs": 28 calls of each Qwen3-0.6B linear at 2, 8 and 16 rows, the best of ~20
@@ -31,6 +32,7 @@ MIN_COLUMN_BLOCKS = 64
 SPLIT_ABOVE_TILES = 8
 SPLIT_BELOW_N = 2048
 SPLIT_K = 4
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RowsConfig:
