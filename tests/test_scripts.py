@@ -103,14 +103,15 @@ def test_stream_latency_repeating_weights_accept_every_ngram_draft(tmp_path):
                 ).save_pretrained(tmp_path)
     done = subprocess.run([sys.executable, "scripts/stream_latency.py", "--model", str(tmp_path),
                            "--load-format", "dummy", "--repeating", "--workload", "copy", "--prompt-len",
-                           "32", "--output-len", "24", "--speculative-config",
+                           "32", "--output-len", "24", "--no-async-scheduling", "--speculative-config",
                            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'],
                           cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     accepted, drafted = re.search(r"drafts accepted (\d+) / (\d+)", done.stdout).groups()
     assert int(drafted) > 0 and accepted == drafted
-    overlapped = subprocess.run(done.args + ["--async-scheduling"], cwd=SCRIPTS.parent, capture_output=True,
-                                text=True, timeout=300)  # verification in the overlap loop
+    # The synchronous loop above (the default on a CPU only); now the overlap loop, CUDA's default.
+    overlap_args = [("--async-scheduling" if arg == "--no-async-scheduling" else arg) for arg in done.args]
+    overlapped = subprocess.run(overlap_args, cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert overlapped.returncode == 0, overlapped.stderr[-2000:]
     # Proposed past a pending token (a guess at the prompt's end), its drafts differ; most are kept.
     accepted, drafted = map(int, re.search(r"drafts accepted (\d+) / (\d+)", overlapped.stdout).groups())
