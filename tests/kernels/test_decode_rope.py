@@ -1,7 +1,8 @@
 """The fused decode kernel (kernels/decode_rope.py) against the two kernels it replaces, norm_rope_store
 then paged_decode_attention, on CPU tensors through the Triton interpreter (or on CUDA with
 TRITON_INTERPRET=0): the same attention output and the same cache contents, for float32, bf16 and fp8
-caches, with and without q/k norm, with the new key in a later chunk than the first and a padding row."""
+caches, with and without q/k norm, at GQA groups of 2 and 5, with the new key in a later chunk than the first
+and a padding row."""
 
 import pytest
 import torch
@@ -20,13 +21,13 @@ SEQLENS = [5, 300, 0]  # the last row is batch padding
 PER_ROW = ("q", "k", "v", "positions", "slot_mapping", "seqlens_k", "block_tables")
 
 
-def case(dtype, cache_dtype, seed=0):
+def case(dtype, cache_dtype, seed=0, num_heads=NUM_HEADS):
     gen = torch.Generator().manual_seed(seed)
-    rows, width = len(SEQLENS), (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    rows, width = len(SEQLENS), (num_heads + 2 * NUM_KV_HEADS) * HEAD_DIM
     qkv = torch.randn(rows, width, generator=gen).to(dtype)  # q, k and v are strided slices of it
-    q = qkv[:, :NUM_HEADS * HEAD_DIM].view(rows, NUM_HEADS, HEAD_DIM)
-    k = qkv[:, NUM_HEADS * HEAD_DIM:(NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(rows, NUM_KV_HEADS, HEAD_DIM)
-    v = qkv[:, (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM:].view(rows, NUM_KV_HEADS, HEAD_DIM)
+    q = qkv[:, :num_heads * HEAD_DIM].view(rows, num_heads, HEAD_DIM)
+    k = qkv[:, num_heads * HEAD_DIM:(num_heads + NUM_KV_HEADS) * HEAD_DIM].view(rows, NUM_KV_HEADS, HEAD_DIM)
+    v = qkv[:, (num_heads + NUM_KV_HEADS) * HEAD_DIM:].view(rows, NUM_KV_HEADS, HEAD_DIM)
     blocks_per_row = -(-max(SEQLENS) // BLOCK_SIZE)
     num_blocks = rows * blocks_per_row
     tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(rows, blocks_per_row)
@@ -62,8 +63,9 @@ def fused(t, k_cache, v_cache, q_norm, k_norm, scales):
                                                (torch.bfloat16, torch.bfloat16),
                                                (torch.bfloat16, torch.float8_e4m3fn)])  # fp8: "words" tiles
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_fused_equals_rope_store_then_decode(dtype, cache_dtype, with_norm):
-    t, caches, norms = case(dtype, cache_dtype)
+@pytest.mark.parametrize("num_heads", [NUM_HEADS, 10])  # GQA groups of 2 and 5 (Qwen3-14B's, padded to 8)
+def test_fused_equals_rope_store_then_decode(dtype, cache_dtype, with_norm, num_heads):
+    t, caches, norms = case(dtype, cache_dtype, num_heads=num_heads)
     q_norm, k_norm = norms if with_norm else (None, None)
     scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
     results = []
