@@ -63,7 +63,7 @@ def fused(t, k_cache, v_cache, q_norm, k_norm, scales):
                                                (torch.bfloat16, torch.bfloat16),
                                                (torch.bfloat16, torch.float8_e4m3fn)])  # fp8: "words" tiles
 @pytest.mark.parametrize("with_norm", [True, False])
-@pytest.mark.parametrize("num_heads", [NUM_HEADS, 10])  # GQA groups of 2 and 5 (Qwen3-14B's, padded to 8)
+@pytest.mark.parametrize("num_heads", [NUM_HEADS, 10])  # GQA groups of 2 and 5 (Qwen3-14B's: not a power of two)
 def test_fused_equals_rope_store_then_decode(dtype, cache_dtype, with_norm, num_heads):
     t, caches, norms = case(dtype, cache_dtype, num_heads=num_heads)
     q_norm, k_norm = norms if with_norm else (None, None)

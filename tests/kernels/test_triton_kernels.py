@@ -26,7 +26,7 @@ HEAD_DIM = 32
 # 256 is a multiple of the key tile, so it takes the one-lookup-per-tile path.
 BLOCK_SIZES = [1, 12, 16, 256]
 # (num_heads, num_kv_heads): GQA, plain multi-head, and a group of 5 (Qwen3-14B: 40 query heads, 8 KV),
-# which the kernels pad to the next power of two.
+# which the kernels pad to a power of two.
 HEAD_LAYOUTS = [(4, 2), (2, 2), (10, 2)]
 
 
