@@ -230,16 +230,17 @@ def test_the_per_channel_method_takes_one_row_then_two_then_the_rows_kernel_to_1
 
 
 def test_the_w8a8_rows_bucket_takes_the_rows_kernel_to_its_last_row_then_scaled_mm(monkeypatch):
-    """Past 16 rows, to fp8_methods.W8A8_ROWS_MAX, rows run the rows kernel over e4m3 rows, x padded to 32
-    or 64, and give the W8A8 reference's result; one row more goes to torch._scaled_mm, as do float32 rows
-    past 16 in that bucket."""
+    """Past 16 rows, to fp8_methods.W8A8_ROWS_MAX, rows run the rows kernel over e4m3 rows, x padded to a
+    power of two, and give the W8A8 reference's result; one row more goes to torch._scaled_mm, as do float32
+    rows past 16 in that bucket."""
     from nanovllm.kernels import fp8_scaled_mm, fp8_skinny
     from nanovllm.layers.fp8_methods import W8A8_ROWS_MAX
 
-    assert W8A8_ROWS_MAX == 64  # the rows below: widen them with the switch
+    assert W8A8_ROWS_MAX > 16  # the bucket reaches past the float16 rows' 16
+    last = W8A8_ROWS_MAX
     method = Fp8ScaledMmLinearMethod(Fp8Scheme(None, True))
-    assert [method.bucket(rows).plain.__name__ for rows in (16, 17, 64, 65)] == ["fp8_rows_e4m3"] * 3 + [
-        "fp8_scaled_mm"]
+    kernels = [method.bucket(rows).plain.__name__ for rows in (16, 17, last, last + 1)]
+    assert kernels == ["fp8_rows_e4m3"] * 3 + ["fp8_scaled_mm"]
     layer = ReplicatedLinear(256, 96, bias=True, quant_method=method)
     _, weight, scale, bias = make(1, 96, 256, 256, torch.float32)
     for name, value in (("weight", weight), ("weight_scale", scale), ("bias", bias.to(torch.float16))):
@@ -249,7 +250,7 @@ def test_the_w8a8_rows_bucket_takes_the_rows_kernel_to_its_last_row_then_scaled_
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **kw:
                             called.append(name) or kernel(*a, **kw))
-    for rows in (17, 64, 65):
+    for rows in (17, last, last + 1):
         x = make(rows, 96, 256, 256, torch.float32, seed=rows)[0].to(torch.float16) * 4
         expected = fp8_dequant_linear(x.float(), weight, scale, 256, layer.bias.float())
         tol = 2e-3 if DEVICE == "cpu" else GEMM_TOLERANCE  # the GPU's fp8 dots sum with fewer bits
